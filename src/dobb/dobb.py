@@ -1,0 +1,298 @@
+"""The Dobb optimizer: orchestration of state, capture hooks and the refresh schedule.
+
+The math lives in ``functional`` (pure functions), placement in ``distributed``/``sharding``,
+capture in ``capture``. Per matrix ``W`` (``m x n``) with gradient ``G`` the step is
+
+1. ``M <- mu M + G``; ``U = G + mu M`` (Nesterov) or ``U = M``;
+2. on refresh steps: block statistics ``A_b`` (EMA over captures) and bases
+   ``Q_b <- qr(A_b Q_b)`` (``ortho_steps`` times) or ``eigh(A_b)``;
+3. ``O[:, b] = normalize(U[:, b] Q_b) Q_b^T`` (sign: ``sign(.)/sqrt(m)``, or unit ell2 columns);
+4. ``W <- (1 - lr*wd) W - lr * tau*sqrt(max(m, n)) * O``.
+
+All equal-size blocks of all matrices of a param group go through one batched ``bmm``/QR call.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import functional as F
+from ._base import MatrixOptimizer, _name_of
+from .capture import CaptureHooks, gram_statistic
+from .distributed import MatrixLayout, all_reduce_sum_, layout_for
+
+_CHOICES = {
+    "basis": ("orthogonal_iteration", "eigh"),
+    "qr": ("householder", "cholesky"),
+    "norm": ("sign", "l2"),
+    "side": ("input", "output"),
+    "source": ("activation", "output_grad", "grad_gram"),
+    "capture": ("first", "all"),
+    "init_basis": ("eigh", "identity"),
+}
+_HOOK_SOURCES = ("activation", "output_grad")
+
+
+class Dobb(MatrixOptimizer):
+    """Distributed Optimizer with Block-diagonal Eigenbases (see README and SPEC for every option).
+
+    Args (beyond ``torch.optim`` conventions; every one may be overridden per param group):
+        model: the module whose layers own the matrices; needed for ``source="activation"`` and
+            ``"output_grad"`` (capture hooks are registered on it).
+        blocks: number of diagonal blocks ``B`` of the blocked axis (contiguous, nearly equal,
+            first ``size % B`` blocks one longer; under sharding, cut at shard boundaries first).
+        refresh_every: refresh period ``T`` (the first step always refreshes).
+        basis: ``"orthogonal_iteration"`` (``ortho_steps`` rounds of ``Q <- qr(A Q)``, warm-started)
+            or ``"eigh"`` (exact eigendecomposition at every refresh).
+        qr: ``"householder"`` or ``"cholesky"`` (Cholesky QR; failed blocks redone by Householder).
+        norm: ``"sign"`` (Dobb) or ``"l2"`` (Dobb-ell2: unit-norm coefficient columns).
+        side: ``"input"`` (column blocks, basis over ``n``) or ``"output"`` (row blocks, Dobb-G).
+        source: ``"activation"`` (input side), ``"output_grad"`` (output side) or ``"grad_gram"``
+            (``G^T G`` / ``G G^T`` blocks; no hooks).
+        capture: ``"first"`` micro-batch after the previous step, or ``"all"`` micro-batches.
+        stat_decay: EMA decay of the statistic across captures, ``A <- d A + (1-d) A_new``; the
+            first capture initialises ``A`` (our choice; the paper does not pin it down).
+        init_basis: first basis from exact ``"eigh"`` of the first capture (default) or the
+            ``"identity"`` followed by orthogonal iteration.
+        stagger: spread refreshes over the cycle (each step refreshes about ``1/T`` of the
+            matrices' work, same per-matrix period) to flatten the refresh-step spike.
+        check_finite: raise ``ValueError`` naming the parameter when a gradient holds NaN/Inf,
+            before any state changes (costs one host synchronisation per step; set False to skip).
+        stat_group: process group over which statistics are averaged; ``"default"`` picks the
+            data-parallel ranks from the parameter's layout.
+    """
+
+    algorithm = "dobb"
+    matrix_defaults: dict[str, Any] = dict(
+        blocks=1, refresh_every=9, basis="orthogonal_iteration", ortho_steps=1, qr="householder",
+        norm="sign", side="input", source="activation", capture="first", stat_decay=0.9,
+        momentum=0.95, nesterov=False, basis_dtype=torch.bfloat16, stat_dtype=torch.float32,
+        init_basis="eigh", stagger=False,
+    )
+
+    def __init__(self, params, model: nn.Module | None = None, *, lr: float, weight_decay: float = 0.0,
+                 check_finite: bool = True, stat_group="default", **kwargs):
+        self.model = model
+        self.check_finite = check_finite
+        self._stat_group = stat_group
+        self._layouts: dict[torch.Tensor, MatrixLayout] = {}
+        self._offsets: dict[torch.Tensor, int] = {}
+        self._hooks: CaptureHooks | None = None
+        self._constructed = False
+        super().__init__(params, lr=lr, weight_decay=weight_decay, **kwargs)
+        self._constructed = True
+        self._install_hooks()
+
+    # ------------------------------------------------------------------ set-up
+    def _validate_matrix_group(self, group: dict[str, Any]) -> None:
+        for key, options in _CHOICES.items():
+            if group[key] not in options:
+                raise ValueError(f"{key} must be one of {options}, got {group[key]!r}")
+        for key in ("blocks", "refresh_every", "ortho_steps"):
+            value = group[key]
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{key} must be an integer >= 1, got {value!r}")
+        for key in ("stat_decay", "momentum"):
+            if not 0.0 <= group[key] < 1.0:
+                raise ValueError(f"{key} must lie in [0, 1), got {group[key]}")
+        if group["source"] == "activation" and group["side"] != "input":
+            raise ValueError("source='activation' gives an n x n statistic: it needs side='input'")
+        if group["source"] == "output_grad" and group["side"] != "output":
+            raise ValueError("source='output_grad' gives an m x m statistic: it needs side='output' (Dobb-G)")
+        for key in ("basis_dtype", "stat_dtype"):
+            if not (isinstance(group[key], torch.dtype) and group[key].is_floating_point):
+                raise ValueError(f"{key} must be a floating torch.dtype, got {group[key]!r}")
+        if group["source"] in _HOOK_SOURCES and self.model is None:
+            raise ValueError(
+                f"source={group['source']!r} captures statistics with hooks: pass model=<the nn.Module> "
+                f"to Dobb(...), or use source='grad_gram'"
+            )
+        cost = defaultdict(int)  # stagger: greedy balance of refresh work over the T offsets
+        for i, p in enumerate(group["params"]):
+            try:
+                layout = layout_for(p, group["side"], group["blocks"], self._stat_group)
+            except ValueError as exc:
+                raise ValueError(f"{_name_of(p, self._param_names, i)}: {exc}") from None
+            self._layouts[p] = layout
+            self.state[p] = self._new_state(p, group, layout)
+        if group["stagger"]:
+            T = group["refresh_every"]
+            order = sorted(group["params"], key=lambda q: -sum(s**3 for s in self._layouts[q].local_sizes))
+            for p in order:
+                off = min(range(T), key=lambda o: cost[o])
+                cost[off] += sum(s**3 for s in self._layouts[p].local_sizes)
+                self._offsets[p] = off
+
+    def _new_state(self, p: torch.Tensor, group: dict, layout: MatrixLayout) -> dict[str, Any]:
+        # Created eagerly and identically on every rank, so distributed checkpoints see one key set.
+        return {
+            "step": 0,
+            "captures": 0,
+            "momentum": torch.zeros_like(p, memory_format=torch.preserve_format),
+            "stat": layout.new_block_state(group["stat_dtype"], identity=False, like=p),
+            "basis": layout.new_block_state(group["basis_dtype"], identity=True, like=p),
+        }
+
+    def _install_hooks(self) -> None:
+        hooked = {p: g for g in self._dobb_groups() for p in g["params"] if g["source"] in _HOOK_SOURCES}
+        if self._hooks is not None:
+            self._hooks.remove()
+        self._hooks = CaptureHooks(self.model, hooked, self._layouts) if hooked else None
+        self._rearm()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        if getattr(self, "_constructed", False):  # a group added after construction
+            self._install_hooks()
+
+    def _dobb_groups(self):
+        return [g for g in self.param_groups if g["algorithm"] == self.algorithm]
+
+    def remove_hooks(self) -> None:
+        """Detach the capture hooks from the model (the optimizer then behaves as grad_gram-less)."""
+        if self._hooks is not None:
+            self._hooks.remove()
+
+    # ------------------------------------------------------------------ schedule
+    def _is_refresh(self, p: torch.Tensor, group: dict) -> bool:
+        step = self.state[p]["step"]
+        return step == 0 or (step - self._offsets.get(p, 0)) % group["refresh_every"] == 0
+
+    def _rearm(self) -> None:
+        if self._hooks is None:
+            return
+        self._hooks.pending.clear()
+        self._hooks.armed = {p for p, g in self._hooks.groups.items() if self._is_refresh(p, g)}
+
+    def is_refresh_step(self) -> bool:
+        """Whether the next ``step()`` refreshes any basis (for benchmarks and logging)."""
+        return any(self._is_refresh(p, g) for g in self._dobb_groups() for p in g["params"])
+
+    # ------------------------------------------------------------------ the step
+    def _before_step(self) -> None:
+        if not self.check_finite:
+            return
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if not grads:
+            return
+        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        if bool(torch.isfinite(torch.stack(torch._foreach_norm(local))).all()):
+            return
+        for g in self.param_groups:
+            for i, p in enumerate(g["params"]):
+                if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+                    raise ValueError(
+                        f"non-finite gradient (NaN or Inf) in {_name_of(p, self._param_names, i)}; "
+                        f"no weight or optimizer state was changed (pass check_finite=False to skip this check)"
+                    )
+
+    def _matrix_step_all(self, groups: list[dict[str, Any]]) -> None:
+        for group in groups:
+            self._dobb_step(group)
+        self._rearm()
+
+    def _dobb_step(self, group: dict[str, Any]) -> None:
+        active = [p for p in group["params"] if p.grad is not None]
+        if not active:
+            return
+        layouts = [self._layouts[p] for p in active]
+        states = [self.state[p] for p in active]
+        grads = [lay.local(p.grad) for lay, p in zip(layouts, active)]
+        moms = [lay.local(s["momentum"]) for lay, s in zip(layouts, states)]
+        mu = group["momentum"]
+        torch._foreach_mul_(moms, mu)
+        torch._foreach_add_(moms, grads)
+        u = torch._foreach_add(grads, moms, alpha=mu) if group["nesterov"] else moms
+
+        refresh = [i for i, p in enumerate(active) if self._is_refresh(p, group)]
+        if refresh:
+            self._refresh(group, [active[i] for i in refresh], [grads[i] for i in refresh])
+
+        outs = self._directions(group, active, u)
+        params = [lay.local(p) for lay, p in zip(layouts, active)]
+        scales = [F.update_scale(*lay.shape, group["tau"]) for lay in layouts]
+        self._apply_updates(params, outs, scales, group["lr"], group["weight_decay"])
+        for s in states:
+            s["step"] += 1
+
+    def _refresh(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        decay = group["stat_decay"]
+        batches: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
+        for p, g in zip(params, grads):
+            layout, state = self._layouts[p], self.state[p]
+            if group["source"] == "grad_gram":
+                new = gram_statistic(g, layout)
+            else:
+                pending = self._hooks.pending.pop(p, None) if self._hooks else None
+                if pending is None:
+                    continue  # not captured (layer unused in this step's forward): keep the basis
+                new = pending.finish(layout.stat_group)
+            stat = layout.local(state["stat"])
+            basis = layout.local(state["basis"])
+            new = new.to(stat.dtype)
+            if state["captures"] == 0:
+                stat.copy_(new)
+            else:
+                stat.lerp_(new, 1.0 - decay)
+            exact = group["basis"] == "eigh" or (state["captures"] == 0 and group["init_basis"] == "eigh")
+            state["captures"] += 1
+            for run in F.block_runs(layout.local_sizes):
+                batches[(run.size, exact)].append((F.block_view(stat, run), F.block_view(basis, run)))
+        for (size, exact), items in batches.items():
+            a = torch.cat([a for a, _ in items]).float()
+            if exact:
+                q = F.eigh_basis(a)
+            else:
+                q0 = torch.cat([q for _, q in items])
+                q = F.orthogonal_iteration(a, q0, group["ortho_steps"], group["qr"])
+            for (_, q_view), q_new in zip(items, q.split([a_.shape[0] for a_, _ in items])):
+                q_view.copy_(q_new)
+
+    def _directions(self, group: dict, active: list[torch.Tensor], u: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Batched project -> normalize -> reconstruct over all equal-shape blocks of the group."""
+        norm = group["norm"]
+        outs = [torch.empty_like(t) for t in u]
+        batches: dict[tuple, list] = defaultdict(list)
+        for p, ut, out in zip(active, u, outs):
+            layout = self._layouts[p]
+            basis = layout.local(self.state[p]["basis"])
+            uo, oo = (ut, out) if layout.blocked_axis == 1 else (ut.transpose(0, 1), out.transpose(0, 1))
+            r = uo.shape[0]
+            for run in F.block_runs(layout.local_sizes):
+                ub = uo[:, run.start : run.stop].reshape(r, run.count, run.size).transpose(0, 1)
+                key = (r, run.size, ut.dtype, layout.rows, id(layout.l2_group) if norm == "l2" else None)
+                batches[key].append((ub, F.block_view(basis, run), oo, run, layout))
+        for (r, size, _, rows, _), items in batches.items():
+            ub = torch.cat([it[0] for it in items])
+            q = torch.cat([it[1] for it in items]).to(ub.dtype)
+            c = torch.bmm(ub, q)
+            if norm == "sign":
+                c = F.normalize_sign(c, rows)
+            else:
+                sq = all_reduce_sum_(c.square().sum(dim=-2), items[0][4].l2_group)
+                c = F.normalize_l2(c, sq)
+            o = torch.bmm(c, q.transpose(1, 2))
+            for (_, _, oo, run, _), ob in zip(items, o.split([it[0].shape[0] for it in items])):
+                oo[:, run.start : run.stop] = ob.transpose(0, 1).reshape(r, run.count * run.size)
+        return outs
+
+    # ------------------------------------------------------------------ state dict
+    @staticmethod
+    def _process_value_according_to_param_policy(param, value, param_id, param_groups, key=None):
+        # Statistics (fp32) and bases (bf16) keep their own precision: torch's default would cast
+        # them to the parameter's dtype on load (a silent precision change on resume).
+        if key in ("stat", "basis"):
+            return value.to(device=param.device)
+        return MatrixOptimizer._process_value_according_to_param_policy(param, value, param_id, param_groups, key)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        for group in self._dobb_groups():
+            for p in group["params"]:
+                st = self.state[p]
+                st["step"], st["captures"] = int(st["step"]), int(st["captures"])
+        self._rearm()
+
