@@ -89,7 +89,9 @@ class CaptureHooks:
     def _accumulate(self, p: torch.Tensor, feats: torch.Tensor, group: dict) -> None:
         layout = self.layouts[p]
         feats = layout.local_features(feats)
-        sums, count = F.second_moment_blocks(feats, layout.local_sizes, torch.float32)
+        # Accumulate in fp32 at least (fp64 when the statistic is kept in fp64).
+        dtype = torch.promote_types(group["stat_dtype"], torch.float32)
+        sums, count = F.second_moment_blocks(feats, layout.local_sizes, dtype)
         prev = self.pending.get(p)
         if group["capture"] == "first":
             # Complete after one micro-batch: start the data-parallel mean now, so it overlaps
@@ -103,13 +105,13 @@ class CaptureHooks:
             prev.count += count
 
 
-def gram_statistic(grad_local: torch.Tensor, layout: MatrixLayout) -> torch.Tensor:
+def gram_statistic(grad_local: torch.Tensor, layout: MatrixLayout, dtype=torch.float32) -> torch.Tensor:
     """Gradient-Gram source: diagonal blocks of ``G^T G / m`` (input side) or ``G G^T / n`` (output).
 
     Rows of the Gram sum may be sharded (the other axis split across ranks): partial sums are
     added over ``layout.l2_group`` (the same ranks that share column norms).
     """
     g = grad_local if layout.blocked_axis == 1 else grad_local.transpose(0, 1)
-    sums, _ = F.second_moment_blocks(g, layout.local_sizes, torch.float32)
+    sums, _ = F.second_moment_blocks(g, layout.local_sizes, dtype)
     all_reduce_sum_(sums, layout.l2_group)
     return sums.div_(layout.rows)

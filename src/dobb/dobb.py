@@ -224,7 +224,7 @@ class Dobb(MatrixOptimizer):
         for p, g in zip(params, grads):
             layout, state = self._layouts[p], self.state[p]
             if group["source"] == "grad_gram":
-                new = gram_statistic(g, layout)
+                new = gram_statistic(g, layout, torch.promote_types(group["stat_dtype"], torch.float32))
             else:
                 pending = self._hooks.pending.pop(p, None) if self._hooks else None
                 if pending is None:
@@ -242,7 +242,8 @@ class Dobb(MatrixOptimizer):
             for run in F.block_runs(layout.local_sizes):
                 batches[(run.size, exact)].append((F.block_view(stat, run), F.block_view(basis, run)))
         for (size, exact), items in batches.items():
-            a = torch.cat([a for a, _ in items]).float()
+            a = torch.cat([a for a, _ in items])
+            a = a.to(torch.promote_types(a.dtype, torch.float32))
             if exact:
                 q = F.eigh_basis(a)
             else:
@@ -280,19 +281,20 @@ class Dobb(MatrixOptimizer):
         return outs
 
     # ------------------------------------------------------------------ state dict
-    @staticmethod
-    def _process_value_according_to_param_policy(param, value, param_id, param_groups, key=None):
-        # Statistics (fp32) and bases (bf16) keep their own precision: torch's default would cast
-        # them to the parameter's dtype on load (a silent precision change on resume).
-        if key in ("stat", "basis"):
-            return value.to(device=param.device)
-        return MatrixOptimizer._process_value_according_to_param_policy(param, value, param_id, param_groups, key)
+    _OWN_DTYPE_KEYS = ("stat", "basis")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # torch casts every floating state tensor to its parameter's dtype on load; statistics
+        # (fp32) and bases (bf16) keep their own precision, so they are restored separately.
+        own = {pid: {k: st[k] for k in self._OWN_DTYPE_KEYS if k in st} for pid, st in state_dict["state"].items()}
         super().load_state_dict(state_dict)
+        params = [p for g in self.param_groups for p in g["params"]]
+        for pid, values in own.items():
+            p = params[pid]
+            for key, value in values.items():
+                self.state[p][key] = value.to(device=p.device).clone()
         for group in self._dobb_groups():
             for p in group["params"]:
                 st = self.state[p]
                 st["step"], st["captures"] = int(st["step"]), int(st["captures"])
-        self._rearm()
-
+        self._install_hooks()  # torch replaced the group dicts the hooks read

@@ -1,0 +1,353 @@
+"""dobb.Dobb against a float64 dense reference, plus schedule, capture, state and error handling."""
+import io
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import dobb
+import dobb.capture
+from dobb import functional as F
+
+F64 = dict(basis_dtype=torch.float64, stat_dtype=torch.float64)
+
+
+def _split(k, blocks):
+    q, r = divmod(k, blocks)
+    return [q + 1] * r + [q] * (blocks - r)
+
+
+def _ref_direction(u, stat_source, blocks, norm, side):
+    """Independent dense float64 Dobb direction: eigh bases of each diagonal block of the statistic."""
+    u = u if side == "input" else u.T
+    out = torch.zeros_like(u)
+    start = 0
+    for s in _split(u.shape[1], blocks):
+        a = stat_source[:, start : start + s].T @ stat_source[:, start : start + s] / stat_source.shape[0]
+        q = torch.linalg.eigh(a).eigenvectors
+        c = u[:, start : start + s] @ q
+        c = torch.sign(c) / math.sqrt(u.shape[0]) if norm == "sign" else c / c.norm(dim=0, keepdim=True)
+        out[:, start : start + s] = c @ q.T
+        start += s
+    return out if side == "input" else out.T
+
+
+def _one_layer(m, n, seed=0):
+    torch.manual_seed(seed)
+    return nn.Linear(n, m, bias=False).double()
+
+
+@pytest.mark.parametrize("variant", [("sign", "input", "activation"), ("l2", "input", "activation"),
+                                     ("sign", "output", "output_grad"), ("l2", "output", "output_grad")])
+@pytest.mark.parametrize("blocks", [1, 4, 3])
+def test_first_update_equals_dense_reference(variant, blocks):
+    norm, side, source = variant
+    m, n, lr, wd, tau = 12, 16, 0.1, 0.05, 0.2
+    layer = _one_layer(m, n)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 9, n, generator=g, dtype=torch.float64)
+    t = torch.randn(5, 9, m, generator=g, dtype=torch.float64)
+    opt = dobb.Dobb([layer.weight], layer, lr=lr, weight_decay=wd, blocks=blocks, norm=norm, side=side,
+                    source=source, basis="eigh", **F64)
+    w0 = layer.weight.detach().clone()
+    (layer(x) * t).sum().backward()
+    grad = layer.weight.grad.clone()
+    opt.step()
+    feats = x.reshape(-1, n) if source == "activation" else t.reshape(-1, m)  # dL/dy = t
+    o_ref = _ref_direction(grad, feats, blocks, norm, side)
+    s = tau * math.sqrt(max(m, n))
+    torch.testing.assert_close(layer.weight.detach(), (1 - lr * wd) * w0 - lr * s * o_ref, atol=1e-12, rtol=0)
+    # Table 9: ||O||_F^2 = n (input side) or m (output side); update RMS tau*sqrt(max(m,n)/m) for Dobb.
+    o = ((1 - lr * wd) * w0 - layer.weight.detach()) / (lr * s)
+    assert o.square().sum().item() == pytest.approx(n if side == "input" else m, rel=1e-9)
+    if side == "input":
+        rms = (lr * s * o).square().mean().sqrt().item() / lr
+        assert rms == pytest.approx(tau * math.sqrt(max(m, n) / m), rel=1e-9)
+
+
+def test_refresh_schedule_ema_and_orthogonal_iteration():
+    """Refresh on steps 0, T, 2T; EMA of captures; basis = one QR step of A Q warm-started from eigh."""
+    m, n, T, decay = 6, 8, 3, 0.7
+    layer = _one_layer(m, n)
+    opt = dobb.Dobb([layer.weight], layer, lr=0.01, refresh_every=T, stat_decay=decay, **F64)
+    g = torch.Generator().manual_seed(2)
+    xs = [torch.randn(20, n, generator=g, dtype=torch.float64) for _ in range(7)]
+    stats, expected_stat, expected_q = [], None, None
+    for step, x in enumerate(xs):
+        layer.weight.grad = None
+        layer(x).square().sum().backward()
+        opt.step()
+        a_new = x.T @ x / x.shape[0]
+        if step % T == 0:
+            if expected_stat is None:
+                expected_stat = a_new
+                expected_q = torch.linalg.eigh(a_new).eigenvectors
+            else:
+                expected_stat = decay * expected_stat + (1 - decay) * a_new
+                expected_q = torch.linalg.qr(expected_stat @ expected_q).Q
+        st = opt.state[layer.weight]
+        torch.testing.assert_close(st["stat"], expected_stat, atol=1e-12, rtol=0)
+        torch.testing.assert_close(st["basis"], expected_q, atol=1e-10, rtol=0)
+        stats.append(st["captures"])
+    assert stats == [1, 1, 1, 2, 2, 2, 3]
+
+
+def test_basis_dtype_bf16_stores_6n2_over_B_bytes():
+    n, B = 64, 4
+    layer = nn.Linear(n, 32, bias=False)
+    opt = dobb.Dobb([layer.weight], layer, lr=0.01, blocks=B)
+    st = opt.state[layer.weight]
+    assert st["basis"].dtype == torch.bfloat16 and st["stat"].dtype == torch.float32
+    assert st["stat"].nbytes + st["basis"].nbytes == 6 * n * n // B  # Table 18, principal precision
+
+
+def _count_captures(monkeypatch):
+    calls = []
+    real = dobb.capture.F.second_moment_blocks
+
+    def counting(x, sizes, dtype=torch.float32):
+        calls.append(x.shape[0] if x.dim() == 2 else x.reshape(-1, x.shape[-1]).shape[0])
+        return real(x, sizes, dtype)
+
+    monkeypatch.setattr(dobb.capture.F, "second_moment_blocks", counting)
+    return calls
+
+
+@pytest.mark.parametrize("capture,expected", [("first", 2), ("all", 6)])
+def test_capture_only_on_refresh_steps(monkeypatch, capture, expected):
+    calls = _count_captures(monkeypatch)
+    torch.manual_seed(0)
+    layer = nn.Linear(8, 4)
+    opt = dobb.Dobb([layer.weight], layer, lr=0.01, refresh_every=3, capture=capture)
+    for step in range(5):  # refresh steps 0 and 3; 3 micro-batches each
+        for _ in range(3):
+            layer(torch.randn(4, 8)).sum().backward()
+        with torch.no_grad():
+            layer(torch.randn(4, 8))  # no_grad passes never capture
+        layer.eval()
+        layer(torch.randn(4, 8))  # eval passes never capture
+        layer.train()
+        opt.step()
+        opt.zero_grad()
+    assert len(calls) == expected
+
+
+def test_capture_all_equals_mean_over_micro_batches():
+    torch.manual_seed(0)
+    layer = nn.Linear(8, 4).double()
+    opt = dobb.Dobb([layer.weight], layer, lr=0.01, capture="all", **F64)
+    xs = [torch.randn(5, 8, dtype=torch.float64), torch.randn(3, 8, dtype=torch.float64)]
+    for x in xs:
+        layer(x).sum().backward()
+    opt.step()
+    x = torch.cat(xs)
+    torch.testing.assert_close(opt.state[layer.weight]["stat"], x.T @ x / 8, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("capture", ["first", "all"])
+@pytest.mark.parametrize("source", ["activation", "output_grad"])
+def test_checkpoint_recomputation_does_not_capture_twice(monkeypatch, capture, source):
+    calls = _count_captures(monkeypatch)
+    torch.manual_seed(0)
+    layer = nn.Linear(8, 8)
+    side = "input" if source == "activation" else "output"
+    opt = dobb.Dobb([layer.weight], layer, lr=0.01, capture=capture, source=source, side=side)
+    for _ in range(2):
+        x = torch.randn(4, 8, requires_grad=True)
+        torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False).sum().backward()
+    opt.step()
+    assert len(calls) == (1 if capture == "first" else 2)
+
+
+def _train(opt_factory, steps, dtype=torch.float32, state=None, start=0):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 24), nn.GELU(), nn.Linear(24, 16), nn.LayerNorm(16)).to(dtype)
+    opt = opt_factory(model)
+    if state is not None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+    g = torch.Generator().manual_seed(7)
+    data = [torch.randn(2, 8, 16, generator=g).to(dtype) for _ in range(steps)]
+    for x in data[start:]:
+        for micro in x:  # two micro-batches per step
+            model(micro).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kwargs", [dict(blocks=4, refresh_every=3), dict(blocks=3, norm="l2", refresh_every=2, qr="cholesky"),
+                                    dict(side="output", source="output_grad", blocks=2, capture="all", refresh_every=3)])
+def test_resume_mid_cycle_is_exact(dtype, kwargs):
+    def factory(model):
+        return dobb.Dobb(dobb.param_groups(model), model, lr=0.02, weight_decay=0.1, **kwargs)
+
+    full, _ = _train(factory, 8, dtype)
+    half, opt = _train(factory, 4, dtype)  # step 4 lies between refreshes
+    buf = io.BytesIO()
+    torch.save({"model": half.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    state = torch.load(buf, weights_only=True)
+    resumed, opt2 = _train(factory, 8, dtype, state=state, start=4)
+    for a, b in zip(full.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+    st = opt2.state[resumed[0].weight]
+    assert st["basis"].dtype == torch.bfloat16 and st["stat"].dtype == torch.float32
+
+
+def test_adamw_groups_match_torch_adamw_exactly():
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Embedding(10, 8), nn.LayerNorm(8), nn.Linear(8, 8))
+
+    a, b = make(), make()
+    groups = [{"params": list(a[0].parameters()) + list(a[1].parameters()) + [a[2].bias], "algorithm": "adamw"}]
+    opt_a = dobb.Dobb(groups, a, lr=0.01, weight_decay=0.1)
+    opt_b = torch.optim.AdamW(list(b[0].parameters()) + list(b[1].parameters()) + [b[2].bias], lr=0.01,
+                              betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    tokens = torch.randint(0, 10, (4, 5))
+    for _ in range(5):
+        for model, opt in ((a, opt_a), (b, opt_b)):
+            model(tokens).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+
+
+def test_scheduler_changes_lr_like_manual_setting():
+    def run(use_scheduler):
+        torch.manual_seed(0)
+        layer = nn.Linear(8, 8)
+        opt = dobb.Dobb([layer.weight], layer, lr=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) if use_scheduler else None
+        for step in range(3):
+            if not use_scheduler:
+                opt.param_groups[0]["lr"] = 0.1 * 0.5**step
+            layer(torch.ones(2, 8) * (step + 1)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if sched:
+                sched.step()
+        return layer.weight.detach()
+
+    assert torch.equal(run(True), run(False))
+
+
+def test_param_groups_rule():
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = nn.Embedding(50, 8)
+            self.fc = nn.Linear(8, 16)
+            self.proj = nn.Linear(16, 8)
+            self.ln = nn.LayerNorm(8)
+            self.lm_head = nn.Linear(8, 50, bias=False)
+            self.lm_head.weight = self.wte.weight  # tied head
+            self.scale = nn.Parameter(torch.ones(()))
+
+    groups = dobb.param_groups(Tiny())
+    matrix = [n for n, _ in groups[0]["params"]]
+    other = [n for n, _ in groups[1]["params"]]
+    assert groups[0]["algorithm"] == "dobb" and groups[1]["algorithm"] == "adamw"
+    assert matrix == ["fc.weight", "proj.weight"]
+    assert set(other) == {"wte.weight", "fc.bias", "proj.bias", "ln.weight", "ln.bias", "scale"}
+
+
+def test_params_without_grad_are_untouched():
+    torch.manual_seed(0)
+    a, b = nn.Linear(8, 8), nn.Linear(8, 8)
+    opt = dobb.Dobb([a.weight, b.weight], nn.ModuleList([a, b]), lr=0.1, weight_decay=0.1)
+    before = b.weight.detach().clone()
+    a(torch.randn(3, 8)).sum().backward()
+    opt.step()
+    assert torch.equal(b.weight, before) and opt.state[b.weight]["step"] == 0
+    assert opt.state[a.weight]["step"] == 1
+
+
+def test_nonfinite_gradient_raises_and_changes_nothing():
+    torch.manual_seed(0)
+    layer = nn.Linear(8, 8)
+    opt = dobb.Dobb(dobb.param_groups(layer), layer, lr=0.1)
+    layer(torch.randn(3, 8)).sum().backward()
+    opt.step()
+    layer(torch.randn(3, 8)).sum().backward()
+    layer.weight.grad[0, 0] = float("nan")
+    snap = {k: v.clone() for k, v in opt.state[layer.weight].items() if torch.is_tensor(v)}
+    w = layer.weight.detach().clone()
+    with pytest.raises(ValueError, match="non-finite gradient.*weight"):
+        opt.step()
+    assert torch.equal(layer.weight, w)
+    for k, v in snap.items():
+        assert torch.equal(opt.state[layer.weight][k], v)
+
+
+def test_dead_units_give_finite_orthonormal_bases():
+    torch.manual_seed(0)
+    layer = nn.Linear(8, 4)
+    for qr in ("householder", "cholesky"):
+        opt = dobb.Dobb([layer.weight], layer, lr=0.01, blocks=2, refresh_every=1, qr=qr, init_basis="identity",
+                        basis_dtype=torch.float32)
+        for _ in range(3):
+            x = torch.randn(6, 8)
+            x[:, :4] = 0  # block 0 dead
+            x[:, 5] = 0  # block 1 rank-deficient
+            layer(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        q = F.block_view(opt.state[layer.weight]["basis"], F.block_runs([4, 4])[0])
+        assert torch.isfinite(layer.weight).all()
+        torch.testing.assert_close(q.transpose(1, 2) @ q, torch.eye(4).expand(2, -1, -1), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(norm="linf"), "norm"), (dict(side="left"), "side"), (dict(source="weights"), "source"),
+    (dict(basis="svd"), "basis"), (dict(qr="givens"), "qr"), (dict(capture="last"), "capture"),
+    (dict(blocks=0), "blocks"), (dict(blocks=17), "blocks=17"), (dict(refresh_every=0), "refresh_every"),
+    (dict(lr=-1.0), "lr"), (dict(weight_decay=-0.1), "weight_decay"), (dict(stat_decay=1.0), "stat_decay"),
+    (dict(source="activation", side="output"), "side='input'"), (dict(bogus=1), "bogus"),
+])
+def test_bad_arguments_raise_value_error_naming_them(kwargs, match):
+    layer = nn.Linear(16, 8)
+    kwargs = {"lr": 0.01, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        dobb.Dobb([layer.weight], layer, **kwargs)
+
+
+def test_non_matrix_in_dobb_group_and_missing_model_are_errors():
+    layer = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=r"bias.*1-D"):
+        dobb.Dobb([("bias", layer.bias)], layer, lr=0.01)
+    with pytest.raises(ValueError, match="pass model="):
+        dobb.Dobb([layer.weight], lr=0.01)
+    with pytest.raises(ValueError, match="not owned by any layer"):
+        dobb.Dobb([layer.weight], nn.Linear(4, 4), lr=0.01)
+    dobb.Dobb([layer.weight], lr=0.01, source="grad_gram")  # no hooks needed
+
+
+def test_grad_gram_source_uses_gradient_blocks():
+    layer = _one_layer(6, 8)
+    opt = dobb.Dobb([layer.weight], lr=0.1, source="grad_gram", blocks=2, basis="eigh", **F64)
+    layer(torch.randn(10, 8, dtype=torch.float64)).square().sum().backward()
+    grad = layer.weight.grad.clone()
+    w0 = layer.weight.detach().clone()
+    opt.step()
+    o_ref = _ref_direction(grad, grad, 2, "sign", "input")  # blocks of G^T G / m
+    torch.testing.assert_close(layer.weight.detach(), w0 - 0.1 * 0.2 * math.sqrt(8) * o_ref, atol=1e-12, rtol=0)
+
+
+def test_stagger_spreads_refresh_work_with_same_period():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(6)])
+    opt = dobb.Dobb([m.weight for m in model], model, lr=0.01, refresh_every=3, stagger=True, source="grad_gram")
+    per_step = []
+    for _ in range(7):
+        before = {m: opt.state[m.weight]["captures"] for m in model}
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        per_step.append(sum(opt.state[m.weight]["captures"] - before[m] for m in model))
+    assert per_step[0] == 6  # every matrix gets its first basis on step 0
+    assert per_step[1:] == [2] * 6  # then a third of them per step, each every 3 steps
