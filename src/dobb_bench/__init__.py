@@ -1,0 +1,1 @@
+"""Benchmark harness for the dobb optimizers. Uses the library only through its public API."""
