@@ -13,6 +13,7 @@ All equal-size blocks of all matrices of a param group go through one batched ``
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Any
 
@@ -120,10 +121,11 @@ class Dobb(MatrixOptimizer):
             self.state[p] = self._new_state(p, group, layout)
         if group["stagger"]:
             T = group["refresh_every"]
-            order = sorted(group["params"], key=lambda q: -sum(s**3 for s in self._layouts[q].local_sizes))
+            # global (rank-invariant) block sizes: every rank must pick the same refresh offsets
+            order = sorted(group["params"], key=lambda q: -sum(s**3 for s in self._layouts[q].global_sizes))
             for p in order:
                 off = min(range(T), key=lambda o: cost[o])
-                cost[off] += sum(s**3 for s in self._layouts[p].local_sizes)
+                cost[off] += sum(s**3 for s in self._layouts[p].global_sizes)
                 self._offsets[p] = off
 
     def _new_state(self, p: torch.Tensor, group: dict, layout: MatrixLayout) -> dict[str, Any]:
@@ -211,10 +213,11 @@ class Dobb(MatrixOptimizer):
         if refresh:
             self._refresh(group, [active[i] for i in refresh], [grads[i] for i in refresh])
 
-        outs = self._directions(group, active, u)
         params = [lay.local(p) for lay, p in zip(layouts, active)]
-        scales = [F.update_scale(*lay.shape, group["tau"]) for lay in layouts]
-        self._apply_updates(params, outs, scales, group["lr"], group["weight_decay"])
+        lr, wd = group["lr"], group["weight_decay"]
+        if wd != 0:
+            torch._foreach_mul_(params, 1.0 - lr * wd)
+        self._apply_directions(group, active, u, params)
         for s in states:
             s["step"] += 1
 
@@ -252,33 +255,43 @@ class Dobb(MatrixOptimizer):
             for (_, q_view), q_new in zip(items, q.split([a_.shape[0] for a_, _ in items])):
                 q_view.copy_(q_new)
 
-    def _directions(self, group: dict, active: list[torch.Tensor], u: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Batched project -> normalize -> reconstruct over all equal-shape blocks of the group."""
-        norm = group["norm"]
-        outs = [torch.empty_like(t) for t in u]
+    def _apply_directions(self, group: dict, active: list, u: list, params: list) -> None:
+        """``W -= lr * s * O`` with ``O`` from batched project -> normalize -> reconstruct.
+
+        All equal-shape blocks of the group go through one pair of ``bmm`` calls, computed in the
+        basis dtype (bf16 by default: half the memory traffic, bf16 matrix units). The constant
+        ``-lr * s`` (and sign's ``1/sqrt(rows)``) is folded into the final in-place add, so no
+        update-sized temporary is written besides the coefficients.
+        """
+        norm, lr, tau = group["norm"], group["lr"], group["tau"]
         batches: dict[tuple, list] = defaultdict(list)
-        for p, ut, out in zip(active, u, outs):
+        for p, ut, pt in zip(active, u, params):
             layout = self._layouts[p]
             basis = layout.local(self.state[p]["basis"])
-            uo, oo = (ut, out) if layout.blocked_axis == 1 else (ut.transpose(0, 1), out.transpose(0, 1))
+            uo, po = (ut, pt) if layout.blocked_axis == 1 else (ut.transpose(0, 1), pt.transpose(0, 1))
             r = uo.shape[0]
+            factor = -lr * F.update_scale(*layout.shape, tau) / (math.sqrt(layout.rows) if norm == "sign" else 1.0)
             for run in F.block_runs(layout.local_sizes):
-                ub = uo[:, run.start : run.stop].reshape(r, run.count, run.size).transpose(0, 1)
-                key = (r, run.size, ut.dtype, layout.rows, id(layout.l2_group) if norm == "l2" else None)
-                batches[key].append((ub, F.block_view(basis, run), oo, run, layout))
-        for (r, size, _, rows, _), items in batches.items():
-            ub = torch.cat([it[0] for it in items])
-            q = torch.cat([it[1] for it in items]).to(ub.dtype)
+                # l2 with sharded rows: one batch per matrix, so every rank of the l2 group issues the
+                # same norm reductions in the same order (local row counts may differ across ranks)
+                l2_key = (id(layout.l2_group), id(p) if layout.l2_group is not None else None)
+                key = (r, run.size, basis.dtype, layout.rows, l2_key if norm == "l2" else None)
+                batches[key].append((uo[:, run.start : run.stop], F.block_view(basis, run), po, run, layout, factor))
+        for (r, size, dtype, _, _), items in batches.items():
+            counts = [it[3].count for it in items]
+            ub = torch.empty(sum(counts), r, size, dtype=dtype, device=items[0][0].device)
+            for dst, it in zip(ub.split(counts), items):
+                dst.copy_(it[0].reshape(r, it[3].count, size).transpose(0, 1))
+            q = items[0][1] if len(items) == 1 else torch.cat([it[1] for it in items])
             c = torch.bmm(ub, q)
             if norm == "sign":
-                c = F.normalize_sign(c, rows)
+                c.sign_()
             else:
-                sq = all_reduce_sum_(c.square().sum(dim=-2), items[0][4].l2_group)
-                c = F.normalize_l2(c, sq)
+                cf = c.to(torch.promote_types(dtype, torch.float32))  # column norms in fp32 at least
+                c = F.normalize_l2(cf, all_reduce_sum_(cf.square().sum(dim=-2), items[0][4].l2_group)).to(dtype)
             o = torch.bmm(c, q.transpose(1, 2))
-            for (_, _, oo, run, _), ob in zip(items, o.split([it[0].shape[0] for it in items])):
-                oo[:, run.start : run.stop] = ob.transpose(0, 1).reshape(r, run.count * run.size)
-        return outs
+            for ob, (_, _, po, run, _, factor) in zip(o.split(counts), items):
+                po[:, run.start : run.stop].view(r, run.count, size).add_(ob.transpose(0, 1), alpha=factor)
 
     # ------------------------------------------------------------------ state dict
     _OWN_DTYPE_KEYS = ("stat", "basis")
