@@ -278,20 +278,30 @@ class Dobb(MatrixOptimizer):
                 key = (r, run.size, basis.dtype, layout.rows, l2_key if norm == "l2" else None)
                 batches[key].append((uo[:, run.start : run.stop], F.block_view(basis, run), po, run, layout, factor))
         for (r, size, dtype, _, _), items in batches.items():
-            counts = [it[3].count for it in items]
-            ub = torch.empty(sum(counts), r, size, dtype=dtype, device=items[0][0].device)
-            for dst, it in zip(ub.split(counts), items):
-                dst.copy_(it[0].reshape(r, it[3].count, size).transpose(0, 1))
-            q = items[0][1] if len(items) == 1 else torch.cat([it[1] for it in items])
-            c = torch.bmm(ub, q)
-            if norm == "sign":
-                c.sign_()
+            # One bmm pair per batch of equal blocks. On CPU a strided block view feeds bmm at no
+            # cost while stacking matrices costs a transposing copy, so CPU batches per matrix;
+            # accelerators stack all matrices to save kernel launches.
+            if items[0][0].device.type == "cpu":
+                for it in items:
+                    self._project_and_add([it], r, size, dtype, norm)
             else:
-                cf = c.to(torch.promote_types(dtype, torch.float32))  # column norms in fp32 at least
-                c = F.normalize_l2(cf, all_reduce_sum_(cf.square().sum(dim=-2), items[0][4].l2_group)).to(dtype)
-            o = torch.bmm(c, q.transpose(1, 2))
-            for ob, (_, _, po, run, _, factor) in zip(o.split(counts), items):
-                po[:, run.start : run.stop].view(r, run.count, size).add_(ob.transpose(0, 1), alpha=factor)
+                self._project_and_add(items, r, size, dtype, norm)
+
+    @staticmethod
+    def _project_and_add(items: list, r: int, size: int, dtype: torch.dtype, norm: str) -> None:
+        counts = [it[3].count for it in items]
+        views = [it[0].to(dtype).reshape(r, it[3].count, size).transpose(0, 1) for it in items]
+        ub = views[0] if len(items) == 1 else torch.cat(views)
+        q = items[0][1] if len(items) == 1 else torch.cat([it[1] for it in items])
+        c = torch.bmm(ub, q)
+        if norm == "sign":
+            c.sign_()
+        else:
+            cf = c.to(torch.promote_types(dtype, torch.float32))  # column norms in fp32 at least
+            c = F.normalize_l2(cf, all_reduce_sum_(cf.square().sum(dim=-2), items[0][4].l2_group)).to(dtype)
+        o = torch.bmm(c, q.transpose(1, 2))
+        for ob, (_, _, po, run, _, factor) in zip(o.split(counts), items):
+            po[:, run.start : run.stop].view(r, run.count, size).add_(ob.transpose(0, 1), alpha=factor)
 
     # ------------------------------------------------------------------ state dict
     _OWN_DTYPE_KEYS = ("stat", "basis")
