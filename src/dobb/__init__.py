@@ -10,3 +10,6 @@ from .groups import param_groups, split_parameters
 
 __all__ = ["Dobb", "param_groups", "split_parameters", "functional"]
 __version__ = "0.1.0"
+from .factory import build_optimizer, OPTIMIZER_NAMES
+from .baselines import Muon, Dion, RMNP, PeriodicRowMuon, BlockMuon, Dion2
+__all__ += ["build_optimizer", "OPTIMIZER_NAMES", "Muon", "Dion", "RMNP", "PeriodicRowMuon", "BlockMuon", "Dion2"]

@@ -1,0 +1,18 @@
+"""Baseline matrix optimizers under the shared update-scale protocol (SPEC section 2, Table 9).
+
+Every class is a ``dobb._base.MatrixOptimizer``: param groups with ``"algorithm": "adamw"`` run
+torch's AdamW kernel, the others the class' matrix update, applied as
+``W <- (1 - lr*wd) W - lr * tau*sqrt(max(m, n)) * O``. ``dobb.build_optimizer`` builds any of them
+from a model. The math is in pure functions beside each class (``newton_schulz``, ``dion_step``,
+``dion2_step``) so it can be tested and timed on plain tensors.
+"""
+from .block_muon import BlockMuon
+from .dion import Dion, dion_step
+from .dion2 import Dion2, dion2_step
+from .muon import Muon
+from .newton_schulz import NS_COEFFICIENTS, newton_schulz, orthogonalize, row_normalize
+from .pr_muon import PeriodicRowMuon
+from .rmnp import RMNP
+
+__all__ = ["Muon", "Dion", "RMNP", "PeriodicRowMuon", "BlockMuon", "Dion2", "newton_schulz",
+           "orthogonalize", "row_normalize", "dion_step", "dion2_step", "NS_COEFFICIENTS"]

@@ -1,0 +1,149 @@
+"""Helpers shared by the baselines: the update protocol, validation, and DTensor gather/slice.
+
+Why a separate ``apply_protocol`` (and not ``MatrixOptimizer._apply_updates``): the Muon family
+produces bf16 directions, and ``torch.optim.Muon`` adds them with ``param.add_(O, alpha=-lr*s)``,
+one rounding per entry. Scaling ``O`` first and adding afterwards rounds twice (in bf16 even), so
+the baselines add with ``alpha`` to stay bitwise equal to torch's Muon on CPU.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+
+def is_dtensor(t) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
+def local(t: Tensor) -> Tensor:
+    """The local tensor of a DTensor (a view sharing storage), or ``t`` itself."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+def upcast(x: Tensor) -> Tensor:
+    """At least fp32 for the math (bf16/fp16 momentum), keeping fp64 as fp64."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def gather_full(local_t: Tensor, like: Tensor) -> Tensor:
+    """Full matrix from this rank's shard ``local_t`` of a tensor laid out like ``like``.
+
+    The direction of Muon, Dion, Dion2, PR-Muon and RMNP couples the whole matrix, so a sharded
+    parameter pays this all-gather (the communication Table 3 charges them); plain tensors pass.
+    """
+    if not is_dtensor(like):
+        return local_t
+    from torch.distributed.tensor import DTensor
+
+    d = DTensor.from_local(local_t, like.device_mesh, like.placements, shape=like.shape,
+                           stride=like.stride(), run_check=False)
+    return d.full_tensor()
+
+
+def local_slice(full: Tensor, like: Tensor) -> Tensor:
+    """This rank's shard of a full (replicated) tensor, laid out like ``like``; no communication."""
+    if not is_dtensor(like):
+        return full
+    from torch.distributed.tensor import DTensor, Replicate
+
+    mesh = like.device_mesh
+    d = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return d.redistribute(mesh, like.placements).to_local()
+
+
+def rows_are_local(like: Tensor) -> bool:
+    """Whether every rank holds whole rows (plain tensor, or sharded only along dim 0)."""
+    if not is_dtensor(like):
+        return True
+    return all(pl.is_replicate() or (pl.is_shard() and pl.dim == 0) for pl in like.placements)
+
+
+def row_wise(fn, local_t: Tensor, like: Tensor) -> Tensor:
+    """Apply a row-wise function: locally when rows are whole on this rank, else on the gathered
+    matrix (columns sharded: row norms span ranks)."""
+    if rows_are_local(like):
+        return fn(local_t)
+    return local_slice(fn(gather_full(local_t, like)), like)
+
+
+def apply_protocol(params: Sequence[Tensor], targets: Sequence[Tensor], updates: Sequence[Tensor],
+                   scales: Sequence[float], lr, weight_decay) -> None:
+    """``W <- (1 - lr*wd) W`` on ``params``, then ``T <- T - lr*s*O`` on ``targets``.
+
+    ``targets`` are the params or views of them (Block Muon adds each block with its own ``s``).
+    Updates are cast to the target dtype (exact for bf16 -> fp32) and added with ``alpha`` as
+    ``torch.optim.Muon`` does, grouped by scale so each group is one ``_foreach`` call.
+    """
+    if not params:
+        return
+    if isinstance(weight_decay, Tensor) or weight_decay != 0:
+        torch._foreach_mul_(list(params), 1.0 - lr * weight_decay)
+    by_scale: dict[float, tuple[list, list]] = defaultdict(lambda: ([], []))
+    for t, u, s in zip(targets, updates, scales):
+        ts, us = by_scale[s]
+        ts.append(t)
+        us.append(u if u.dtype == t.dtype else u.to(t.dtype))
+    for s, (ts, us) in by_scale.items():
+        if isinstance(lr, Tensor):  # a tensor lr cannot be an ``alpha``
+            torch._foreach_add_(ts, torch._foreach_mul(us, -lr * s))
+        else:
+            torch._foreach_add_(ts, us, alpha=-lr * s)
+
+
+def protocol_scale(m: int, n: int, tau: float) -> float:
+    """``s = tau * sqrt(max(m, n))`` (Table 9), the same expression as ``dobb.functional``."""
+    return tau * math.sqrt(max(m, n))
+
+
+def saved_state_by_param(opt: torch.optim.Optimizer, state_dict: dict, key: str) -> dict:
+    """``{param: state_dict value of key}`` using torch's id mapping (groups in order)."""
+    saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+    params = [p for g in opt.param_groups for p in g["params"]]
+    if len(saved_ids) != len(params):
+        return {}  # torch's own load raises the precise error
+    out = {}
+    for i, p in zip(saved_ids, params):
+        value = state_dict["state"].get(i, {}).get(key)
+        if isinstance(value, Tensor):
+            out[p] = value
+    return out
+
+
+# ----------------------------------------------------------------------------- validation
+def check_fraction(group: dict, key: str) -> None:
+    v = group[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0.0 < v <= 1.0):
+        raise ValueError(f"{key} must be a number in (0, 1], got {v!r}")
+
+
+def check_unit_interval(group: dict, key: str) -> None:
+    v = group[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0.0 <= v < 1.0):
+        raise ValueError(f"{key} must lie in [0, 1), got {v!r}")
+
+
+def check_int(group: dict, key: str, low: int = 1, high: int | None = None) -> None:
+    v = group[key]
+    if isinstance(v, bool) or not isinstance(v, int) or v < low or (high is not None and v > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{key} must be an integer {bound}, got {v!r}")
+
+
+def check_bool(group: dict, key: str) -> None:
+    if not isinstance(group[key], bool):
+        raise ValueError(f"{key} must be True or False, got {group[key]!r}")
+
+
+def check_positive(group: dict, key: str) -> None:
+    v = group[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0 and math.isfinite(v)):
+        raise ValueError(f"{key} must be a finite number > 0, got {v!r}")
+
+
+def check_choice(group: dict, key: str, choices: Sequence[str]) -> None:
+    if group[key] not in choices:
+        raise ValueError(f"{key} must be one of {tuple(choices)}, got {group[key]!r}")

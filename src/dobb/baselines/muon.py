@@ -1,0 +1,103 @@
+"""Muon under the shared update-scale protocol, with AdamW groups in the same optimizer.
+
+Step for a matrix ``W`` (``m x n``), exactly ``torch.optim.Muon(adjust_lr_fn="match_rms_adamw")``
+when ``tau = 0.2`` (tests compare weights bitwise after several steps):
+
+1. ``buf <- buf + (1 - mu) (G - buf)`` (torch's EMA momentum; the SPEC's ``mu M + G`` differs by
+   the constant factor ``1 - mu``, which orthogonalization removes);
+2. ``U = G + mu (buf - G)`` with Nesterov (default, as torch), else ``U = buf``;
+3. ``O = NS5(U)`` (``||O||_F^2 ~ min(m, n)``, Table 9);
+4. ``W <- (1 - lr*wd) W - lr * tau*sqrt(max(m, n)) * O``.
+
+``_MuonFamily`` holds steps 1, 2 and 4 for every baseline built on Muon's momentum (PR-Muon,
+Block Muon); subclasses only say how ``U`` becomes a direction (``_directions``).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .._base import MatrixOptimizer
+from . import _common as C
+from .newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_STEPS, orthogonalize
+
+MUON_DEFAULTS: dict[str, Any] = dict(
+    momentum=0.95, nesterov=True, ns_coefficients=NS_COEFFICIENTS, ns_steps=NS_STEPS, eps=NS_EPS,
+)
+
+
+class _MuonFamily(MatrixOptimizer):
+    """Muon's momentum and protocol; subclasses implement ``_directions``."""
+
+    _uses_step = False  # whether the state carries a step counter (schedules)
+
+    def _validate_matrix_group(self, group: dict[str, Any]) -> None:
+        C.check_unit_interval(group, "momentum")
+        C.check_bool(group, "nesterov")
+        C.check_int(group, "ns_steps", 1, 99)
+        C.check_positive(group, "eps")
+        coeffs = group["ns_coefficients"]
+        if not (isinstance(coeffs, (tuple, list)) and len(coeffs) == 3
+                and all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in coeffs)):
+            raise ValueError(f"ns_coefficients must be three numbers (a, b, c), got {coeffs!r}")
+        for p in group["params"]:
+            # Created eagerly and identically on every rank: one key set for distributed checkpoints.
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if self._uses_step:
+                    state["step"] = 0
+
+    def _matrix_step(self, group: dict[str, Any]) -> None:
+        active = [p for p in group["params"] if p.grad is not None]
+        if not active:
+            return
+        states = [self.state[p] for p in active]
+        grads = [C.local(p.grad) for p in active]
+        bufs = [C.local(s["momentum_buffer"]) for s in states]
+        mu = group["momentum"]
+        torch._foreach_lerp_(bufs, grads, 1 - mu)
+        u = torch._foreach_lerp(grads, bufs, mu) if group["nesterov"] else bufs
+        params = [C.local(p) for p in active]
+        targets, updates, scales = self._directions(group, active, states, params, u)
+        C.apply_protocol(params, targets, updates, scales, group["lr"], group["weight_decay"])
+        if self._uses_step:
+            for s in states:
+                s["step"] += 1
+
+    def _orthogonalize(self, group: dict, active: list[Tensor], u: list[Tensor]) -> list[Tensor]:
+        """NS5 of each full matrix (sharded ones are gathered), returned as local shards."""
+        full = [C.gather_full(t, p) for t, p in zip(u, active)]
+        outs = orthogonalize(full, group["ns_coefficients"], group["ns_steps"], group["eps"])
+        return [C.local_slice(o, p) for o, p in zip(outs, active)]
+
+    def _directions(self, group: dict, active: list[Tensor], states: list[dict], params: list[Tensor],
+                    u: list[Tensor]) -> tuple[list[Tensor], list[Tensor], list[float]]:
+        """Returns ``(targets, updates, scales)`` for ``apply_protocol``."""
+        raise NotImplementedError
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        if self._uses_step:
+            for p in self.iter_matrix_params():
+                if "step" in self.state[p]:
+                    self.state[p]["step"] = int(self.state[p]["step"])
+
+
+class Muon(_MuonFamily):
+    """Muon (momentum orthogonalized by Newton–Schulz) for hidden matrices, AdamW for the rest.
+
+    Args: ``lr``, ``weight_decay``, ``tau`` (update scale ``tau*sqrt(max(m, n))``, 0.2 = torch's
+    ``match_rms_adamw``), ``momentum`` (0.95), ``nesterov`` (True), ``ns_coefficients``,
+    ``ns_steps`` (5), ``eps`` (1e-7), ``adamw_betas``, ``adamw_eps``.
+    """
+
+    algorithm = "muon"
+    matrix_defaults = dict(MUON_DEFAULTS)
+
+    def _directions(self, group, active, states, params, u):
+        outs = self._orthogonalize(group, active, u)
+        scales = [C.protocol_scale(*p.shape, group["tau"]) for p in active]
+        return params, outs, scales

@@ -1,0 +1,49 @@
+"""Periodic Row-wise Muon: a full NS5 step every ``period`` steps, row-normalized momentum between.
+
+The cheap steps need no matrix-wide operation (row norms are local when rows are sharded), which
+is the point of the method for large sharded models. Our choices, stated because the method's
+summary does not pin them down:
+
+- a parameter's full steps are its steps ``0, K, 2K, ...`` (its own step counter, in the state);
+- between them the direction is ``rownorm(U) * sqrt(min(m, n) / m)``: unit rows rescaled so that
+  ``||O||_F^2 = min(m, n)``, Muon's norm, so every step moves the weight with the same RMS ``tau``
+  under the shared protocol (for ``m <= n`` the factor is 1, plain unit rows);
+- ``U`` is Muon's (same EMA momentum and Nesterov option), so ``period=1`` is Muon exactly.
+"""
+from __future__ import annotations
+
+import math
+
+from . import _common as C
+from .muon import MUON_DEFAULTS, _MuonFamily
+from .newton_schulz import row_normalize
+
+
+class PeriodicRowMuon(_MuonFamily):
+    """PR-Muon. Args as ``Muon`` plus ``period`` (``K``, default 3: full NS5 every K-th step)."""
+
+    algorithm = "pr-muon"
+    matrix_defaults = dict(MUON_DEFAULTS, period=3)
+    _uses_step = True
+
+    def _validate_matrix_group(self, group):
+        C.check_int(group, "period", 1)
+        super()._validate_matrix_group(group)
+
+    def _directions(self, group, active, states, params, u):
+        full_idx = [i for i, s in enumerate(states) if s["step"] % group["period"] == 0]
+        outs = [None] * len(active)
+        if full_idx:
+            ortho = self._orthogonalize(group, [active[i] for i in full_idx], [u[i] for i in full_idx])
+            for i, o in zip(full_idx, ortho):
+                outs[i] = o
+        for i, p in enumerate(active):
+            if outs[i] is None:
+                outs[i] = self._row_direction(u[i], p)
+        scales = [C.protocol_scale(*p.shape, group["tau"]) for p in active]
+        return params, outs, scales
+
+    @staticmethod
+    def _row_direction(u, p):
+        m, n = p.shape
+        return C.row_wise(lambda x: row_normalize(C.upcast(x)) * math.sqrt(min(m, n) / m), u, p)
