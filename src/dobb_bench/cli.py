@@ -13,6 +13,7 @@ import sys
 _COMMAND_MODULES = [
     "commands_train",
     "spectral",
+    "timing",
 ]
 
 

@@ -1,0 +1,288 @@
+"""Derived optimizer-specific cross-shard payload (paper Table 3, Table 7, Figure 1).
+
+Definition (Figure 1's caption): for one ``m x n`` weight matrix, the *logical* number of scalar
+entries exchanged between devices that hold different shards of that matrix during one optimizer
+step. Collective factors (ring ``(S-1)/S`` etc.) and bytes per entry are omitted; forward/backward
+communication and the data-parallel gradient reduction are not counted, and neither is Dobb's
+data-parallel synchronization of its block statistics (``n^2 / B`` entries per matrix per refresh),
+which ``dp_stat_entries`` reports separately.
+
+Which axis is sharded matters (``sharded="output"``: rows ``m``, FSDP2's dim-0 sharding and
+column-parallel TP; ``sharded="input"``: columns ``n``, row-parallel TP). The leading counts:
+
+=================  ================================  ================================
+optimizer          output axis ``m`` sharded          input axis ``n`` sharded
+=================  ================================  ================================
+adamw              0                                  0
+muon               ``mn`` (dense exchange)            ``mn``
+dion (rank r)      ``r (m + n)``                      ``r (m + n)``
+dobb, dobb-g       0 (blocks within shards)           0 (blocks within shards)
+dobb-l2            ``n`` (column norms)               0
+dobb-g-l2          0                                  ``m`` (row norms)
+rmnp               0 (rows local)                     ``m`` (row norms)
+pr-muon (K)        ``mn / K``                         ``(mn + (K-1) m) / K``
+block-muon (B,ax)  0 if blocks on the sharded axis    (else ``mn``: every block spans shards)
+dion2 (fraction a) ``k n``, ``k = round(a m)`` rows  ``k n``
+=================  ================================  ================================
+
+Rows 1-4 are the paper's (Table 3, Table 7); the others are derived the same way by us: the
+minimum a method must exchange, whatever an implementation does (this package's reference
+baselines gather whole matrices, which the payload meter would show). Amortized methods
+(PR-Muon's full step every ``K``) are averaged per step. A Dobb block that straddles a shard
+boundary (only possible when ``B`` is not a multiple of the shard count on the sharded axis; the
+library refuses such layouts) is charged its dense slab ``s_b x`` (other axis).
+
+Dion's rank is ``r = max(1, round(rank_fraction * min(m, n)))`` (``dobb.baselines.dion``), or
+``rank`` when given. Over GPT-2 XL's matrices (q, k, v, o: ``d x d``; fc ``4d x d``; proj
+``d x 4d``) the aggregate Dion ratio ``sum r(m+n) / sum mn`` is exactly ``1.5 rho`` (Figure 1).
+"""
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from typing import Any, Iterable, Sequence
+
+__all__ = [
+    "PAYLOAD_NAMES",
+    "canonical_name",
+    "parse_spec",
+    "payload_entries",
+    "relative_payload",
+    "dp_stat_entries",
+    "derived_state_bytes",
+    "dion_rank",
+]
+
+PAYLOAD_NAMES = ("adamw", "muon", "dion", "rmnp", "pr-muon", "block-muon", "dion2",
+                 "dobb", "dobb-l2", "dobb-g", "dobb-g-l2")
+_ALIASES = {"torch-adamw": "adamw", "torch-muon": "muon", "dobb-ell2": "dobb-l2", "dobb-g-ell2": "dobb-g-l2"}
+_DOBB = {"dobb": ("input", "sign"), "dobb-l2": ("input", "l2"), "dobb-g": ("output", "sign"),
+         "dobb-g-l2": ("output", "l2")}
+_AXES = ("output", "input")
+
+
+def canonical_name(name: str) -> str:
+    key = str(name).strip().lower()
+    key = _ALIASES.get(key, key)
+    if key not in PAYLOAD_NAMES:
+        raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(PAYLOAD_NAMES)} "
+                         f"(or {', '.join(_ALIASES)})")
+    return key
+
+
+def _typed(value: str) -> Any:
+    text = value.strip()
+    low = text.lower()
+    if low in ("true", "yes", "on"):
+        return True
+    if low in ("false", "no", "off"):
+        return False
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    if "/" in text:
+        try:
+            return float(Fraction(text))
+        except (ValueError, ZeroDivisionError):
+            pass
+    return text
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """``"dion:rank_fraction=1/16,qr=rcqr"`` -> ``("dion", {"rank_fraction": 0.0625, "qr": "rcqr"})``.
+
+    Values are typed: integers, floats, fractions ``a/b``, ``true``/``false``, else strings.
+    """
+    name, _, rest = str(spec).partition(":")
+    if not name.strip():
+        raise ValueError(f"optimizer spec {spec!r} has no name (expected NAME or NAME:key=value,...)")
+    hp: dict[str, Any] = {}
+    for item in filter(None, (s.strip() for s in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"optimizer spec {spec!r}: {item!r} is not key=value")
+        hp[key.strip()] = _typed(value)
+    return name.strip(), hp
+
+
+def dion_rank(m: int, n: int, hparams: dict) -> int:
+    if "rank" in hparams and hparams["rank"] is not None:
+        r = int(hparams["rank"])
+        if r < 1:
+            raise ValueError(f"rank must be >= 1, got {r}")
+        return min(r, min(m, n))
+    rho = float(hparams.get("rank_fraction", 0.25))
+    if not 0 < rho <= 1:
+        raise ValueError(f"rank_fraction must lie in (0, 1], got {rho}")
+    return max(1, round(rho * min(m, n)))
+
+
+def _split(size: int, parts: int) -> list[int]:
+    q, r = divmod(size, parts)
+    return [q + 1] * r + [q] * (parts - r)
+
+
+def _shard_bounds(size: int, shards: int) -> list[int]:
+    """Interior boundaries of ``torch.chunk``-style shards (FSDP2, DTensor ``Shard``)."""
+    chunk = math.ceil(size / shards)
+    return [b for b in range(chunk, size, chunk)]
+
+
+def _straddling(size: int, blocks: int, shards: int) -> list[int]:
+    """Sizes of the blocks (``blocks`` near-equal contiguous blocks) that cross a shard boundary."""
+    if shards <= 1:
+        return []
+    bounds = _shard_bounds(size, shards)
+    out, start = [], 0
+    for s in _split(size, min(blocks, size)):
+        if any(start < b < start + s for b in bounds):
+            out.append(s)
+        start += s
+    return out
+
+
+def _check_axis(sharded: str) -> str:
+    if sharded not in _AXES:
+        raise ValueError(f"sharded must be 'output' (rows m) or 'input' (columns n), got {sharded!r}")
+    return sharded
+
+
+def _blocks(hparams: dict, default: int = 1) -> int:
+    b = int(hparams.get("blocks", default))
+    if b < 1:
+        raise ValueError(f"blocks must be >= 1, got {b}")
+    return b
+
+
+def payload_entries(name: str, m: int, n: int, hparams: dict | None = None, *, sharded: str = "output",
+                    shards: int = 4) -> float:
+    """Leading logical cross-shard entries per optimizer step for one ``m x n`` matrix."""
+    hp = dict(hparams or {})
+    key = canonical_name(name)
+    _check_axis(sharded)
+    if int(shards) < 1:
+        raise ValueError(f"shards must be >= 1, got {shards}")
+    if m < 1 or n < 1:
+        raise ValueError(f"matrix shape must be positive, got {(m, n)}")
+    if shards == 1 or key == "adamw":
+        return 0.0
+    if key == "muon":
+        return float(m * n)
+    if key == "dion":
+        return float(dion_rank(m, n, hp) * (m + n))
+    if key == "rmnp":
+        return float(m) if sharded == "input" else 0.0
+    if key == "pr-muon":
+        period = int(hp.get("period", 3))
+        if period < 1:
+            raise ValueError(f"period must be >= 1, got {period}")
+        cheap = m if sharded == "input" else 0
+        return (m * n + (period - 1) * cheap) / period
+    if key == "dion2":
+        frac = float(hp.get("fraction", hp.get("row_fraction", hp.get("rank_fraction", 0.25))))
+        if not 0 < frac <= 1:
+            raise ValueError(f"fraction must lie in (0, 1], got {frac}")
+        return float(max(1, round(frac * m)) * n)  # k selected rows (dobb.baselines.dion2)
+    if key == "block-muon":
+        axis = int(hp.get("axis", 1))  # 1: column blocks (input axis), 0: row blocks (output axis)
+        blocked = "input" if axis == 1 else "output"
+        if blocked != sharded:
+            return float(m * n)
+        size, other = (n, m) if blocked == "input" else (m, n)
+        return float(sum(_straddling(size, _blocks(hp, 4), shards)) * other)
+    # Dobb family
+    side, norm = _DOBB[key]
+    side = hp.get("side", side)
+    norm = hp.get("norm", norm)
+    blocked = side  # "input": blocks over n (columns); "output": blocks over m (rows)
+    size, other = (n, m) if blocked == "input" else (m, n)
+    total = 0.0
+    if blocked == sharded:
+        total += sum(_straddling(size, _blocks(hp), shards)) * other
+    elif norm == "l2":
+        total += size  # one partial squared norm per coefficient column (row) summed over shards
+    if hp.get("source") == "grad_gram" and blocked != sharded:
+        # G^T G (G G^T) blocks sum over the sharded axis: the statistic itself crosses shards
+        total += _stat_size(size, _blocks(hp)) / int(hp.get("refresh_every", 9))
+    return float(total)
+
+
+def _stat_size(size: int, blocks: int) -> int:
+    return sum(s * s for s in _split(size, min(blocks, size)))
+
+
+def dp_stat_entries(name: str, m: int, n: int, hparams: dict | None = None, per_step: bool = False) -> float:
+    """Dobb's data-parallel statistic synchronization (``sum_b s_b^2 ~ k^2/B`` per refresh;
+    ``/T`` per step with ``per_step``); 0 for every other optimizer and for ``source="grad_gram"``
+    (the reduced gradient needs no extra data-parallel exchange)."""
+    hp = dict(hparams or {})
+    key = canonical_name(name)
+    if key not in _DOBB or hp.get("source") == "grad_gram":
+        return 0.0
+    side = hp.get("side", _DOBB[key][0])
+    entries = _stat_size(n if side == "input" else m, _blocks(hp))
+    return entries / int(hp.get("refresh_every", 9)) if per_step else float(entries)
+
+
+def _iter_shapes(shapes: Iterable) -> list[tuple[int, int]]:
+    out = []
+    for s in shapes:
+        if isinstance(s, (tuple, list)) and len(s) == 2 and isinstance(s[1], (tuple, list)):
+            s = s[1]  # ("h0.q", (m, n)) pairs from dobb_bench.shapes
+        m, n = (int(v) for v in s)
+        out.append((m, n))
+    if not out:
+        raise ValueError("no matrix shapes given")
+    return out
+
+
+def relative_payload(name: str, hparams: dict | None, shapes: Sequence, *, sharded: str = "output",
+                     shards: int = 4) -> float:
+    """Aggregate payload relative to Muon's dense count: ``sum payload / sum m n``.
+
+    ``shapes``: ``(m, n)`` tuples or ``(name, (m, n))`` pairs. Defaults follow Figure 1 (FSDP,
+    ``FS = 4``: the output axis of every matrix is sharded over 4 devices). Dion at rank fraction
+    ``rho`` gives ``1.5 rho`` on GPT-2 XL's matrices; Dobb and AdamW give 0.
+    """
+    mats = _iter_shapes(shapes)
+    num = sum(payload_entries(name, m, n, hparams, sharded=sharded, shards=shards) for m, n in mats)
+    return num / sum(m * n for m, n in mats)
+
+
+def derived_state_bytes(name: str, m: int, n: int, hparams: dict | None = None, param_bytes: int = 4,
+                        out_shards: int = 1, in_shards: int = 1) -> float:
+    """Optimizer state per matrix from buffer sizes (not measured), for the timing table.
+
+    AdamW ``2 mn`` entries; Muon family and RMNP ``mn`` (momentum); Dion ``mn + max(m, n) r`` (fp32
+    ``Q``); Dobb ``mn`` momentum plus the block statistic (fp32) and basis (bf16): ``6 k^2 / B``
+    bytes for the blocked axis ``k`` (Table 18's ``6 n^2/B`` in the principal precision; the
+    row-stacked buffers are ``k x ceil(k/B)``). Per rank under sharding (``out_shards`` ranks split
+    the rows, ``in_shards`` the columns): weight-shaped buffers are split over both, Dobb's block
+    state only over the shards of its blocked axis (replicated otherwise), Dion's ``Q`` replicated.
+    """
+    hp = dict(hparams or {})
+    key = canonical_name(name)
+    mn = m * n * param_bytes / (out_shards * in_shards)
+    if key == "adamw":
+        return 2 * mn
+    if key in ("muon", "rmnp", "pr-muon", "block-muon", "dion2"):
+        return mn
+    if key == "dion":
+        return mn + max(m, n) * dion_rank(m, n, hp) * 4
+    side = hp.get("side", _DOBB[key][0])
+    stat_b = _dtype_bytes(hp.get("stat_dtype", "float32"))
+    basis_b = _dtype_bytes(hp.get("basis_dtype", "bfloat16"))
+    k = n if side == "input" else m
+    stored = k * -(-k // min(_blocks(hp), k))  # row-stacked (k, s_max) buffers: k^2/B for equal blocks
+    return mn + stored * (stat_b + basis_b) / (in_shards if side == "input" else out_shards)
+
+
+def _dtype_bytes(dtype) -> int:
+    text = str(dtype).replace("torch.", "")
+    sizes = {"float32": 4, "float": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "half": 2,
+             "fp16": 2, "float64": 8, "double": 8}
+    if text not in sizes:
+        raise ValueError(f"unknown dtype {dtype!r}")
+    return sizes[text]

@@ -1,0 +1,118 @@
+"""dobb_bench.payload: the derived cross-shard payload (Tables 3, 7, Figure 1) against hand counts,
+and the derived optimizer-state sizes against the buffers the library actually allocates."""
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from dobb_bench import payload as P
+from dobb_bench.shapes import matrix_shapes
+from dobb_bench.timing import state_bytes
+
+
+def test_dion_is_rank_times_m_plus_n():
+    # m=6, n=10: min=6, rho=1/2 -> r=3 -> 3*(6+10)=48 whichever axis is sharded
+    for axis in ("output", "input"):
+        assert P.payload_entries("dion", 6, 10, {"rank_fraction": 0.5}, sharded=axis) == 48
+    assert P.payload_entries("dion", 6, 10, {"rank": 2}) == 32
+    assert P.payload_entries("dion", 6, 10, {"rank_fraction": 0.01}) == 16  # r >= 1
+
+
+def test_table3_and_table7_entries():
+    m, n = 12, 20
+    for axis in ("output", "input"):
+        assert P.payload_entries("muon", m, n, sharded=axis) == m * n
+        assert P.payload_entries("torch-muon", m, n, sharded=axis) == m * n
+        assert P.payload_entries("adamw", m, n, sharded=axis) == 0
+        assert P.payload_entries("dobb", m, n, {"blocks": 4}, sharded=axis) == 0
+        assert P.payload_entries("dobb-g", m, n, {"blocks": 4}, sharded=axis) == 0
+    # Table 7: the ell2 variants reduce one norm per coefficient column (row) across the other axis
+    assert P.payload_entries("dobb-l2", m, n, {"blocks": 4}, sharded="output") == n
+    assert P.payload_entries("dobb-l2", m, n, {"blocks": 4}, sharded="input") == 0
+    assert P.payload_entries("dobb-g-l2", m, n, {"blocks": 4}, sharded="output") == 0
+    assert P.payload_entries("dobb-g-l2", m, n, {"blocks": 4}, sharded="input") == m
+    # one shard: nothing crosses shards
+    assert P.payload_entries("muon", m, n, shards=1) == 0
+
+
+def test_derived_baselines():
+    m, n = 8, 6
+    assert P.payload_entries("rmnp", m, n, sharded="output") == 0
+    assert P.payload_entries("rmnp", m, n, sharded="input") == m
+    assert P.payload_entries("pr-muon", m, n, {"period": 3}, sharded="output") == pytest.approx(48 / 3)
+    assert P.payload_entries("pr-muon", m, n, {"period": 3}, sharded="input") == pytest.approx((48 + 2 * 8) / 3)
+    assert P.payload_entries("dion2", m, n, {"fraction": 0.25}) == 2 * 6
+    # block Muon: column blocks under row sharding span every shard; row blocks aligned with shards: 0
+    assert P.payload_entries("block-muon", m, n, {"blocks": 4, "axis": 1}, sharded="output") == 48
+    assert P.payload_entries("block-muon", m, n, {"blocks": 4, "axis": 0}, sharded="output", shards=4) == 0
+
+
+def test_straddling_blocks_are_charged_their_slab():
+    # m=8 rows over 4 shards (2 rows each); Dobb-G with 2 blocks of 4 rows: both straddle a boundary
+    assert P.payload_entries("dobb-g", 8, 3, {"blocks": 2}, sharded="output", shards=4) == 8 * 3
+    assert P.payload_entries("dobb-g", 8, 3, {"blocks": 4}, sharded="output", shards=4) == 0
+    assert P.payload_entries("dobb-g", 8, 3, {"blocks": 8}, sharded="output", shards=4) == 0
+    # 3 blocks of (3, 3, 2) over shards of 2: blocks [0,3) and [3,6) straddle, [6,8) does not
+    assert P.payload_entries("dobb-g", 8, 3, {"blocks": 3}, sharded="output", shards=4) == (3 + 3) * 3
+
+
+def test_figure1_dion_aggregate_is_one_and_a_half_rho_on_gpt2_xl():
+    shapes = matrix_shapes("xl")
+    assert len(shapes) == 48 * 6
+    for rho in (1.0, 0.25, 1 / 16):
+        assert P.relative_payload("dion", {"rank_fraction": rho}, shapes) == pytest.approx(1.5 * rho, rel=1e-12)
+    # rho = 1/3: r = round(1600/3) = 533 for every matrix, so the ratio is 1.5 * 533/1600
+    assert P.relative_payload("dion", {"rank_fraction": 1 / 3}, shapes) == pytest.approx(1.5 / 3, rel=2e-3)
+    # fused qkv (3d x d): (4 + 2 + 10) rho d^2 / 12 d^2 = 4/3 rho, so Figure 1 counts q, k, v apart
+    fused = matrix_shapes("xl", fused_qkv=True)
+    assert P.relative_payload("dion", {"rank_fraction": 0.25}, fused) == pytest.approx(0.25 * 4 / 3)
+    assert P.relative_payload("muon", {}, shapes) == 1.0
+    for name in ("dobb", "adamw", "dobb-g"):
+        assert P.relative_payload(name, {"blocks": 16}, shapes) == 0.0
+    # plain (m, n) tuples work as well as (name, (m, n)) pairs (report.plot_payload passes tuples)
+    assert P.relative_payload("dion", {"rank_fraction": 0.25}, [s for _, s in shapes]) == pytest.approx(0.375)
+
+
+def test_dp_statistic_sync_is_n_squared_over_b():
+    assert P.dp_stat_entries("dobb", 768, 3072, {"blocks": 16}) == 3072**2 / 16
+    assert P.dp_stat_entries("dobb-g", 768, 3072, {"blocks": 16}) == 768**2 / 16
+    assert P.dp_stat_entries("dobb", 768, 3072, {"blocks": 16, "refresh_every": 9}, per_step=True) == 3072**2 / 16 / 9
+    assert P.dp_stat_entries("dion", 768, 3072, {}) == 0
+    assert P.dp_stat_entries("dobb", 768, 3072, {"blocks": 16, "source": "grad_gram"}) == 0
+
+
+def test_parse_spec_and_bad_names():
+    assert P.parse_spec("dion:rank_fraction=1/16,qr=rcqr") == ("dion", {"rank_fraction": 0.0625, "qr": "rcqr"})
+    assert P.parse_spec("dobb:blocks=4,stagger=true") == ("dobb", {"blocks": 4, "stagger": True})
+    with pytest.raises(ValueError, match="key=value"):
+        P.parse_spec("dobb:blocks")
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        P.payload_entries("sgd", 4, 4)
+    with pytest.raises(ValueError, match="sharded"):
+        P.payload_entries("muon", 4, 4, sharded="rows")
+    with pytest.raises(ValueError, match="no matrix shapes"):
+        P.relative_payload("muon", {}, [])
+
+
+def test_derived_state_matches_the_library_buffers():
+    from dobb import Dobb
+
+    lin = nn.ModuleList([nn.Linear(12, 8, bias=False), nn.Linear(8, 12, bias=False)])
+    for p in lin.parameters():
+        p.grad = torch.randn_like(p)
+    opt = Dobb(list(lin.parameters()), model=lin, lr=1e-3, blocks=4, source="grad_gram", check_finite=False)
+    opt.step()
+    derived = sum(P.derived_state_bytes("dobb", m, n, {"blocks": 4}) for m, n in [(8, 12), (12, 8)])
+    # momentum fp32 (mn*4) + fp32 statistic + bf16 basis: (12*3 + 8*2) * 6 bytes
+    assert derived == (96 + 96) * 4 + (12 * 3 + 8 * 2) * 6
+    assert state_bytes(opt) == derived
+    adam = torch.optim.AdamW(lin.parameters(), lr=1e-3)
+    adam.step()
+    assert state_bytes(adam) == sum(P.derived_state_bytes("adamw", 8, 12) for _ in range(2)) + 2 * 4  # + step scalars
+    assert P.derived_state_bytes("dion", 8, 12, {"rank_fraction": 0.5}) == 96 * 4 + 12 * 4 * 4
+    # per rank: weight-shaped state split over every shard, Dobb's block state only over its axis
+    assert P.derived_state_bytes("dobb", 8, 12, {"blocks": 4}, out_shards=2) == 96 * 2 + 12 * 3 * 6
+    assert P.derived_state_bytes("dobb", 8, 12, {"blocks": 4}, in_shards=2) == 96 * 2 + 12 * 3 * 3
+    assert math.isclose(P.derived_state_bytes("dobb", 1600, 1600, {"blocks": 16}) - 1600 * 1600 * 4,
+                        6 * 1600**2 / 16)  # Table 18's 6 n^2 / B

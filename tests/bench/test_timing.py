@@ -1,0 +1,134 @@
+"""dobb_bench.shapes and dobb_bench.timing: GPT-2 presets against the published parameter counts,
+the timing command end to end on a tiny matrix set, its refresh bookkeeping, and CLI errors."""
+import json
+
+import pytest
+
+from dobb_bench import timing as T
+from dobb_bench.cli import main
+from dobb_bench.shapes import gpt2_param_count, matrix_shapes, parse_layers
+
+# Hugging Face GPT-2 checkpoints (tied head, biases, learned positions): the published sizes
+PUBLISHED = {"small": 124_439_808, "medium": 354_823_168, "large": 774_030_080, "xl": 1_557_611_200}
+WIDTH_LAYERS = {"small": (768, 12), "medium": (1024, 24), "large": (1280, 36), "xl": (1600, 48)}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_presets_match_published_gpt2_sizes(name):
+    assert gpt2_param_count(name) == PUBLISHED[name]
+    d, layers = WIDTH_LAYERS[name]
+    shapes = matrix_shapes(name)
+    assert len(shapes) == 6 * layers
+    assert sum(m * n for _, (m, n) in shapes) == 12 * d * d * layers
+    assert dict(matrix_shapes(name, "1")) == {"h0.q": (d, d), "h0.k": (d, d), "h0.v": (d, d), "h0.o": (d, d),
+                                              "h0.fc": (4 * d, d), "h0.proj": (d, 4 * d)}
+    fused = matrix_shapes(name, "1", fused_qkv=True)
+    assert [s for _, s in fused] == [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d)]
+
+
+def test_layer_slices():
+    assert list(parse_layers(None, 12)) == list(range(12))
+    assert list(parse_layers("3", 12)) == [0, 1, 2]
+    assert list(parse_layers("10:", 12)) == [10, 11]
+    assert [n for n, _ in matrix_shapes("xl", "47:48")][0] == "h47.q"
+    for bad in ("0", "5:5", "0:13", "a:b", "-1:2"):
+        with pytest.raises(ValueError, match="--layers"):
+            parse_layers(bad, 12)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("timing")
+    rc = main(["timing", "--preset", "tiny", "--repeats", "2", "--refresh-every", "3", "--blocks", "4",
+               "--device", "cpu", "--optimizers", "torch-adamw", "torch-muon", "dion:rank_fraction=1/4", "dobb",
+               "dobb:stagger=true", "--out", str(out)])
+    assert rc == 0
+    lines = [json.loads(ln) for ln in (out / "timing.jsonl").read_text().splitlines()]
+    return out, lines
+
+
+def test_timing_writes_json_lines_table_and_plot(smoke):
+    out, lines = smoke
+    kinds = [ln["kind"] for ln in lines]
+    assert kinds[0] == "run" and kinds.count("summary") == 5
+    summaries = {ln["label"]: ln for ln in lines if ln["kind"] == "summary"}
+    assert set(summaries) == {"torch-adamw", "torch-muon", "dion:rank_fraction=1/4", "dobb", "dobb:stagger=true"}
+    for s in summaries.values():
+        assert s["amortized_ms"]["n"] == 2 and s["amortized_ms"]["median"] > 0
+        assert s["amortized_ms"]["q25"] <= s["amortized_ms"]["median"] <= s["amortized_ms"]["q75"]
+    assert summaries["torch-adamw"]["ratio_to_adamw"]["median"] == 1.0
+    # derived state (buffer sizes) equals the measured state tensors for the exact-size optimizers
+    for label in ("torch-muon", "dobb", "dion:rank_fraction=1/4"):
+        assert summaries[label]["state_bytes"] == summaries[label]["derived_state_bytes"]
+    table = (out / "timing.md").read_text()
+    assert "| Model | device | DP | FS | TP | procs |" in table and "| dobb |" in table
+    assert (out / "timing.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_dobb_cycles_start_at_a_refresh(smoke):
+    _, lines = smoke
+    reps = [ln for ln in lines if ln["kind"] == "rep"]
+    dobb = [r for r in reps if r["label"] == "dobb"]
+    assert len(dobb) == 2 and all(r["refresh"] == [True, False, False] for r in dobb)
+    # staggered: 12 matrices spread over 3 offsets, so every step refreshes some of them
+    assert all(all(r["refresh"]) for r in reps if r["label"] == "dobb:stagger=true")
+    # cheap one-step optimizers run the longest cycle per repeat, interleaved with Dobb's steps
+    assert all(len(r["steps_ms"]) == 3 for r in reps if r["label"] == "torch-adamw")
+    s = next(ln for ln in lines if ln.get("label") == "dobb" and ln["kind"] == "summary")
+    assert s["cycle"] == 3 and s["refresh_ms"]["n"] == 2 and s["nonrefresh_ms"]["n"] == 2
+    # amortized is the cycle mean: (Refresh + (T-1) Non-refresh) / T within each repeat
+    for r in dobb:
+        ms = r["steps_ms"]
+        assert sum(ms) / 3 == pytest.approx((ms[0] + 2 * (ms[1] + ms[2]) / 2) / 3)
+
+
+def test_slow_optimizers_run_one_cycle_per_repeat(tmp_path):
+    cfg = T.TimingConfig(preset="tiny", layers="1", optimizers=("torch-adamw", "dobb"), repeats=1, refresh_every=2,
+                         blocks=2, rep_seconds=0.0, log=False)
+    result = T.run_timing(cfg)
+    steps = {s["label"]: s["steps_per_repeat"] for s in result["summaries"]}
+    assert steps == {"torch-adamw": 1, "dobb": 2}
+    assert {r["label"]: len(r["steps_ms"]) for r in result["reps"]} == steps
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["timing", "--preset", "huge"], "unknown GPT-2 preset"),
+    (["timing", "--preset", "tiny", "--layers", "5:9"], "--layers"),
+    (["timing", "--preset", "tiny", "--optimizers", "sgd"], "unknown optimizer"),
+    (["timing", "--preset", "tiny", "--repeats", "0"], "--repeats"),
+    (["timing", "--preset", "tiny", "--device", "cpu", "--fs", "2"], "torchrun"),
+    (["timing", "--preset", "tiny", "--device", "cpu", "--threads", "0"], "--threads"),
+    (["payload", "--shards", "0"], "--shards"),
+    (["payload", "--optimizers", "dion:rank_fraction"], "key=value"),
+    (["payload", "--optimizers", "sgd"], "unknown optimizer"),
+])
+def test_cli_bad_input_is_one_line_exit_2(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_payload_command_prints_figure1_ratio(capsys, tmp_path):
+    assert main(["payload", "--preset", "xl", "--optimizers", "muon", "dion:rank_fraction=1/16", "dobb:blocks=16",
+                 "dobb-l2:blocks=16", "--out", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "| dion:rank_fraction=1/16 | 3.2e+05 | 8e+05 | 8e+05 | 0.0938 |" in text
+    assert "| dobb:blocks=16 | 0 | 0 | 0 | 0.0000 |" in text
+    data = json.loads((tmp_path / "payload.json").read_text())
+    assert data["derived"]["rows"][0]["relative_to_muon"] == 1.0
+
+
+@pytest.mark.slow
+def test_fsdp2_meter_matches_derived_payload():
+    """Two gloo ranks, FSDP2 FS=2: Dobb's step moves nothing, Dobb-ell2's moves its n column norms."""
+    if T._meter_class() is None:
+        pytest.skip("dobb.meter is not available")
+    result = T.measure_fsdp_payload(["adamw", "dobb", "dobb-l2"], "tiny", "1", 2)
+    by = {s["label"]: s for s in result["summaries"]}
+    assert by["torch-adamw"]["metered"]["step"]["bytes"] == 0
+    assert by["dobb"]["metered"]["step"]["bytes"] == 0 and by["dobb"]["metered"]["next_step"]["bytes"] == 0
+    n_total = sum(n for _, (m, n) in matrix_shapes("tiny", "1"))
+    assert by["dobb-l2"]["metered"]["step"]["bytes"] == 4 * n_total
+    # the data-parallel statistic mean (n^2/B per matrix, fp32) runs in the capture pass, tagged "stat"
+    stat = sum(n * n // 2 for _, (m, n) in matrix_shapes("tiny", "1")) * 4
+    assert by["dobb"]["metered"]["capture_stat"]["bytes"] == stat
