@@ -13,6 +13,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from . import functional as F
@@ -30,14 +31,17 @@ class PendingStat:
     sums: torch.Tensor
     count: int
     reduction: StatReduction | None = None
+    layout: MatrixLayout | None = None
 
     def finish(self, group) -> torch.Tensor:
-        """The (data-parallel averaged) second moment ``(k_local, s_max)``."""
+        """The (data-parallel averaged) second moment, shaped like the local block state."""
         if self.reduction is not None:
-            return self.reduction.wait()
-        mean = self.sums / self.count
-        pending = reduce_stat_async(mean, group)
-        return mean if pending is None else pending.wait()
+            mean = self.reduction.wait()
+        else:
+            mean = self.sums / self.count
+            pending = reduce_stat_async(mean, group)
+            mean = mean if pending is None else pending.wait()
+        return mean if self.layout is None else self.layout.stat_to_state(mean)
 
 
 class CaptureHooks:
@@ -84,22 +88,37 @@ class CaptureHooks:
                 output.register_hook(functools.partial(self._grad_hook, p))
 
     def _grad_hook(self, p: torch.Tensor, grad: torch.Tensor) -> None:
-        self._accumulate(p, grad.detach(), self.groups[p])
+        # Data parallelism averages gradients over the P ranks of the statistic's group (DDP/FSDP:
+        # each rank's loss is a mean over its own rows), so the output gradient that forms the
+        # averaged weight gradient is grad / P. Scaling by it keeps the statistic independent of
+        # how many ranks share the batch, so a checkpoint resumed at another world size continues
+        # the same EMA (the basis itself is scale-invariant).
+        grad = grad.detach()
+        group = self.layouts[p].stat_group
+        if group is not None and dist.get_world_size(group) > 1:
+            grad = grad / dist.get_world_size(group)
+        self._accumulate(p, grad, self.groups[p])
 
     def _accumulate(self, p: torch.Tensor, feats: torch.Tensor, group: dict) -> None:
         layout = self.layouts[p]
-        feats = layout.local_features(feats)
+        # The span is the local blocks, or the whole axis when its shards are spread over the
+        # data-parallel ranks (see MatrixLayout.span_sizes); finish() cuts it to the local rows.
+        feats = layout.capture_features(feats)
+        sizes = layout.capture_sizes
         # Accumulate in fp32 at least (fp64 when the statistic is kept in fp64).
         dtype = torch.promote_types(group["stat_dtype"], torch.float32)
-        sums, count = F.second_moment_blocks(feats, layout.local_sizes, dtype)
+        if sizes:
+            sums, count = F.second_moment_blocks(feats, sizes, dtype)
+        else:  # an empty shard: nothing to capture, but keep the capture count in step with the others
+            sums, count = feats.new_zeros(0, layout.state_cols, dtype=dtype), 1
         prev = self.pending.get(p)
         if group["capture"] == "first":
             # Complete after one micro-batch: start the data-parallel mean now, so it overlaps
             # the rest of forward/backward; step() waits for it.
-            mean = sums.div_(count)
-            self.pending[p] = PendingStat(mean, 1, reduce_stat_async(mean, layout.stat_group))
+            mean = sums.div_(max(count, 1))
+            self.pending[p] = PendingStat(mean, 1, reduce_stat_async(mean, layout.stat_group), layout)
         elif prev is None:
-            self.pending[p] = PendingStat(sums, count)
+            self.pending[p] = PendingStat(sums, count, None, layout)
         else:
             prev.sums.add_(sums)
             prev.count += count
@@ -112,6 +131,8 @@ def gram_statistic(grad_local: torch.Tensor, layout: MatrixLayout, dtype=torch.f
     added over ``layout.l2_group`` (the same ranks that share column norms).
     """
     g = grad_local if layout.blocked_axis == 1 else grad_local.transpose(0, 1)
+    if not layout.local_sizes:  # empty shard: so are the other ranks of its l2 group
+        return g.new_zeros(0, layout.state_cols, dtype=dtype)
     sums, _ = F.second_moment_blocks(g, layout.local_sizes, dtype)
     all_reduce_sum_(sums, layout.l2_group)
-    return sums.div_(layout.rows)
+    return layout.pad_state_cols(sums.div_(layout.rows))

@@ -311,7 +311,10 @@ class Dobb(MatrixOptimizer):
         # (fp32) and bases (bf16) keep their own precision, so they are restored separately.
         own = {pid: {k: st[k] for k in self._OWN_DTYPE_KEYS if k in st} for pid, st in state_dict["state"].items()}
         super().load_state_dict(state_dict)
-        params = [p for g in self.param_groups for p in g["params"]]
+        # saved ids may be ints or names (torch.distributed.checkpoint's set_optimizer_state_dict
+        # passes FQNs): map them as torch does, by position in the param groups
+        saved = [pid for g in state_dict["param_groups"] for pid in g["params"]]
+        params = dict(zip(saved, (p for g in self.param_groups for p in g["params"])))
         for pid, values in own.items():
             p = params[pid]
             for key, value in values.items():

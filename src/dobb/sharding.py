@@ -1,0 +1,236 @@
+"""Layouts of DTensor parameters (FSDP2, tensor parallel, FSDP x TP): all placement knowledge.
+
+Why this module exists: Dobb's update is shard-local exactly when every block of the blocked axis
+lies within one shard (SPEC section 1, Table 3). ``dtensor_layout`` reads a DTensor's mesh and
+placements once, at optimizer construction, and turns them into a ``MatrixLayout``:
+
+- the blocked axis may be sharded over at most one mesh dim (plain ``Shard``, ``torch.chunk``
+  sizes, uneven and empty shards allowed); ``block_sizes`` cuts it at the shard boundaries, or
+  raises the ``ValueError`` that lists the ``blocks`` values that work;
+- the other axis may be sharded any way (``Shard``, ``_StridedShard``, over several mesh dims):
+  those mesh dims form ``l2_group``, the ranks whose coefficient column norms Dobb-ell2 sums
+  (Table 7's ``O(n)``) and whose gradient-Gram partial sums ``source="grad_gram"`` adds;
+- statistics are averaged over the *data-parallel* mesh dims (ranks that see different data):
+  by default every dim whose name does not contain ``"tp"`` (unnamed dims count as data-parallel,
+  as in ``fully_shard``'s default mesh); ``stat_group`` overrides this with mesh dim names/indices,
+  a ``ProcessGroup`` or ``None``;
+- block state (``stat``, ``basis``; row-stacked ``(k, s_max)``) is a DTensor on the same mesh:
+  ``Shard(0)`` over the mesh dim that shards the blocked axis, ``Replicate`` elsewhere, so DCP
+  reshards it with the weight and every rank holds the same keys.
+
+Anything the update cannot serve from local data (``Partial``, a ``_StridedShard`` or two mesh
+dims on the blocked axis, a block straddling a shard, a ``stat_group`` mixing ranks that hold
+different blocks) is a ``ValueError`` here, never a silent gather or a hang later.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from .distributed import MatrixLayout
+from .functional import block_sizes, identity_blocks
+
+__all__ = ["DTensorLayout", "dtensor_layout", "data_parallel_dims", "chunk_sizes"]
+
+_FLATTENED: dict[tuple, object] = {}
+
+
+def chunk_sizes(length: int, parts: int) -> list[int]:
+    """Shard lengths of an axis split ``torch.chunk``-style (DTensor ``Shard``): trailing shards may
+    be shorter or empty (18 over 4 -> 5, 5, 5, 3; 2 over 4 -> 1, 1, 0, 0)."""
+    chunk = -(-length // parts)
+    return [max(0, min(chunk, length - i * chunk)) for i in range(parts)]
+
+
+def data_parallel_dims(mesh) -> tuple[int, ...]:
+    """Mesh dims whose ranks see different data: names without ``"tp"``; unnamed dims all count."""
+    names = mesh.mesh_dim_names
+    if names is None:
+        return tuple(range(mesh.ndim))
+    return tuple(i for i, name in enumerate(names) if "tp" not in name.lower())
+
+
+def _line_ranks(mesh, dims: tuple[int, ...]) -> set[int]:
+    """Global ranks of the sub-mesh through this rank's coordinate that varies ``dims``."""
+    coord = mesh.get_coordinate()
+    grid = mesh.mesh
+    index = [slice(None) if d in dims else coord[d] for d in range(mesh.ndim)]
+    return {int(r) for r in grid[tuple(index)].flatten().tolist()}
+
+
+def _group_over(mesh, dims: tuple[int, ...]):
+    """Process group over the mesh dims ``dims`` (None when empty or of size 1)."""
+    dims = tuple(d for d in sorted(dims) if mesh.size(d) > 1)
+    if not dims:
+        return None
+    if len(dims) == 1:
+        return mesh.get_group(dims[0])
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ValueError(
+            f"reducing over several mesh dims {dims} needs a mesh with mesh_dim_names (to flatten "
+            f"them); name the mesh dims or pass stat_group=<ProcessGroup>"
+        )
+    key = (id(mesh._get_root_mesh()), tuple(names[d] for d in dims))
+    if key not in _FLATTENED:
+        _FLATTENED[key] = mesh[tuple(names[d] for d in dims)]._flatten()
+    return _FLATTENED[key].get_group()
+
+
+def _dim_index(mesh, d) -> int:
+    names = mesh.mesh_dim_names or ()
+    if isinstance(d, str):
+        if d not in names:
+            raise ValueError(f"stat_group names mesh dim {d!r}, but the parameter's mesh has dims {names}")
+        return names.index(d)
+    if isinstance(d, int) and not isinstance(d, bool) and 0 <= d < mesh.ndim:
+        return d
+    raise ValueError(f"stat_group entry {d!r} is neither a mesh dim name nor an index below {mesh.ndim}")
+
+
+@dataclass
+class DTensorLayout(MatrixLayout):
+    """``MatrixLayout`` of a DTensor parameter; see the module docstring for the rules.
+
+    Extra fields: ``mesh``; ``state_placements`` (for the row-stacked block state); ``s_max``
+    (the global largest block: the column count of the block state on every rank, so the shards
+    form one ``(k, s_max)`` DTensor). ``span_sizes`` is the whole axis when the shards of the
+    blocked axis are spread over data-parallel ranks: each rank then captures all blocks, the
+    averaged statistic is sliced to the local rows.
+    """
+
+    mesh: object = None
+    state_placements: tuple = ()
+    s_max: int = 1
+
+    @property
+    def state_cols(self) -> int:
+        return self.s_max
+
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    def new_block_state(self, dtype: torch.dtype, identity: bool, like: torch.Tensor) -> torch.Tensor:
+        k_local, device = self.local_blocked_len, self.local(like).device
+        if identity and self.local_sizes:
+            local = identity_blocks(self.local_sizes, dtype=dtype, device=device)
+            local = torch.nn.functional.pad(local, (0, self.s_max - local.shape[1]))
+        else:
+            local = torch.zeros(k_local, self.s_max, dtype=dtype, device=device)
+        k = self.shape[self.blocked_axis]
+        return DTensor.from_local(local, self.mesh, self.state_placements, run_check=False,
+                                  shape=torch.Size((k, self.s_max)), stride=(self.s_max, 1))
+
+
+def dtensor_layout(param: torch.Tensor, side: str, blocks: int, stat_group="default") -> DTensorLayout:
+    """The ``DTensorLayout`` of a 2-D DTensor parameter, or a ``ValueError`` saying why none works."""
+    if side not in ("input", "output"):
+        raise ValueError(f"side must be 'input' or 'output', got {side!r}")
+    mesh, placements = param.device_mesh, tuple(param.placements)
+    shape = tuple(int(s) for s in param.shape)
+    local_shape = tuple(int(s) for s in param.to_local().shape)
+    axis = 1 if side == "input" else 0
+    coord = mesh.get_coordinate()
+    if coord is None:
+        raise ValueError("this rank is not part of the parameter's device mesh")
+
+    blocked_dims, other_dims = [], []
+    for d, pl in enumerate(placements):
+        if isinstance(pl, Partial) or pl.is_partial():
+            raise ValueError(
+                f"Partial placement {pl} on mesh dim {d}: the parameter is an unreduced sum; Dobb needs "
+                f"its values (redistribute it to Shard/Replicate first)"
+            )
+        if pl.is_replicate():
+            continue
+        if not (pl.is_shard() or isinstance(pl, _StridedShard)):
+            raise ValueError(f"unsupported placement {pl} on mesh dim {d}")
+        dim = pl.dim % 2
+        if dim != axis:
+            other_dims.append(d)  # any sharding of the other axis is fine (its l2 group sums norms)
+        elif type(pl) is not Shard:
+            raise ValueError(
+                f"placement {pl} shards the blocked axis (dim {axis}) in strides: Dobb's blocks are "
+                f"contiguous and must lie within one shard. Under FSDP x TP shard the other axis with "
+                f"FSDP (fully_shard(..., shard_placement_fn=lambda p: Shard({1 - axis})))"
+                f" or block the other side"
+            )
+        else:
+            blocked_dims.append(d)
+    if len(blocked_dims) > 1:
+        raise ValueError(
+            f"the blocked axis (dim {axis}) is sharded over mesh dims {blocked_dims}; Dobb supports one "
+            f"sharding mesh dim on the blocked axis (shard the other axis with one of them)"
+        )
+
+    length = shape[axis]
+    if blocked_dims:
+        d_b = blocked_dims[0]
+        shard_sizes = chunk_sizes(length, mesh.size(d_b))
+        me = coord[d_b]
+        local_start = sum(shard_sizes[:me])
+        if shard_sizes[me] != local_shape[axis]:
+            raise ValueError(
+                f"local shard of length {local_shape[axis]} on the blocked axis does not follow torch.chunk "
+                f"sizes {shard_sizes}; Dobb cannot tell where its blocks are"
+            )
+    else:
+        d_b, shard_sizes, local_start = None, None, 0
+    global_sizes = block_sizes(length, blocks, shard_sizes)
+    starts = list(itertools.accumulate([0, *global_sizes[:-1]]))
+    local_sizes = [s for s, a in zip(global_sizes, starts) if local_start <= a < local_start + local_shape[axis]]
+
+    stat_dims, group = _resolve_stat_group(mesh, stat_group, d_b)
+    if d_b is not None and d_b in stat_dims:
+        # The shards of the blocked axis sit on ranks with different data: each rank captures the
+        # whole axis (its activations are unsharded), the mean is taken over all of it, and the
+        # local rows are kept. Payload: the full n^2/B statistic, as under plain data parallelism.
+        span_start, span_sizes = 0, global_sizes
+    else:
+        span_start, span_sizes = local_start, None
+
+    state_placements = tuple(Shard(0) if d == d_b else Replicate() for d in range(mesh.ndim))
+    return DTensorLayout(
+        shape=shape, local_shape=local_shape, blocked_axis=axis, local_sizes=local_sizes,
+        local_start=local_start, stat_group=group, l2_group=_group_over(mesh, tuple(other_dims)),
+        global_sizes=global_sizes, mesh=mesh, state_placements=state_placements,
+        s_max=max(global_sizes), span_start=span_start, span_sizes=span_sizes,
+    )
+
+
+def _resolve_stat_group(mesh, stat_group, d_b):
+    """``(data-parallel mesh dims, process group)`` for the statistic mean; see the module docstring."""
+    if isinstance(stat_group, dist.ProcessGroup):
+        ranks = set(dist.get_process_group_ranks(stat_group))
+        for dims in _dim_subsets(mesh.ndim):  # a group that is a set of mesh dims is treated as those dims
+            if _line_ranks(mesh, dims) == ranks:
+                return dims, stat_group if len(ranks) > 1 else None
+        if d_b is not None and (_line_ranks(mesh, (d_b,)) & ranks) - {dist.get_rank()}:
+            raise ValueError(
+                "stat_group holds ranks with different blocks of the blocked axis (mesh dim "
+                f"{d_b}); averaging their statistics would mix blocks. Pass mesh dim names instead"
+            )
+        return (), stat_group
+    if stat_group == "default":
+        dims = data_parallel_dims(mesh)
+    elif stat_group is None:
+        dims = ()
+    elif isinstance(stat_group, (str, int)):
+        dims = (_dim_index(mesh, stat_group),)
+    elif isinstance(stat_group, (tuple, list)):
+        dims = tuple(sorted({_dim_index(mesh, d) for d in stat_group}))
+    else:
+        raise ValueError(
+            f"stat_group must be 'default', None, a ProcessGroup or mesh dim name(s)/index(es), got {stat_group!r}"
+        )
+    return dims, _group_over(mesh, dims)
+
+
+def _dim_subsets(ndim: int):
+    for r in range(ndim + 1):
+        yield from itertools.combinations(range(ndim), r)

@@ -1,0 +1,167 @@
+"""Shared pieces of the distributed tests: a tiny float64 model, data, a training loop, a reference.
+
+Why float64 everywhere (parameters, statistics, bases): Dobb's sign normalization is discontinuous,
+so a sharded run can only be compared with a single-process run if rounding differences (the order
+of a reduction) stay far below the size of any coefficient; in float64 they do.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import dobb.dobb as dobb_module
+from dobb import Dobb
+from dobb.meter import PayloadMeter
+
+D, H, OUT, N = 16, 32, 8, 8  # input width, hidden width, outputs, global batch rows
+STEPS, REFRESH, BLOCKS = 4, 2, 4
+
+VARIANTS = {
+    "dobb": dict(norm="sign", side="input", source="activation"),
+    "dobb-l2": dict(norm="l2", side="input", source="activation"),
+    "dobb-g": dict(norm="sign", side="output", source="output_grad"),
+    "dobb-g-l2": dict(norm="l2", side="output", source="output_grad"),
+}
+
+
+class Net(nn.Module):
+    """``fc1`` (column-parallel under TP), ``fc2`` (row-parallel), a norm (AdamW) and a head."""
+
+    def __init__(self, d=D, h=H, out=OUT, seed=0):
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.fc1 = nn.Linear(d, h, bias=False, dtype=torch.float64)
+        self.fc2 = nn.Linear(h, d, bias=False, dtype=torch.float64)
+        self.norm = nn.LayerNorm(d, dtype=torch.float64)
+        self.head = nn.Linear(d, out, dtype=torch.float64)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) / p.shape[-1] ** 0.5)
+
+    def forward(self, x):
+        return self.head(self.norm(self.fc2(torch.relu(self.fc1(x)))))
+
+    matrices = ("fc1", "fc2", "head")
+
+
+def data(steps=STEPS, rows=N, d=D, out=OUT, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(rows, d, generator=gen, dtype=torch.float64),
+             torch.randn(rows, out, generator=gen, dtype=torch.float64)) for _ in range(steps)]
+
+
+def groups(model, matrices=Net.matrices):
+    mats = [getattr(model, m).weight for m in matrices]
+    others = [p for p in model.parameters() if all(p is not q for q in mats)]
+    return [{"params": mats}, {"params": others, "algorithm": "adamw"}]
+
+
+def make_opt(model, variant, blocks=BLOCKS, matrices=Net.matrices, **kw):
+    kw = {**VARIANTS[variant], **kw}
+    return Dobb(groups(model, matrices), model, lr=0.02, weight_decay=0.01, blocks=blocks, refresh_every=REFRESH,
+                basis_dtype=torch.float64, stat_dtype=torch.float64, **kw)
+
+
+def train(model, opt, batches, shard=(0, 1), meter=False):
+    """Steps on rows ``[r*N/P, (r+1)*N/P)`` of each batch for ``shard = (r, P)``.
+
+    With ``meter``, returns per step ``(collectives in step(), Dobb stat entries in forward/backward,
+    all collectives in forward/backward, norm entries in step())``.
+    """
+    r, p = shard
+    log = []
+    for x, y in batches:
+        rows = x.shape[0] // p
+        xs, ys = x[r * rows:(r + 1) * rows], y[r * rows:(r + 1) * rows]
+        with PayloadMeter() as fb:
+            loss = torch.nn.functional.mse_loss(model(xs), ys)
+            loss.backward()
+        with PayloadMeter() as st:
+            opt.step()
+        opt.zero_grad()
+        log.append((st.collectives, fb.kind("stat").numel, fb.collectives, st.kind("norm").numel))
+    return log
+
+
+def full_params(model) -> dict[str, torch.Tensor]:
+    """Every parameter as a full plain tensor (collective for DTensors: call on all ranks)."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name] = t.detach().clone()
+    return out
+
+
+def reference(variant, blocks=BLOCKS, model_fn=Net, batches=None, matrices=Net.matrices, steps=STEPS, **kw):
+    """The single-process run on the whole batch (no statistic averaging)."""
+    model = model_fn()
+    opt = make_opt(model, variant, blocks, matrices, **{**kw, "stat_group": None})
+    train(model, opt, batches if batches is not None else data(steps))
+    return full_params(model)
+
+
+def stats(opt) -> list[torch.Tensor]:
+    """Every matrix's block statistic as a full tensor (collective for DTensors)."""
+    out = []
+    for p in opt.param_groups[0]["params"]:
+        t = opt.state[p]["stat"]
+        out.append((t.full_tensor() if hasattr(t, "full_tensor") else t).clone())
+    return out
+
+
+def reference_stats(variant, **kw) -> list[torch.Tensor]:
+    model = Net()
+    opt = make_opt(model, variant, **{**kw, "stat_group": None})
+    train(model, opt, data())
+    return stats(opt)
+
+
+def partitions(opt) -> list[list[int]]:
+    """The global block sizes of every matrix, in parameter order."""
+    return [list(opt._layouts[p].global_sizes) for g in opt.param_groups if g["algorithm"] != "adamw"
+            for p in g["params"]]
+
+
+@contextlib.contextmanager
+def fixed_partitions(sizes: list[list[int]]):
+    """Build the next optimizer's matrices with these block sizes (in parameter order).
+
+    A sharded axis is cut at its shard boundaries first (18 rows over 4 ranks, B=4: 5,5,5,3, where a
+    single process would cut 5,5,4,4); the single-process reference must use the same blocks to be
+    the same algorithm.
+    """
+    queue = [list(s) for s in sizes]
+    original = dobb_module.layout_for
+
+    def patched(param, side, blocks, stat_group="default"):
+        layout = original(param, side, blocks, stat_group)
+        mine = queue.pop(0)
+        assert sum(mine) == layout.shape[layout.blocked_axis] and len(mine) == blocks
+        return dataclasses.replace(layout, local_sizes=mine, global_sizes=mine)
+
+    dobb_module.layout_for = patched
+    try:
+        yield
+    finally:
+        dobb_module.layout_for = original
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def state_keys(opt) -> list:
+    """Sorted (param index, key) pairs of the optimizer state, for cross-rank comparison."""
+    index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+    return sorted((index[id(p)], k) for p, st in opt.state.items() for k in st)
+
+
+def same_on_all_ranks(obj) -> bool:
+    objs = [None] * dist.get_world_size()
+    dist.all_gather_object(objs, obj)
+    return all(o == objs[0] for o in objs)
