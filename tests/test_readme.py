@@ -2,8 +2,6 @@
 import re
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
@@ -20,8 +18,6 @@ def test_readme_python_blocks_run():
     assert blocks
     namespace: dict = {}
     for code in blocks:
-        if "build_optimizer" in code:
-            pytest.importorskip("dobb.factory")
         exec(compile(code, "README.md", "exec"), namespace)
     model = namespace["model"]
     assert all(p.isfinite().all() for p in model.parameters())
