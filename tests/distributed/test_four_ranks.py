@@ -15,7 +15,7 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from _common import (BLOCKS, REFRESH, STEPS, VARIANTS, Net, data, fixed_partitions, full_params, make_opt,
-                     max_diff, partitions, reference, same_on_all_ranks, state_keys, train)
+                     max_diff, partitions, reference, reference_stats, same_on_all_ranks, state_keys, stats, train)
 from _spawn import spawn
 from dobb import Dobb
 
@@ -83,7 +83,8 @@ def worker(rank, world):
         opt = make_opt(model, variant)
         log = train(model, opt, data(), (dp_rank, 2))
         return {"diff": max_diff(full_params(model), reference(variant)), "log": log,
-                "same_keys": same_on_all_ranks(state_keys(opt))}
+                "same_keys": same_on_all_ranks(state_keys(opt)),
+                "stat_diff": max((a - b).abs().max().item() for a, b in zip(stats(opt), reference_stats(variant)))}
 
     for v in VARIANTS:
         check(("fsdp_tp", v), fsdp_tp, v)
@@ -97,6 +98,21 @@ def worker(rank, world):
         return {"msg": None}
 
     check("strided", strided_blocked_axis)
+
+    hsdp_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+
+    def hsdp(variant):
+        # HSDP: both mesh dims are data-parallel; the statistic is averaged over the flattened pair
+        model = Net()
+        for m in (model.fc1, model.fc2, model.head, model):
+            fully_shard(m, mesh=hsdp_mesh)
+        opt = make_opt(model, variant)
+        log = train(model, opt, data(), (rank, world))
+        return {"diff": max_diff(full_params(model), reference(variant)), "log": log,
+                "stat_diff": max((a - b).abs().max().item() for a, b in zip(stats(opt), reference_stats(variant)))}
+
+    for v in ("dobb", "dobb-g"):
+        check(("hsdp", v), hsdp, v)
 
     flat = init_device_mesh("cpu", (world,))
     batches = data(rows=32, out=2)  # more rows than the widest block: no null-space coefficients
@@ -155,13 +171,23 @@ FSDP_TP_NORM = {"input": 48, "output": 40}
 def test_fsdp_x_tp_matches_single_process(ranks, variant):
     side, norm = VARIANTS[variant]["side"], VARIANTS[variant]["norm"]
     for r in _get(ranks, ("fsdp_tp", variant)):
-        assert r["diff"] < 1e-12
+        assert r["diff"] < 1e-12 and r["stat_diff"] < 1e-12
         assert r["same_keys"]
         assert [e for _, e, *_ in r["log"]] == [FSDP_TP_STAT[side] if t % 2 == 0 else 0 for t in range(STEPS)]
         if norm == "sign":
             assert [s for s, *_ in r["log"]] == [0] * STEPS
         else:
             assert [(s, e) for s, _, _, e in r["log"]] == [(3, FSDP_TP_NORM[side])] * STEPS
+
+
+@pytest.mark.parametrize("variant", ["dobb", "dobb-g"])
+def test_hsdp_averages_over_both_data_parallel_dims(ranks, variant):
+    side = VARIANTS[variant]["side"]
+    full = 16 * 4 + 32 * 8 + 16 * 4 if side == "input" else 32 * 8 + 16 * 4 + 8 * 2  # n^2/B per matrix
+    for r in _get(ranks, ("hsdp", variant)):
+        assert r["diff"] < 1e-12 and r["stat_diff"] < 1e-12
+        assert [e for _, e, *_ in r["log"]] == [full if t % 2 == 0 else 0 for t in range(STEPS)]
+        assert [s for s, *_ in r["log"]] == [0] * STEPS
 
 
 def test_strided_blocked_axis_is_a_value_error(ranks):

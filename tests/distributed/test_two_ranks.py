@@ -85,6 +85,9 @@ def _errors(rank, world):
     model = _fsdp(Net(), mesh, 0)
     catch("blocks", lambda: make_opt(model, "dobb-g", blocks=3))
     catch("stat_group", lambda: make_opt(model, "dobb", stat_group="nope"))
+    # a ProcessGroup equal to the mesh's data-parallel dim is accepted; an explicit dim index too
+    catch("pg_ok", lambda: make_opt(model, "dobb-g", stat_group=dist.group.WORLD))
+    catch("dims_ok", lambda: make_opt(model, "dobb-g", stat_group=[0]))
     partial = torch.nn.Parameter(DTensor.from_local(torch.zeros(4, 4), mesh, [Partial()]))
     catch("partial", lambda: Dobb([partial], lr=0.1, source="grad_gram"))
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -197,6 +200,7 @@ def test_bad_layouts_are_value_errors_at_construction(ranks):
     for msgs in _get(ranks, "errors"):
         assert "valid block counts: 2, 4, 6" in msgs["blocks"]
         assert "stat_group" in msgs["stat_group"]
+        assert msgs["pg_ok"] is None and msgs["dims_ok"] is None
         assert "Partial" in msgs["partial"]
         assert "strides" in msgs["strided"]
         assert msgs["strided_ok_other_axis"] is None
