@@ -17,8 +17,6 @@ from typing import Any
 import torch
 from torch.optim.adamw import adamw as _torch_adamw
 
-from .functional import update_scale
-
 ADAMW_DEFAULTS = {"adamw_betas": (0.9, 0.95), "adamw_eps": 1e-8}
 
 
@@ -145,21 +143,6 @@ class MatrixOptimizer(torch.optim.Optimizer):
         _torch_adamw(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=foreach, amsgrad=False,
                      beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
                      eps=group["adamw_eps"], maximize=False)
-
-    # ------------------------------------------------------------------ shared update protocol
-    @staticmethod
-    def _apply_updates(params: list[torch.Tensor], updates: list[torch.Tensor], scales: list[float],
-                       lr: float, weight_decay: float) -> None:
-        """``W <- (1 - lr*wd) W - lr * s * O`` for lists of (local) tensors."""
-        if not params:
-            return
-        if weight_decay != 0:
-            torch._foreach_mul_(params, 1.0 - lr * weight_decay)
-        torch._foreach_add_(params, torch._foreach_mul(updates, [-lr * s for s in scales]))
-
-    @staticmethod
-    def scale_for(shape: tuple[int, int], tau: float) -> float:
-        return update_scale(shape[0], shape[1], tau)
 
     def iter_matrix_params(self) -> Iterable[torch.Tensor]:
         for group in self.param_groups:
