@@ -189,15 +189,3 @@ def all_reduce_sum_(tensor: torch.Tensor, group) -> torch.Tensor:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor
 
-
-def all_reduce_sum_many_(tensors: list[torch.Tensor], group) -> list[torch.Tensor]:
-    """Sum a list of tensors over ``group`` with one collective (flatten, reduce, copy back).
-
-    The caller must pass the list in an order that is the same on every rank of ``group``.
-    """
-    if group is None or not tensors:
-        return tensors
-    flat = all_reduce_sum_(torch.cat([t.reshape(-1) for t in tensors]), group)
-    for t, f in zip(tensors, flat.split([t.numel() for t in tensors])):
-        t.copy_(f.view_as(t))
-    return tensors
