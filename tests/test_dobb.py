@@ -351,3 +351,13 @@ def test_stagger_spreads_refresh_work_with_same_period():
         per_step.append(sum(opt.state[m.weight]["captures"] - before[m] for m in model))
     assert per_step[0] == 6  # every matrix gets its first basis on step 0
     assert per_step[1:] == [2] * 6  # then a third of them per step, each every 3 steps
+
+
+def test_param_groups_keep_hidden_layers_of_vocabulary_or_context_width():
+    """A byte-level model of width 256 has hidden Linears with out_features == vocab == 256 and a
+    position table whose size equals some widths: only the last, vocabulary-sized Linear is the head."""
+    model = nn.Sequential(nn.Embedding(256, 64), nn.Embedding(64, 64), nn.Linear(64, 256), nn.Linear(256, 64),
+                          nn.Linear(64, 256))
+    groups = dobb.param_groups(model)
+    assert [n for n, _ in groups[0]["params"]] == ["2.weight", "3.weight"]
+    assert "4.weight" in [n for n, _ in groups[1]["params"]]

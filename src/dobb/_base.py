@@ -68,6 +68,11 @@ class MatrixOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         self._validate_group(group)
+        if group["algorithm"] == "adamw":
+            # Eager, identical on every rank: torch.distributed.checkpoint loads only into state
+            # that exists, and every rank must hold the same keys.
+            for p in group["params"]:
+                self._init_adamw_state(p)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         for key in ("lr", "weight_decay"):
@@ -95,6 +100,14 @@ class MatrixOptimizer(torch.optim.Optimizer):
 
     def _validate_matrix_group(self, group: dict[str, Any]) -> None:
         """Subclasses check their own hyperparameters here (raise ValueError naming the argument)."""
+
+    def _init_adamw_state(self, p: torch.Tensor) -> dict[str, Any]:
+        state = self.state[p]
+        if not state:  # torch.optim.AdamW's keys and initial values
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
@@ -125,11 +138,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
         for p in group["params"]:
             if p.grad is None:
                 continue
-            state = self.state[p]
-            if not state:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state = self._init_adamw_state(p)
             params.append(p)
             grads.append(p.grad)
             exp_avgs.append(state["exp_avg"])

@@ -6,8 +6,11 @@ The rule (Muon/Dion convention):
   and 2-D parameters of other module types (e.g. Hugging Face ``Conv1D``, stored transposed).
 
 An ``nn.Linear`` is the output head when its weight *is* an embedding's weight (tied head), when
-its name is one of ``head_names`` (last dotted component), or when its ``out_features`` equals an
-embedding's ``num_embeddings`` (a vocabulary projection). Override with ``is_matrix``.
+its name is one of ``head_names`` (last dotted component), or when it is the model's last
+``nn.Linear`` and projects onto the largest embedding's vocabulary (``out_features ==
+num_embeddings``). Only the last Linear is tested for that: hidden layers can have the vocabulary's
+width (a byte-level model of width 256), and position tables have the context's. Override with
+``is_matrix``.
 """
 from __future__ import annotations
 
@@ -23,14 +26,16 @@ def split_parameters(model: nn.Module, *, head_names=DEFAULT_HEAD_NAMES,
     """Returns ``(matrix, other)``: lists of ``(name, parameter)``; shared parameters appear once."""
     embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
     embedding_weights = {id(m.weight) for m in embeddings}
-    vocab_sizes = {m.num_embeddings for m in embeddings}
+    vocab = max((m.num_embeddings for m in embeddings), default=None)
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    last_linear = linears[-1] if linears else None
 
     def default_is_matrix(name: str, module: nn.Module, p: nn.Parameter) -> bool:
         if not isinstance(module, nn.Linear) or p is not module.weight or p.dim() != 2:
             return False
         if id(p) in embedding_weights or name.rsplit(".", 1)[0].rsplit(".", 1)[-1] in head_names:
             return False
-        return module.out_features not in vocab_sizes
+        return not (module is last_linear and module.out_features == vocab)
 
     decide = is_matrix or default_is_matrix
     matrix, other, seen = [], [], set()

@@ -39,23 +39,7 @@ def make(world):
               {"params": others, "algorithm": "adamw"}]
     opt = Dobb(groups, model, lr=0.02, weight_decay=0.01, blocks=4, refresh_every=REFRESH,
                basis_dtype=torch.float64, stat_dtype=torch.float64)
-    eager_adamw_state(opt)
     return model, opt
-
-
-def eager_adamw_state(opt):
-    """Workaround: give AdamW params their (zero) state at construction, as _base.py does lazily.
-
-    ``get_optimizer_state_dict`` only materializes state when the optimizer has none at all; Dobb's
-    matrix state is eager, so without this the AdamW moments would silently not be loaded.
-    ``test_every_parameter_has_state_at_construction`` tracks the library fix.
-    """
-    for g in opt.param_groups:
-        if g["algorithm"] == "adamw":
-            for p in g["params"]:
-                if not opt.state[p]:
-                    opt.state[p].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p),
-                                        exp_avg_sq=torch.zeros_like(p))
 
 
 def _state(model, opt):
@@ -125,6 +109,4 @@ def test_resharded_resume_matches_uninterrupted_run(runs, route):
 def test_every_parameter_has_state_at_construction():
     model = Net()
     opt = Dobb([{"params": [model.fc1.weight]}, {"params": [model.norm.weight], "algorithm": "adamw"}], model, lr=0.1)
-    if not opt.state[model.norm.weight]:
-        pytest.xfail("AdamW state is created lazily in _base.py (reported): DCP loads need eager state")
     assert set(opt.state[model.norm.weight]) == {"step", "exp_avg", "exp_avg_sq"}
