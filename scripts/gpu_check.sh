@@ -5,14 +5,14 @@
 #
 # Stage 1: the first 4 layers (24 matrices), 5 repeats: a quick table that exists even if stage 2
 #          runs out of time or memory.
-# Stage 2: all 48 layers (288 matrices, 1.47B entries, fp32), repeats until a 90 s measurement
+# Stage 2: all 48 layers (288 matrices, 1.47B entries, fp32), repeats until a 60 s measurement
 #          budget is spent (at least 2).
 # Both: torch AdamW (foreach; the reference), torch.optim.Muon, Dion rho=1/16 and 1/4, Dobb B=16
 # T=9 with and without staggered refresh; Dobb with check_finite=False; optimizer.step() only.
 # Stage 3: the derived payload table of Figure 1 (no GPU needed).
 #
 # Overrides (used to check the script on CPU): GPU_CHECK_DEVICE (cuda), GPU_CHECK_PRESET (xl),
-# GPU_CHECK_LAYERS (all), GPU_CHECK_QUICK_LAYERS (4), GPU_CHECK_BUDGET (90 seconds),
+# GPU_CHECK_LAYERS (all), GPU_CHECK_QUICK_LAYERS (4), GPU_CHECK_BUDGET (60 seconds),
 # GPU_CHECK_OPTIMIZERS (space-separated specs).
 # Runs from a source checkout without installing: PYTHONPATH=src, and only dobb_bench.timing's own
 # imports (torch; matplotlib optional for the PNG).
@@ -23,7 +23,7 @@ DEVICE="${GPU_CHECK_DEVICE:-cuda}"
 PRESET="${GPU_CHECK_PRESET:-xl}"
 LAYERS="${GPU_CHECK_LAYERS:-all}"
 QUICK_LAYERS="${GPU_CHECK_QUICK_LAYERS:-4}"
-BUDGET="${GPU_CHECK_BUDGET:-90}"
+BUDGET="${GPU_CHECK_BUDGET:-60}"
 OPTIMIZERS="${GPU_CHECK_OPTIMIZERS:-torch-adamw torch-muon dion:rank_fraction=1/16 dion:rank_fraction=1/4 dobb dobb:stagger=true}"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUT_DIR"
@@ -47,12 +47,12 @@ run() {  # run <timeout seconds> <name> <args...>
 }
 
 # shellcheck disable=SC2086
-run 75 "stage 1 (layers $QUICK_LAYERS)" timing --preset "$PRESET" --layers "$QUICK_LAYERS" --device "$DEVICE" \
+run 70 "stage 1 (layers $QUICK_LAYERS)" timing --preset "$PRESET" --layers "$QUICK_LAYERS" --device "$DEVICE" \
   --repeats 5 --optimizers $OPTIMIZERS --out "$OUT_DIR/timing_${PRESET}_quick"
 # shellcheck disable=SC2086
-run 190 "stage 2 (layers $LAYERS)" timing --preset "$PRESET" --layers "$LAYERS" --device "$DEVICE" \
+run 200 "stage 2 (layers $LAYERS)" timing --preset "$PRESET" --layers "$LAYERS" --device "$DEVICE" \
   --repeats 20 --time-budget "$BUDGET" --optimizers $OPTIMIZERS --out "$OUT_DIR/timing_${PRESET}"
-run 20 "stage 3 (payload)" payload --preset "$PRESET" --out "$OUT_DIR/payload_${PRESET}"
+run 15 "stage 3 (payload)" payload --preset "$PRESET" --out "$OUT_DIR/payload_${PRESET}"
 
 echo "== done in $(( $(date +%s) - start )) s, status $status; tables: $OUT_DIR/*/timing.md" | tee -a "$LOG"
 exit $status

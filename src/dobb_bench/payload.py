@@ -10,22 +10,23 @@ which ``dp_stat_entries`` reports separately.
 Which axis is sharded matters (``sharded="output"``: rows ``m``, FSDP2's dim-0 sharding and
 column-parallel TP; ``sharded="input"``: columns ``n``, row-parallel TP). The leading counts:
 
-=================  ================================  ================================
-optimizer          output axis ``m`` sharded          input axis ``n`` sharded
-=================  ================================  ================================
-adamw              0                                  0
-muon               ``mn`` (dense exchange)            ``mn``
-dion (rank r)      ``r (m + n)``                      ``r (m + n)``
-dobb, dobb-g       0 (blocks within shards)           0 (blocks within shards)
-dobb-l2            ``n`` (column norms)               0
-dobb-g-l2          0                                  ``m`` (row norms)
-rmnp               0 (rows local)                     ``m`` (row norms)
-pr-muon (K)        ``mn / K``                         ``(mn + (K-1) m) / K``
-block-muon (B,ax)  0 if blocks on the sharded axis    (else ``mn``: every block spans shards)
-dion2 (fraction a) ``k n``, ``k = round(a m)`` rows  ``k n``
-=================  ================================  ================================
+==================  ==================================  ==================================
+optimizer           output axis ``m`` sharded           input axis ``n`` sharded
+==================  ==================================  ==================================
+adamw               0                                   0
+muon                ``mn`` (dense exchange)             ``mn``
+dion (rank r)       ``r (m + n)``                       ``r (m + n)``
+dobb, dobb-g        0 (blocks within shards)            0 (blocks within shards)
+dobb-l2             ``n`` (column norms)                0
+dobb-g-l2           0                                   ``m`` (row norms)
+rmnp                0 (rows local)                      ``m`` (row norms)
+pr-muon (K)         ``mn / K``                          ``(mn + (K-1) m) / K``
+block-muon, axis 0  0 (row blocks within shards)        ``mn`` (every block spans shards)
+block-muon, axis 1  ``mn`` (every block spans shards)   0 (column blocks within shards)
+dion2 (fraction a)  ``k n``, ``k = round(a m)`` rows    ``k n``
+==================  ==================================  ==================================
 
-Rows 1-4 are the paper's (Table 3, Table 7); the others are derived the same way by us: the
+Rows adamw to dobb-g-l2 are the paper's (Table 3, Table 7); the others are derived the same way by us: the
 minimum a method must exchange, whatever an implementation does (this package's reference
 baselines gather whole matrices, which the payload meter would show). Amortized methods
 (PR-Muon's full step every ``K``) are averaged per step. A Dobb block that straddles a shard

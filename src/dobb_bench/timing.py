@@ -37,7 +37,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -380,7 +380,6 @@ class TimingConfig:
     profile: tuple[str, ...] | None = None  # labels to profile; () = the Dobb variants
     rep_seconds: float = 30.0
     log: bool = True
-    extra: dict = field(default_factory=dict)
 
 
 def _validate(cfg: TimingConfig) -> None:
@@ -546,6 +545,7 @@ def run_timing(cfg: TimingConfig) -> dict:
             metered[entry["spec"].label] = _meter_steps(entry, capture, meter_cls, dist_ctx)
 
     summaries = [_summarize(e, live, shapes, cfg, metered.get(e["spec"].label), dist_ctx) for e in entries]
+    ratios = _ratio_matrix(live)
     if dist_ctx is not None:
         per_rank = dist_ctx.gather(summaries)
         summaries = _merge_ranks(per_rank)
@@ -553,7 +553,7 @@ def run_timing(cfg: TimingConfig) -> dict:
            "matrices": len(shapes), "entries": sum(m * n for _, (m, n) in shapes),
            "world": 1 if dist_ctx is None else dist_ctx.world, "meter": meter_cls is not None,
            "meter_note": None if meter_cls is not None or not (cfg.meter or dist_ctx is not None)
-           else "dobb.meter.PayloadMeter not available"}
+           else "dobb.meter.PayloadMeter not available", "ratio_matrix": ratios}
     return {"run": run, "summaries": summaries, "reps": reps_out, "rank0": rank0, "profiles": profiles}
 
 
@@ -596,6 +596,12 @@ def _only_armed(entry, entries):
     finally:
         for hooks, armed in saved:
             hooks.armed = armed
+
+
+def _ratio_matrix(live) -> dict:
+    """``{row: {col: median over repeats of (row's cycle mean / col's cycle mean)}}`` (this rank)."""
+    means = {e["spec"].label: [statistics.fmean(t for _, t in steps) for steps in e["reps"]] for e in live}
+    return {a: {b: statistics.median(x / y for x, y in zip(means[a], means[b])) for b in means} for a in means}
 
 
 def _meter_class():
@@ -727,6 +733,13 @@ def timing_markdown(result: dict) -> str:
               "optimizer.step() only (capture passes excluded); Dobb with check_finite=False. Repeats interleaved "
               "across optimizers; warm-up excluded. Derived state: AdamW 2mn, Muon mn, Dion mn + max(m,n) r (fp32), "
               "Dobb mn + 6 n^2/B bytes (fp32 statistic + bf16 basis, Table 18); per rank under FS x TP."]
+    ratios = run.get("ratio_matrix") or {}
+    if len(ratios) > 1:
+        labels = list(ratios)
+        lines += ["", "Time ratios row / column (median over repeats of the per-repeat ratio of cycle means"
+                      + ("; rank 0" if run["world"] > 1 else "") + "):", "",
+                  "| row / column | " + " | ".join(labels) + " |", "|" + "---|" * (len(labels) + 1)]
+        lines += ["| " + " | ".join([a] + [f"{ratios[a][b]:.3g}" for b in labels]) + " |" for a in labels]
     meters = [s for s in ok if s.get("metered")]
     if meters:
         lines += ["", "| method | step collectives | step bytes | next step collectives | next step bytes | "
@@ -853,15 +866,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _measure_label(spec: str) -> str:
+    """The timing label of a payload spec (``adamw`` is timed as ``torch-adamw``)."""
+    name, _, rest = spec.partition(":")
+    return {"adamw": "torch-adamw"}.get(name.strip().lower(), name.strip().lower()) + (":" + rest if rest else "")
+
+
 def measure_fsdp_payload(specs: list[str], preset_name: str, layers: str, fs: int) -> dict:
     """A small FSDP2 run (gloo, ``fs`` CPU processes): metered collectives/bytes per optimizer."""
     import torch.multiprocessing as mp
 
-    names = []
-    for spec in specs:
-        name, hp = P.parse_spec(spec)
-        name = {"adamw": "torch-adamw"}.get(name, name)
-        names.append(name + spec[len(spec.split(":", 1)[0]):])
+    names = [_measure_label(spec) for spec in specs]
     cfg = dict(preset=preset_name, layers=layers, optimizers=tuple(names), repeats=1, warmup=1, fs=fs,
                meter=True, log=False, threads=1, blocks=fs, refresh_every=3)
     with tempfile.TemporaryDirectory() as tmp:
@@ -899,24 +914,29 @@ def cmd_payload(args) -> int:
 
 
 def _measured_markdown(mtable: dict, measured: dict, args, mshapes) -> str:
-    by_label = {s["label"]: s for s in measured["summaries"]}
     lines = [f"Measured with the payload meter: GPT-2 {args.measure_preset} layers {args.measure_layers} "
-             f"({len(mshapes)} matrices), FSDP2 FS={args.measure_fs} on CPU (gloo), rank 0, one optimizer.step(); "
-             "Dobb: a refresh step (B = FS blocks, T = 3) and the next step; derived bytes = entries x 4 (fp32).", "",
+             f"({len(mshapes)} matrices), FSDP2 FS={args.measure_fs} on CPU (gloo), rank 0, one optimizer.step() "
+             "(PR-Muon: a full step); Dobb: a refresh step (T = 3; B from the spec, else B = FS) and the next "
+             "step, plus its capture pass's statistic mean (tagged 'stat'). Derived bytes = entries x 4 (fp32); "
+             "the meter counts each collective's logical tensor (constant collective factors omitted, as in "
+             "Table 3).", "",
              "| optimizer | derived entries (all matrices) | derived bytes | measured collectives | measured bytes "
-             "| next-step bytes | capture stat bytes | implementation note |", "|---|---|---|---|---|---|---|---|"]
-    for row, s in zip(mtable["rows"], measured["summaries"]):
+             "| next-step bytes | derived stat bytes per refresh | capture stat bytes | implementation note |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    by_label = {s["label"]: s for s in measured["summaries"]}
+    for row in mtable["rows"]:
+        s = by_label[_measure_label(row["optimizer"])]
         name, hp = P.parse_spec(row["optimizer"])
         total = sum(P.payload_entries(name, m, n, hp, sharded="output", shards=args.measure_fs) for _, (m, n) in mshapes)
+        stat = sum(P.dp_stat_entries(name, m, n, {"blocks": args.measure_fs, **hp}) for _, (m, n) in mshapes) * 4
         if "skipped" in s:
-            lines.append(f"| {row['optimizer']} | {total:.4g} | {total * 4:.4g} | skipped | {s['skipped']} | | | |")
+            lines.append(f"| {row['optimizer']} | {total:.4g} | {total * 4:.4g} | skipped | {s['skipped']} | | | | |")
             continue
         mt = s.get("metered") or {}
         st, nx, cap = mt.get("step", {}), mt.get("next_step", {}), mt.get("capture_stat", {})
         note = "gathers whole matrices" if st.get("bytes") and st["bytes"] > 2 * total * 4 else ""
         lines.append(f"| {row['optimizer']} | {total:.4g} | {total * 4:.4g} | {st.get('collectives', '–')} | "
-                     f"{st.get('bytes', '–')} | {nx.get('bytes', '–')} | {cap.get('bytes', '–')} | {note} |")
-    del by_label
+                     f"{st.get('bytes', '–')} | {nx.get('bytes', '–')} | {stat:.4g} | {cap.get('bytes', '–')} | {note} |")
     return "\n".join(lines) + "\n"
 
 
