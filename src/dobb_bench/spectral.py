@@ -7,7 +7,8 @@ paper's three decimals. See docs/spectral.md for the constructions and measured 
 """
 from __future__ import annotations
 
-import math
+import argparse
+import json
 import statistics
 from pathlib import Path
 
@@ -182,15 +183,19 @@ def hidden_linears(model) -> dict:
 
 
 def make_optimizer(name: str, model, lr: float, weight_decay: float):
-    """``dobb.build_optimizer`` when the library has it; else Dobb or torch AdamW directly."""
+    """``dobb`` (Dobb on the matrices of ``hidden_linears``, AdamW on the rest) or ``adamw`` built
+    here; any other name through ``dobb.build_optimizer`` when the library has it. The explicit
+    split keeps these runs independent of the library's shape-based default split."""
     import dobb
 
-    if hasattr(dobb, "build_optimizer"):
-        return dobb.build_optimizer(name, model, lr=lr, weight_decay=weight_decay)
     if name == "dobb":
-        return dobb.Dobb(dobb.param_groups(model), model, lr=lr, weight_decay=weight_decay)
+        ids = {id(m.weight) for m in hidden_linears(model).values()}
+        groups = dobb.param_groups(model, is_matrix=lambda _n, _m, p: id(p) in ids)
+        return dobb.Dobb(groups, model, lr=lr, weight_decay=weight_decay)
     if name == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
+    if hasattr(dobb, "build_optimizer"):
+        return dobb.build_optimizer(name, model, lr=lr, weight_decay=weight_decay)
     raise CliError(f"optimizer {name!r} needs dobb.build_optimizer (not available yet); use dobb or adamw")
 
 
@@ -272,7 +277,7 @@ def spectrum_rows(moments: dict, fraction: float) -> list[dict]:
 
 
 def run_spectrum(preset="small-cpu", steps=400, fractions=(0.25, 0.5, 0.75, 1.0), optimizer="dobb",
-                 lr=5e-3, weight_decay=0.1, batch_size=16, probe_batches=4, seed=0, data=None):
+                 lr=2.5e-3, weight_decay=0.1, batch_size=16, probe_batches=4, seed=0, data=None):
     """Figure 2: train, and at each fraction of ``steps`` measure the effective rank of every hidden
     layer's activation (A) and output-gradient (G) second moments. Returns (rows, losses)."""
     model, sampler = setup_run(preset, data, batch_size, seed)
@@ -323,15 +328,21 @@ class MomentumAndStats:
         self.capture.remove()
 
 
-def table2_from_training(preset="small-cpu", steps=300, optimizer="dobb", lr=5e-3, weight_decay=0.1,
+def table2_from_training(preset="small-cpu", steps=300, optimizer="dobb", lr=2.5e-3, weight_decay=0.1,
                          batch_size=16, seed=0, data=None, blocks=(1, 4, 16), checkpoint=None,
                          probe_steps=20):
-    """Table 2 on a model of this harness. With ``checkpoint`` (a file holding ``model`` weights and
-    ``config``), the weights are loaded and the momentum is rebuilt from ``probe_steps`` gradients at
-    those fixed weights; otherwise ``preset`` is trained for ``steps`` steps with ``optimizer`` and the
-    momentum and statistics of the last step are used. Returns (rows, info)."""
+    """Table 2 on a model of this harness. Returns (rows, info).
+
+    Without ``checkpoint``: ``preset`` is trained ``steps`` steps with ``optimizer``; the momentum
+    and the activation statistics (captured at every step) of the last step are used.
+    With ``checkpoint`` (``dobb-bench train``'s ``checkpoint.pt`` or its run folder): the weights
+    are loaded, the activation statistics are captured over ``probe_steps`` batches at those fixed
+    weights, and the momentum is the checkpoint's own optimizer state when it has one per hidden
+    matrix (``momentum``, ``momentum_buffer`` or AdamW's ``exp_avg``; the metric is scale-free),
+    else it is rebuilt from the ``probe_steps`` gradients."""
+    saved = None
     if checkpoint is not None:
-        model, sampler = load_checkpoint_model(checkpoint, data, batch_size, seed)
+        model, sampler, saved = load_checkpoint(checkpoint, data, batch_size, seed)
         opt, stop, start = _NoStep(), 10**6 + probe_steps, 10**6
     else:
         model, sampler = setup_run(preset, data, batch_size, seed)
@@ -339,10 +350,14 @@ def table2_from_training(preset="small-cpu", steps=300, optimizer="dobb", lr=5e-
     track = MomentumAndStats(model)
     losses = train(model, sampler, opt, stop, start=start, on_step=track)
     track.close()
+    if saved is not None:
+        track.M = saved
     pairs = track.pairs()
     rows = table2_rows(pairs, blocks, seed)
     shapes = sorted({tuple(M.shape) for M, _ in pairs})
-    return rows, {"matrices": len(pairs), "shapes": shapes, "final loss": losses[-1]}
+    momentum = ("trained run" if checkpoint is None else "checkpoint optimizer state" if saved is not None
+                else f"rebuilt from {probe_steps} gradients at the checkpoint")
+    return rows, {"matrices": len(pairs), "shapes": shapes, "final loss": losses[-1], "momentum": momentum}
 
 
 class _NoStep:
@@ -355,43 +370,79 @@ class _NoStep:
         pass
 
 
-def load_checkpoint_model(path, data, batch_size: int, seed: int):
-    """Model of a bench checkpoint: a ``torch.save``d dict with the model ``state_dict`` under
-    ``model`` and the ``ModelConfig`` fields under ``config`` (or ``model_config``)."""
+def load_checkpoint(path, data, batch_size: int, seed: int):
+    """(model, sampler, momentum or None) from a ``dobb-bench train`` checkpoint: a ``torch.save``d
+    dict with the model ``state_dict`` under ``model`` and the ``ModelConfig`` fields under
+    ``fingerprint.model`` (or ``config``)."""
     from dobb_bench.data import BatchSampler, load_corpus
     from dobb_bench.model import GPT, ModelConfig
 
     path = Path(path)
+    if path.is_dir():
+        if (path / "checkpoint_dcp").exists() and not (path / "checkpoint.pt").exists():
+            raise CliError(f"{path} holds a sharded (FSDP/DCP) checkpoint; only checkpoint.pt files are supported")
+        path = path / "checkpoint.pt"
     if not path.is_file():
         raise CliError(f"checkpoint {path} does not exist")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is a user error here
         raise CliError(f"cannot read checkpoint {path}: {exc}") from None
-    cfg = ckpt.get("config", ckpt.get("model_config")) if isinstance(ckpt, dict) else None
+    ckpt = ckpt if isinstance(ckpt, dict) else {}
+    cfg = ckpt.get("config") or (ckpt.get("fingerprint") or {}).get("model")
     if not isinstance(cfg, dict) or "model" not in ckpt:
-        raise CliError(f"checkpoint {path} must hold 'model' (state_dict) and 'config' (ModelConfig fields)")
+        raise CliError(f"checkpoint {path} must hold 'model' (state_dict) and 'fingerprint.model' or 'config' "
+                       "(ModelConfig fields)")
     model = GPT(ModelConfig(**{k: v for k, v in cfg.items() if k in ModelConfig.__dataclass_fields__}))
     model.load_state_dict(ckpt["model"])
     corpus = load_corpus(data)
-    return model, BatchSampler(corpus.train, model.config.seq_len, batch_size, seed)
+    if corpus.vocab_size > model.config.vocab_size:
+        raise CliError(f"corpus vocabulary {corpus.vocab_size} exceeds the checkpoint's {model.config.vocab_size}")
+    sampler = BatchSampler(corpus.train, model.config.seq_len, batch_size, seed)
+    return model, sampler, checkpoint_momentum(ckpt, model)
+
+
+def checkpoint_momentum(ckpt: dict, model) -> dict | None:
+    """Momentum per hidden matrix from the checkpoint's optimizer state, or None. Parameters are
+    matched by the order in which ``dobb.build_optimizer`` lists them (``param_groups`` order, or
+    ``model.parameters()`` for AdamW); any missing buffer or shape mismatch gives None."""
+    from dobb import param_groups
+
+    opt = ckpt.get("optimizer")
+    if not isinstance(opt, dict) or "state" not in opt:
+        return None
+    if (ckpt.get("fingerprint") or {}).get("optimizer") == "adamw":
+        order = [name for name, _ in model.named_parameters()]
+    else:
+        order = [name for g in param_groups(model) for name, _ in g["params"]]
+    ids = [i for g in opt["param_groups"] for i in g["params"]]
+    if len(ids) != len(order):
+        return None
+    state = {name: opt["state"].get(i, {}) for name, i in zip(order, ids)}
+    out = {}
+    for name, lin in hidden_linears(model).items():
+        st = state.get(name + ".weight", {})
+        buf = next((st[k] for k in ("momentum", "momentum_buffer", "exp_avg") if k in st), None)
+        if buf is None or tuple(buf.shape) != tuple(lin.weight.shape):
+            return None
+        out[name] = buf.detach().to(F64)
+    return out
 
 
 # ----------------------------------------------------------------------------- Figure 2 summary
 def stability(rows: list[dict], since: float = 0.5) -> dict:
-    """Largest change of any (statistic, type, layer) curve across the fractions >= ``since``:
-    max - min of its effective rank, in percentage points and relative to its mean."""
+    """Change of every (statistic, type, layer) curve across the fractions >= ``since``: max - min
+    of its effective rank in percentage points. Returns the largest (and its curve), the median,
+    and the largest relative to the curve's mean."""
     curves = {}
     for r in rows:
         if r["fraction"] >= since - 1e-9:
             curves.setdefault((r["stat"], r["type"], r["layer"]), []).append(r["erank %"])
-    worst = {"pp": 0.0, "relative": 0.0, "curve": None}
-    for key, v in curves.items():
-        pp = max(v) - min(v)
-        worst["relative"] = max(worst["relative"], pp / statistics.fmean(v))
-        if pp >= worst["pp"]:
-            worst["pp"], worst["curve"] = pp, "/".join(map(str, key))
-    return worst
+    changes = {"/".join(map(str, k)): (max(v) - min(v), (max(v) - min(v)) / statistics.fmean(v))
+               for k, v in curves.items()}
+    curve = max(changes, key=lambda k: changes[k][0])
+    return {"pp": changes[curve][0], "curve": curve, "median pp": statistics.median(c[0] for c in changes.values()),
+            "relative": max(c[1] for c in changes.values())}
 
 
 def plot_spectrum(rows: list[dict], out_dir: Path) -> list[Path]:
@@ -414,9 +465,10 @@ def plot_spectrum(rows: list[dict], out_dir: Path) -> list[Path]:
             ax.set_title(f"{round(100 * f)}% of training")
             ax.set_xlabel("layer")
         axes[0][0].set_ylabel("effective rank (%)")
-        axes[0][-1].legend(fontsize=7)
+        handles, labels = axes[0][0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="center right", fontsize=7)
         fig.suptitle(label, fontsize=9)
-        fig.tight_layout()
+        fig.tight_layout(rect=(0, 0, 0.9, 1))
         path = out_dir / f"spectrum_{stat}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
@@ -454,7 +506,7 @@ def _add_training_args(p, steps: int):
     p.add_argument("--preset", default="small-cpu", help="model preset of dobb_bench.model (default small-cpu)")
     p.add_argument("--steps", type=int, default=steps, help=f"training steps (default {steps})")
     p.add_argument("--optimizer", default="dobb", help="optimizer that trains the model (default dobb)")
-    p.add_argument("--lr", type=float, default=5e-3)
+    p.add_argument("--lr", type=float, default=2.5e-3, help="default 2.5e-3 (paper grid j = -2)")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
@@ -487,42 +539,56 @@ def cmd_orthogonality(args) -> int:
                                           args.probe_steps)
         src = f"checkpoint {args.checkpoint}" if args.checkpoint else \
             f"preset {args.preset} trained {args.steps} steps with {args.optimizer}"
-        print(f"Table 2: {src}; {info['matrices']} matrices {info['shapes']}; final train loss {info['final loss']:.3f}")
+        print(f"Table 2: {src}; {info['matrices']} matrices {info['shapes']}; momentum from {info['momentum']}; "
+              f"last train loss {info['final loss']:.3f}")
     print(markdown([{k: f"{v:.0%}" if k.startswith("erank") else v for k, v in r.items()} for r in rows]))
     return 0
 
 
 def cmd_spectrum(args) -> int:
-    _positive(args, "steps", "lr", "batch_size", "probe_batches")
-    fractions = [int(v) / 100 for v in _int_list(args.fractions, "--fractions")]
-    if max(fractions) > 1:
-        raise CliError(f"--fractions are percentages in 1..100, got {args.fractions!r}")
-    rows, losses = run_spectrum(args.preset, args.steps, fractions, args.optimizer, args.lr, args.weight_decay,
-                                args.batch_size, args.probe_batches, args.seed, args.data)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    import json
-
-    (out / "spectrum.json").write_text(json.dumps({"args": vars(args) | {"func": None}, "rows": rows,
-                                                   "losses": losses}, indent=1))
+    if args.from_json:
+        path = Path(args.from_json)
+        if not path.is_file():
+            raise CliError(f"--from-json file {path} does not exist")
+        saved = json.loads(path.read_text())
+        rows, losses, a = saved["rows"], saved["losses"], argparse.Namespace(**saved["args"])
+        out = path.parent
+    else:
+        _positive(args, "steps", "lr", "batch_size", "probe_batches")
+        fractions = [int(v) / 100 for v in _int_list(args.fractions, "--fractions")]
+        if max(fractions) > 1:
+            raise CliError(f"--fractions are percentages in 1..100, got {args.fractions!r}")
+        rows, losses = run_spectrum(args.preset, args.steps, fractions, args.optimizer, args.lr, args.weight_decay,
+                                    args.batch_size, args.probe_batches, args.seed, args.data)
+        out, a = Path(args.out), args
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "spectrum.json").write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "func"},
+                                                       "rows": rows, "losses": losses}, indent=1))
     pngs = plot_spectrum(rows, out)
-    print(f"Figure 2: preset {args.preset}, {args.steps} steps of {args.optimizer}, final train loss "
-          f"{losses[-1]:.3f}; second moments averaged over {args.probe_batches} probe batches")
+    print(f"Figure 2: preset {a.preset}, {a.steps} steps of {a.optimizer} (lr {a.lr}), final train loss "
+          f"{losses[-1]:.3f}; second moments averaged over {a.probe_batches} probe batches")
+    print(spectrum_report(rows))
+    print("wrote " + ", ".join(str(p) for p in [out / "spectrum.json", *pngs]))
+    return 0
+
+
+def spectrum_report(rows: list[dict]) -> str:
+    """Markdown tables (one per statistic: rows type/layer, columns fractions) and the changes."""
     fr = sorted({r["fraction"] for r in rows})
+    cols = [f"{round(100 * f)}%" for f in fr]
+    parts = []
     for stat in ("A", "G"):
         table = {}
         for r in rows:
             if r["stat"] == stat:
                 table.setdefault((r["type"], r["layer"]), {"type": r["type"], "layer": r["layer"]})[
                     f"{round(100 * r['fraction'])}%"] = r["erank %"]
-        print(f"\n{stat}: effective rank (% of dimension)")
-        print(markdown([table[k] for k in sorted(table)], ["type", "layer"] + [f"{round(100 * f)}%" for f in fr]))
-    for since in sorted({fr[0], 0.5}):
+        parts += [f"\n{stat}: effective rank (% of dimension)", markdown([table[k] for k in sorted(table)], ["type", "layer"] + cols)]
+    parts.append("\n| change over fractions | largest (pp) | curve | median (pp) | largest relative |\n|---|---|---|---|---|")
+    for since in [f for f in fr[:-1] if f in (fr[0], 0.5, 0.75)] or fr:
         s = stability(rows, since)
-        print(f"\nlargest change over fractions >= {since:.0%}: {s['pp']:.2f} percentage points "
-              f"({s['curve']}); largest relative change {s['relative']:.1%}")
-    print("wrote " + ", ".join(str(p) for p in [out / "spectrum.json", *pngs]))
-    return 0
+        parts.append(f"| >= {since:.0%} | {s['pp']:.2f} | {s['curve']} | {s['median pp']:.2f} | {s['relative']:.1%} |")
+    return "\n".join(parts)
 
 
 def add_parsers(subparsers) -> None:
@@ -534,7 +600,7 @@ def add_parsers(subparsers) -> None:
                    help="singular-value / eigenvalue profile of the constructions (default power)")
     p.add_argument("--tokens", type=int, default=None, help="Table 1(b) token count N (default 4 x size)")
     p.add_argument("--act-erank", type=float, default=0.15, help="Table 1(b) activation effective rank")
-    p.add_argument("--checkpoint", default=None, help="Table 2: bench checkpoint (default: train --preset)")
+    p.add_argument("--checkpoint", default=None, help="Table 2: checkpoint.pt of dobb-bench train (or its --out folder); default: train --preset")
     p.add_argument("--blocks", default="1,4,16", help="Table 2 block counts (Dion rank min(m,n)/B)")
     p.add_argument("--probe-steps", type=int, default=20, help="Table 2 with --checkpoint: gradients in the momentum")
     _add_training_args(p, steps=300)
@@ -545,4 +611,5 @@ def add_parsers(subparsers) -> None:
     p.add_argument("--fractions", default="25,50,75,100", help="percentages of training to measure at")
     p.add_argument("--probe-batches", type=int, default=4, help="batches averaged per measurement")
     p.add_argument("--out", default="runs/spectrum", help="folder for spectrum.json and the PNGs")
+    p.add_argument("--from-json", default=None, help="re-report (tables, changes, PNGs) a saved spectrum.json; no training")
     p.set_defaults(func=cmd_spectrum)
