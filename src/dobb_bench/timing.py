@@ -573,11 +573,13 @@ def _profile_steps(entry, capture, advance_to, device: str) -> dict[str, str]:
             capture(entry)
         if device == "cuda":
             torch.cuda.synchronize()
-        with profile(activities=acts) as prof:
+        with profile(activities=acts, record_shapes=True) as prof:
             entry["opt"].step()
             if device == "cuda":
                 torch.cuda.synchronize()
-        out[name] = prof.key_averages().table(sort_by=sort, row_limit=25)
+        out[name] = (prof.key_averages().table(sort_by=sort, row_limit=25) + "\nby input shape:\n"
+                     + prof.key_averages(group_by_input_shape=True).table(
+                         sort_by=sort, row_limit=25, max_name_column_width=24, max_shapes_column_width=60))
     return out
 
 
