@@ -234,7 +234,9 @@ def train(model, sampler, optimizer, stop: int, start: int = 0, on_step=None) ->
 def probe_moments(model, sampler, capture: SecondMomentCapture, batches: int, first_step: int) -> dict:
     """Second moments averaged over ``batches`` forward+backward passes at the current weights
     (no optimizer step; gradients are discarded). The same probe batches are used at every
-    fraction, so changes across fractions come from the weights only."""
+    fraction, so changes across fractions come from the weights only. (An optimizer with its own
+    capture hooks, such as Dobb, may take its next statistic from a probe batch instead of the next
+    training batch: another random batch of the same data, so the run is not biased.)"""
     capture.reset()
     capture.enabled = True
     try:
