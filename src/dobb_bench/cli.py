@@ -12,6 +12,7 @@ import sys
 
 _COMMAND_MODULES = [
     "commands_train",
+    "ablations",
     "spectral",
     "timing",
 ]
