@@ -1,0 +1,428 @@
+"""CLI subcommands ``train``, ``compare`` and ``sweep``: the project's main benchmark job.
+
+``compare`` trains the same model on the same data with the same seed once per optimizer spec
+(``NAME[:key=value[:key=value]][@Label]``, e.g. ``dobb:blocks=4`` or ``dion:rank_fraction=1/16``)
+and writes JSON lines, a markdown table and PNG plots to ``--out``. On CPU each run executes in a
+fresh child process (``--isolate``, the default there) so that its peak-memory figure (the
+process's max RSS) belongs to that run alone; under ``torchrun`` runs execute in-process.
+
+Threads: one torch thread per process by default. Measured here (2 cores shared with other
+jobs), ``compare --quick`` took 115 s with 1 thread and 638 s with 2: torch's intra-op pool spins
+and collapses when cores are shared. Curves also depend on the thread count (reduction order), so
+a fixed default makes them reproducible across machines. ``--threads N`` overrides it.
+
+Optimizers come only from ``dobb.build_optimizer(name, model, lr=, weight_decay=, **hparams)``.
+Every spec is first built on a tiny model, so an unknown name or a bad hyperparameter fails in a
+second instead of after the runs before it.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import functools
+import json
+import multiprocessing as mp
+import re
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from fractions import Fraction
+from pathlib import Path
+
+import torch
+
+from . import report
+from .cli import CliError
+from .data import load_corpus
+from .model import GPT, PRESETS, ModelConfig, config_from_preset
+from .train import METRICS_FILE, TrainConfig, run_training, setup_dist, write_jsonl
+
+GRID_BASE = 5e-3
+DEFAULT_COMPARE = ("adamw,muon,dion:rank_fraction=1/4,dion:rank_fraction=1/16,rmnp,"
+                   "block-muon:blocks=16,dobb:blocks=1,dobb:blocks=4,dobb:blocks=16,"
+                   "dobb-l2:blocks=4,dobb-g:blocks=4")
+# Measured wall times are in the final report / README; both fit their budgets on 2 CPU cores.
+RUN_PRESETS = {
+    "default": dict(preset="small-cpu", steps=200, batch_size=16, eval_every=25, eval_seqs=64),
+    "quick": dict(preset="tiny", steps=100, batch_size=8, eval_every=20, eval_seqs=32),
+}
+PRETTY = {"adamw": "AdamW", "muon": "Muon", "dion": "Dion", "rmnp": "RMNP", "pr-muon": "PR-Muon",
+          "block-muon": "Block Muon", "dion2": "Dion2", "dobb": "Dobb", "dobb-l2": "Dobb-l2",
+          "dobb-g": "Dobb-G", "dobb-g-l2": "Dobb-G-l2"}
+HP_SHORT = {"blocks": "B", "rank_fraction": "rho"}
+
+
+def grid_lr(j: float) -> float:
+    """The paper's learning-rate grid ``lr_j = 5e-3 * 2**(j/2)`` [T8, T10]."""
+    return GRID_BASE * 2 ** (j / 2)
+
+
+# ----- optimizer specs --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class OptimizerSpec:
+    name: str
+    hparams: dict = field(default_factory=dict)
+    label: str = ""
+
+
+def parse_value(key: str, text: str):
+    """``4`` -> int, ``1e-3`` -> float, ``1/4`` -> 0.25, ``true`` -> True, ``*_dtype`` -> torch dtype."""
+    if key.endswith("_dtype"):
+        dtype = getattr(torch, text.removeprefix("torch."), None)
+        if not isinstance(dtype, torch.dtype):
+            raise CliError(f"hyperparameter {key}={text}: not a torch dtype")
+        return dtype
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    if re.fullmatch(r"\s*[-+]?\d+\s*/\s*\d+\s*", text):
+        num, den = text.split("/")
+        if int(den) == 0:
+            raise CliError(f"hyperparameter {key}={text}: division by zero")
+        return int(num) / int(den)
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def parse_hparams(items: list[str], where: str) -> dict:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not re.fullmatch(r"[A-Za-z_]\w*", key.strip()) or not value.strip():
+            raise CliError(f"malformed {where} {item!r}: expected key=value")
+        out[key.strip()] = parse_value(key.strip(), value.strip())
+    return out
+
+
+def default_label(name: str, hparams: dict) -> str:
+    parts = []
+    for k, v in hparams.items():
+        if k == "rank_fraction" and isinstance(v, float) and 0 < v <= 1:
+            v = str(Fraction(v).limit_denominator(256))
+        parts.append(f"{HP_SHORT.get(k, k)}={v}")
+    return " ".join([PRETTY.get(name, name)] + parts)
+
+
+def parse_spec(text: str) -> OptimizerSpec:
+    body, _, label = text.strip().partition("@")
+    name, *hp = body.strip().split(":")
+    if not name:
+        raise CliError(f"malformed optimizer spec {text!r}: empty name")
+    hparams = parse_hparams(hp, f"hyperparameter in {text!r}")
+    return OptimizerSpec(name.strip().lower(), hparams, label.strip() or default_label(name.strip().lower(), hparams))
+
+
+def split_specs(text: str) -> list[str]:
+    """Splits at commas outside parentheses (so ``adamw_betas=(0.9,0.99)`` stays whole)."""
+    parts, depth, cur = [], 0, ""
+    for ch in text:
+        depth += ch in "([" and 1 or (-1 if ch in ")]" else 0)
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    parts.append(cur)
+    return [p for p in (s.strip() for s in parts) if p]
+
+
+def build_optimizer(name: str, hparams: dict, lr: float, weight_decay: float, model):
+    """Module-level (picklable) factory: ``functools.partial(build_optimizer, ...)(model)``."""
+    import dobb  # the library's public entry point is the only way optimizers are made
+
+    return dobb.build_optimizer(name, model, lr=lr, weight_decay=weight_decay, **hparams)
+
+
+def validate_spec(spec: OptimizerSpec) -> None:
+    probe = GPT(ModelConfig(layers=1, width=32, heads=2, seq_len=8))
+    try:
+        opt = build_optimizer(spec.name, spec.hparams, 1e-3, 0.0, probe)
+    except (ValueError, TypeError, KeyError) as exc:
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CliError(f"optimizer {spec.label!r}: {msg}") from None
+    getattr(opt, "remove_hooks", lambda: None)()
+
+
+# ----- shared arguments -------------------------------------------------------------------------
+def _add_common(p: argparse.ArgumentParser) -> None:
+    m = p.add_argument_group("model")
+    m.add_argument("--preset", choices=sorted(PRESETS), help="model size (default: small-cpu)")
+    m.add_argument("--layers", type=int)
+    m.add_argument("--width", type=int)
+    m.add_argument("--heads", type=int)
+    m.add_argument("--context", type=int, help="model context (learned positions); default: preset's")
+    m.add_argument("--seq-len", type=int, help="training sequence length (<= context; default: context)")
+    m.add_argument("--separate-qkv", action="store_true", help="q/k/v as three Linears (default fused)")
+    m.add_argument("--untied", action="store_true", help="untie the LM head from the embedding")
+    d = p.add_argument_group("data")
+    d.add_argument("--data", help="text file/folder, or nanoGPT train.bin/val.bin (default: stdlib .py)")
+    d.add_argument("--cache-dir", help="token cache (default ~/.cache/dobb_bench)")
+    d.add_argument("--tokenizer", choices=("byte", "bpe"), default="byte")
+    d.add_argument("--vocab-size", type=int, help="bpe vocabulary size (default 4096)")
+    d.add_argument("--val-fraction", type=float, default=0.02)
+    t = p.add_argument_group("training")
+    t.add_argument("--quick", action="store_true", help="the small preset (tiny model, few steps)")
+    t.add_argument("--steps", type=int)
+    t.add_argument("--batch-size", type=int, help="global sequences per optimizer step")
+    t.add_argument("--micro-batches", type=int, default=1, help="gradient-accumulation micro-batches")
+    t.add_argument("--lr", type=float, help="base lr (default 5e-3*2**(-1/2) = 3.54e-3, grid j=-1)")
+    t.add_argument("--weight-decay", type=float, default=0.1)
+    t.add_argument("--warmup", type=int, help="warmup steps (default 5%% of steps)")
+    t.add_argument("--schedule", choices=("cosine", "linear", "constant"), default="cosine")
+    t.add_argument("--min-lr-ratio", type=float, default=0.1, help="decay floor, fraction of lr")
+    t.add_argument("--grad-clip", type=float, default=0.0, help="max grad norm (0 = off)")
+    t.add_argument("--eval-every", type=int)
+    t.add_argument("--eval-seqs", type=int)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--device", default="auto")
+    t.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads per process (default 1: see the module docstring)")
+    t.add_argument("--dist", choices=("none", "ddp", "fsdp"), default="none",
+                   help="under torchrun: DDP or FSDP2 (gloo on CPU, nccl on GPU)")
+    t.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0 = off)")
+    t.add_argument("--no-resume", action="store_true", help="ignore checkpoints/results in --out")
+    t.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    t.add_argument("--out", help="output folder (default bench-out/<command>)")
+
+
+def _configs(args) -> tuple[ModelConfig, TrainConfig, dict]:
+    preset = RUN_PRESETS["quick" if args.quick else "default"]
+    if args.threads < 1:
+        raise CliError(f"--threads must be a positive integer, got {args.threads}")
+    torch.set_num_threads(args.threads)
+    for flag, value in (("--steps", args.steps), ("--batch-size", args.batch_size),
+                        ("--eval-every", args.eval_every), ("--eval-seqs", args.eval_seqs),
+                        ("--micro-batches", args.micro_batches)):
+        if value is not None and value < 1:
+            raise CliError(f"{flag} must be a positive integer, got {value}")
+    corpus = load_corpus(args.data, cache_dir=args.cache_dir, tokenizer=args.tokenizer,
+                         vocab_size=args.vocab_size, val_fraction=args.val_fraction)
+    model_cfg = config_from_preset(args.preset or preset["preset"], layers=args.layers,
+                                   width=args.width, heads=args.heads, seq_len=args.context,
+                                   vocab_size=corpus.vocab_size, fused_qkv=not args.separate_qkv,
+                                   tied=not args.untied)
+    if args.seq_len is not None and args.seq_len > model_cfg.seq_len:
+        raise CliError(f"--seq-len {args.seq_len} exceeds the model context {model_cfg.seq_len} "
+                       "(raise --context)")
+    if args.seq_len is not None and args.seq_len < 1:
+        raise CliError(f"--seq-len must be positive, got {args.seq_len}")
+    train_cfg = TrainConfig(
+        steps=args.steps or preset["steps"], seq_len=args.seq_len,
+        batch_size=args.batch_size or preset["batch_size"], micro_batches=args.micro_batches,
+        lr=args.lr if args.lr is not None else grid_lr(-1), weight_decay=args.weight_decay,
+        warmup=args.warmup, schedule=args.schedule, min_lr_ratio=args.min_lr_ratio,
+        grad_clip=args.grad_clip, eval_every=args.eval_every or preset["eval_every"],
+        eval_seqs=args.eval_seqs or preset["eval_seqs"], seed=args.seed,
+        checkpoint_every=args.checkpoint_every, device=args.device, dist=args.dist)
+    data_args = dict(data=args.data, cache_dir=args.cache_dir, tokenizer=args.tokenizer,
+                     vocab_size=args.vocab_size, val_fraction=args.val_fraction)
+    return model_cfg, train_cfg, (corpus, data_args)
+
+
+def _slug(label: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._=-]+", "_", label).strip("_") or "run"
+
+
+def _out(args, command: str) -> Path:
+    return Path(args.out or Path("bench-out") / command)
+
+
+# ----- running ----------------------------------------------------------------------------------
+def _run_one(spec: OptimizerSpec, lr: float, model_cfg, train_cfg, corpus, run_dir: Path, *,
+             progress: bool, resume: bool, env=None, keep_checkpoint=True, stop_after=None) -> dict:
+    meta = {"run": spec.label, "optimizer": spec.name, "hparams": {k: str(v) for k, v in spec.hparams.items()},
+            "lr": lr, "weight_decay": train_cfg.weight_decay}
+    factory = functools.partial(build_optimizer, spec.name, spec.hparams, lr, train_cfg.weight_decay)
+    return run_training(model_cfg, replace(train_cfg, lr=lr), corpus, factory, out_dir=run_dir, meta=meta,
+                        progress=progress, resume=resume, env=env, keep_checkpoint=keep_checkpoint,
+                        stop_after=stop_after)
+
+
+def _child(spec, lr, model_cfg, train_cfg, data_args, run_dir, progress, resume, threads):
+    torch.set_num_threads(threads)
+    corpus = load_corpus(data_args.pop("data"), **data_args)
+    _run_one(spec, lr, model_cfg, train_cfg, corpus, run_dir, progress=progress, resume=resume,
+             keep_checkpoint=False)
+
+
+def _read_final(run_dir: Path, expect: dict | None = None) -> dict | None:
+    """The run's final record, or None; with ``expect``, only if it was made with those settings."""
+    path = run_dir / METRICS_FILE
+    if not path.exists():
+        return None
+    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    final = lines[-1] if lines and lines[-1].get("type") == "final" else None
+    if final is not None and expect is not None:
+        same = json.loads(json.dumps(expect)) == {k: final.get(k) for k in expect}
+        return final if same else None
+    return final
+
+
+def _settings(spec: OptimizerSpec, lr: float, model_cfg: ModelConfig, train_cfg: TrainConfig) -> dict:
+    from dataclasses import asdict
+
+    return {"optimizer": spec.name, "hparams": {k: str(v) for k, v in spec.hparams.items()}, "lr": lr,
+            "model": model_cfg.to_dict(), "train": asdict(replace(train_cfg, lr=lr))}
+
+
+def run_many(jobs: list[tuple[OptimizerSpec, float]], args, model_cfg, train_cfg, corpus_info, out: Path) -> list[dict]:
+    """Runs every (spec, lr) job once; a finished run found in ``out`` is reused unless --no-resume."""
+    corpus, data_args = corpus_info
+    env = setup_dist(train_cfg.dist, train_cfg.device)
+    isolate = args.isolate if args.isolate is not None else (env.world == 1 and env.device.type == "cpu")
+    progress, resume = not args.no_progress, not args.no_resume
+    finals = []
+    for i, (spec, lr) in enumerate(jobs, 1):
+        run_dir = out / "runs" / _slug(f"{spec.label}" + (f"_lr{lr:.3g}" if len(jobs) > len({j[0].label for j in jobs}) else ""))
+        expect = _settings(spec, lr, model_cfg, train_cfg)
+        final = _read_final(run_dir, expect) if resume else None
+        t0 = time.perf_counter()
+        if final is None:
+            if isolate:
+                proc = mp.get_context("spawn").Process(
+                    target=_child, args=(spec, lr, model_cfg, train_cfg, dict(data_args), run_dir, progress, resume,
+                          torch.get_num_threads()))
+                proc.start()
+                proc.join()
+                final = _read_final(run_dir, expect)
+                if proc.exitcode != 0 or final is None:
+                    raise CliError(f"run {spec.label!r} failed in its child process (exit code {proc.exitcode})")
+            else:
+                final = _run_one(spec, lr, model_cfg, train_cfg, corpus, run_dir, progress=progress,
+                                 resume=resume, env=env, keep_checkpoint=False)
+                final.pop("evals", None)
+        final["run_dir"] = str(run_dir)
+        finals.append(final)
+        if env.rank == 0:
+            loss = final.get("final_val_loss")
+            print(f"[{i}/{len(jobs)}] {spec.label} lr={lr:.3g}: val loss "
+                  f"{'diverged' if loss is None or final.get('diverged') else f'{loss:.4f}'}, "
+                  f"{final['tokens_per_s']:.0f} tok/s, opt {final['opt_ms_per_step']:.2f} ms/step "
+                  f"({time.perf_counter() - t0:.1f} s)", flush=True)
+    return finals
+
+
+def _finish(out: Path, finals: list[dict], model_cfg: ModelConfig, *, grid: bool, shared_lr: float | None) -> None:
+    """Writes results.jsonl, results.md and the plots (rank 0 only)."""
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return
+    records = []
+    for f in finals:
+        path = Path(f["run_dir"]) / METRICS_FILE
+        records += [json.loads(x) for x in path.read_text().splitlines() if x.strip()][:-1]
+        records.append(f)
+    write_jsonl(out / "results.jsonl", records)
+    table = report.results_markdown(finals, grid=grid, shared_lr=shared_lr)
+    notes = [report.plot_curves(records, out / "val_loss.png")]
+    shapes = [tuple(m.weight.shape) for blk in GPT(replace(model_cfg, layers=1)).blocks
+              for m in blk.modules() if isinstance(m, torch.nn.Linear)] * model_cfg.layers
+    notes.append(report.plot_payload(finals, shapes, out / "payload_vs_loss.png"))
+    text = table + "\n" + "\n".join(f"- {n}" for n in notes if n) + "\n"
+    (out / "results.md").write_text(text)
+    print("\n" + text)
+
+
+def cmd_train(args) -> int:
+    spec = OptimizerSpec(args.optimizer.lower(), parse_hparams(args.hp or [], "--hp"), "")
+    spec = replace(spec, label=default_label(spec.name, spec.hparams))
+    validate_spec(spec)
+    model_cfg, train_cfg, (corpus, _) = _configs(args)
+    out = _out(args, "train")
+    env = setup_dist(train_cfg.dist, train_cfg.device)
+    final = _run_one(spec, train_cfg.lr, model_cfg, train_cfg, corpus, out, progress=not args.no_progress,
+                     resume=not args.no_resume, env=env, stop_after=args.stop_after)
+    final.pop("evals", None)
+    if final["type"] == "interrupted":
+        if env.rank == 0:
+            print(f"stopped after step {final['step']} with a checkpoint in {out}; rerun the same "
+                  "command to resume")
+        return 0
+    final["run_dir"] = str(out)
+    if env.rank == 0:
+        text = report.results_markdown([final], grid=False, shared_lr=None)
+        (out / "results.md").write_text(text)
+        print(text)
+    return 0
+
+
+def cmd_compare(args) -> int:
+    specs = [parse_spec(s) for s in split_specs(args.optimizers or DEFAULT_COMPARE)]
+    if not specs:
+        raise CliError("--optimizers is empty")
+    if len({s.label for s in specs}) != len(specs):
+        raise CliError("--optimizers has duplicate labels; add @Label to tell them apart")
+    for spec in specs:
+        validate_spec(spec)
+    grid = [float(j) for j in _parse_grid(args.lr_grid)] if args.lr_grid else []
+    model_cfg, train_cfg, corpus_info = _configs(args)
+    lrs = [train_cfg.lr] + [lr for lr in map(grid_lr, grid) if abs(lr - train_cfg.lr) > 1e-12]
+    jobs = [(s, lr) for s in specs for lr in lrs]
+    out = _out(args, "compare")
+    t0 = time.perf_counter()
+    finals = run_many(jobs, args, model_cfg, train_cfg, corpus_info, out)
+    _finish(out, finals, model_cfg, grid=bool(grid), shared_lr=train_cfg.lr)
+    print(f"compare: {len(jobs)} runs in {time.perf_counter() - t0:.0f} s; results in {out}")
+    return 0
+
+
+def cmd_sweep(args) -> int:
+    spec = parse_spec(args.optimizer + "".join(f":{h}" for h in args.hp or []))
+    validate_spec(spec)
+    grid = _parse_grid(args.grid)
+    model_cfg, train_cfg, corpus_info = _configs(args)
+    out = _out(args, "sweep")
+    jobs = [(spec, grid_lr(j)) for j in grid]
+    finals = run_many(jobs, args, model_cfg, train_cfg, corpus_info, out)
+    _finish(out, finals, model_cfg, grid=True, shared_lr=None)
+    return 0
+
+
+def _parse_grid(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise CliError(f"malformed grid {text!r}: expected comma-separated numbers like -2,-1,0,1") from None
+    if not values:
+        raise CliError("the learning-rate grid is empty")
+    return values
+
+
+_NEGATIVE_LIST = re.compile(r"^-\d")
+
+
+def _allow_negative_lists(p: argparse.ArgumentParser) -> None:
+    """Lets ``--grid -2,-1,0,1`` parse: argparse would take ``-2,-1,0,1`` for an unknown flag.
+
+    argparse decides with the parser's ``_negative_number_matcher``; widening it to
+    any "-<digit>..." word is safe because no option of these parsers starts with a digit.
+    """
+    p._negative_number_matcher = _NEGATIVE_LIST
+
+
+def add_parsers(sub) -> None:
+    p = sub.add_parser("train", help="train one optimizer")
+    p.add_argument("--optimizer", required=True, help="name for dobb.build_optimizer")
+    p.add_argument("--hp", action="append", metavar="KEY=VALUE", help="optimizer hyperparameter (repeatable)")
+    p.add_argument("--stop-after", type=int, metavar="N",
+                   help="stop after step N with a checkpoint (rerun without it to resume)")
+    _add_common(p)
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("compare", help="same model/data/seed, one run per optimizer (the main job)")
+    p.add_argument("--optimizers", help=f"comma-separated NAME[:k=v...][@Label] (default: {DEFAULT_COMPARE})")
+    p.add_argument("--lr-grid", help="also run each optimizer at lr_j = 5e-3*2**(j/2) for these j")
+    p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
+                   help="one child process per run (default on CPU without torchrun)")
+    _add_common(p)
+    _allow_negative_lists(p)
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("sweep", help="one optimizer over the paper's lr grid")
+    p.add_argument("--optimizer", required=True)
+    p.add_argument("--hp", action="append", metavar="KEY=VALUE")
+    p.add_argument("--grid", default="-2,-1,0,1", help="grid indices j, lr_j = 5e-3*2**(j/2)")
+    p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None)
+    _add_common(p)
+    _allow_negative_lists(p)
+    p.set_defaults(func=cmd_sweep)

@@ -1,0 +1,161 @@
+"""Reports for benchmark runs: a markdown table and PNG plots (matplotlib, Agg backend).
+
+Why: ``compare`` is read by people, so its results must be a table they can paste (final val
+loss, throughput, optimizer time, memory) plus the two pictures the paper leads with: validation
+loss against step, and final loss against the optimizer-specific cross-shard payload relative to
+Muon (Fig. 1). The payload ratios come from ``dobb_bench.payload.relative_payload`` (owned by
+another module); when it is absent the scatter is skipped with a note.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from pathlib import Path
+
+
+def _fmt(x, spec: str) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "n/a"
+    return format(x, spec)
+
+
+def _loss(f: dict) -> float:
+    v = f.get("final_val_loss")
+    return math.inf if v is None or f.get("diverged") or not math.isfinite(v) else v
+
+
+def results_markdown(finals: list[dict], *, grid: bool, shared_lr: float | None) -> str:
+    """One row per optimizer label. With ``grid``: shared-lr loss and best-of-grid (lr, loss)."""
+    by_label: dict[str, list[dict]] = defaultdict(list)
+    for f in finals:
+        by_label[f["run"]].append(f)
+    head = ["optimizer"]
+    if grid and shared_lr is not None:
+        head += [f"val loss @ lr {shared_lr:.3g}", "best lr", "best val loss"]
+    elif grid:
+        head += ["best lr", "best val loss"]
+    else:
+        head += ["lr", "final val loss"]
+    head += ["bits/byte", "tokens/s", "opt ms/step", "peak mem MB", "opt state MB"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, runs in by_label.items():
+        best = min(runs, key=_loss)
+        shared = next((r for r in runs if shared_lr is not None and abs(r["lr"] - shared_lr) < 1e-12), None)
+        ref = shared or best
+        cells = [label]
+        if grid and shared_lr is not None:
+            cells += [_cell_loss(shared), _fmt(best["lr"], ".3g"), _cell_loss(best)]
+        elif grid:
+            cells += [_fmt(best["lr"], ".3g"), _cell_loss(best)]
+        else:
+            cells += [_fmt(ref["lr"], ".3g"), _cell_loss(ref)]
+        cells += [_fmt(ref.get("final_val_bpb"), ".4f"), _fmt(ref.get("tokens_per_s"), ".0f"),
+                  _fmt(ref.get("opt_ms_per_step"), ".2f"), _fmt(ref.get("peak_mem_mb"), ".0f"),
+                  _fmt(ref.get("opt_state_mb"), ".2f")]
+        rows.append("| " + " | ".join(cells) + " |")
+    f0 = finals[0]
+    m, t = f0.get("model", {}), f0.get("train", {})
+    rows.append("")
+    rows.append(f"Model {m.get('layers')}/{m.get('width')}/{m.get('heads')} (layers/width/heads), "
+                f"{f0.get('n_params')} parameters; {t.get('steps')} steps x {t.get('batch_size')} sequences "
+                f"x {t.get('seq_len') or m.get('seq_len')} tokens; seed {t.get('seed')}; device {f0.get('device')}"
+                f" ({f0.get('world')} process(es), dist {f0.get('dist')}, {f0.get('threads')} thread(s)). Loss in nats/token on fixed "
+                "held-out sequences; opt ms/step times optimizer.step() only, first step excluded; "
+                "peak mem is the max RSS of the run's process on CPU (with --no-isolate, a high-water "
+                "mark shared by the runs before it) or max allocated CUDA memory.")
+    return "\n".join(rows) + "\n"
+
+
+def _cell_loss(f: dict | None) -> str:
+    if f is None:
+        return "n/a"
+    return "diverged" if f.get("diverged") else _fmt(f.get("final_val_loss"), ".4f")
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_curves(records: list[dict], path: Path) -> str:
+    """Validation loss vs step, one line per run (label, plus lr when a label has several)."""
+    plt = _pyplot()
+    curves: dict[tuple, list] = defaultdict(list)
+    for r in records:
+        if r.get("type") == "eval" and r.get("val_loss") is not None:
+            curves[(r["run"], r["lr"])].append((r["step"], r["val_loss"]))
+    labels = defaultdict(int)
+    for run, _ in curves:
+        labels[run] += 1
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    colors = plt.get_cmap("tab20").colors
+    for i, ((run, lr), pts) in enumerate(curves.items()):  # color x line style: 40 distinct lines
+        pts.sort()
+        name = f"{run} (lr {lr:.3g})" if labels[run] > 1 else run
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], color=colors[(2 * i) % 20 + (i // 10) % 2],
+                linestyle=("-", "--")[(i // 20) % 2], marker=".", label=name)
+    ax.set_xlabel("step")
+    ax.set_ylabel("validation loss (nats/token)")
+    finals = [pts[-1][1] for pts in curves.values() if pts]
+    if finals:  # zoom on the end of training, where optimizers differ
+        lo, hi = min(finals), max(finals)
+        everything = max(v for pts in curves.values() for _, v in pts)
+        top = min(everything, lo + max(1.0, 4 * (hi - lo)))
+        ax.set_ylim(lo - 0.05 * (top - lo), top + 0.02 * (top - lo))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"validation curves: {path.name}"
+
+
+def plot_payload(finals: list[dict], shapes: list[tuple[int, int]], path: Path) -> str:
+    """Fig. 1-style scatter: final loss vs cross-shard payload relative to Muon (if available)."""
+    try:
+        from .payload import relative_payload
+    except ImportError:
+        return "payload scatter skipped: dobb_bench.payload.relative_payload is not available"
+    points = []
+    for f in finals:
+        if _loss(f) == math.inf:
+            continue
+        try:
+            ratio = relative_payload(f["optimizer"], _typed(f.get("hparams", {})), shapes)
+        except (ValueError, KeyError, TypeError) as exc:
+            return f"payload scatter skipped: {exc}"
+        points.append((f["run"], ratio, _loss(f)))
+    best = {}
+    for label, ratio, loss in points:  # one point per label: its best lr
+        if label not in best or loss < best[label][1]:
+            best[label] = (ratio, loss)
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for label, (ratio, loss) in best.items():
+        ax.scatter([ratio], [loss])
+        ax.annotate(label, (ratio, loss), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("optimizer-specific cross-shard payload / Muon's")
+    ax.set_ylabel("final validation loss (nats/token)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"payload scatter: {path.name}"
+
+
+def _typed(hparams: dict) -> dict:
+    """Hyperparameters come back from JSON as strings; turn numbers back into numbers."""
+    out = {}
+    for k, v in hparams.items():
+        try:
+            out[k] = int(v)
+        except (TypeError, ValueError):
+            try:
+                out[k] = float(v)
+            except (TypeError, ValueError):
+                out[k] = v
+    return out

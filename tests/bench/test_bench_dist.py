@@ -1,0 +1,49 @@
+"""DDP and FSDP2 (2 CPU processes, gloo) against one process; resume under both is exact.
+
+One ``torchrun`` launch runs every case (tests/bench/dist_worker.py) to keep the cost to one
+process-group start-up. DDP/FSDP sum gradients in a different order than one process, so those
+comparisons allow float32 round-off for AdamW; Dobb takes the sign of projected coefficients
+(in a bf16 basis), so round-off flips a few near-zero signs and its tolerance is wider -- the
+DDP replica check (bitwise-equal parameters on both ranks) is what catches rank-local state.
+Resumed-vs-uninterrupted within one layout must be exact.
+"""
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dobb_bench.commands_train import build_optimizer
+from dobb_bench.model import ModelConfig
+from dobb_bench.train import TrainConfig, run_training
+
+WORKER = Path(__file__).with_name("dist_worker.py")
+TOL = {"adamw": 1e-5, "dobb": 3e-3}  # relative, per loss value
+
+
+@pytest.mark.slow
+def test_ddp_and_fsdp_match_single_process(tmp_path, text_dir, cache_dir, corpus):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(WORKER), str(text_dir), str(cache_dir), str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    curves = json.loads((tmp_path / "curves.json").read_text())
+    sys.path.insert(0, str(WORKER.parent))
+    try:
+        from dist_worker import SPECS
+    finally:
+        sys.path.pop(0)
+    model_cfg = ModelConfig(layers=2, width=32, heads=2, seq_len=32)
+    cfg = TrainConfig(steps=6, batch_size=4, eval_every=3, eval_seqs=8, warmup=2)
+    for name, hp in SPECS.items():
+        single = run_training(model_cfg, cfg, corpus, functools.partial(build_optimizer, name, hp, 3e-3, 0.1))
+        for mode in ("ddp", "fsdp"):
+            got = curves[f"{name}-{mode}"]
+            assert got["train"] == pytest.approx(single["train_losses"], rel=TOL[name]), (name, mode)
+            assert got["val"] == pytest.approx([e["val_loss"] for e in single["evals"]], rel=TOL[name]), (name, mode)
+            assert curves[f"{name}-{mode}-resumed"] == got, (name, mode)  # exact
+        assert curves[f"{name}-ddp-replicas-equal"] is True, name
