@@ -111,10 +111,11 @@ def _train_bpe(texts: list[bytes], vocab_size: int):
 def _encode(texts: list[bytes], tokenizer, dtype) -> np.ndarray:
     if tokenizer is None:
         return np.frombuffer(b"".join(texts), dtype=np.uint8).copy()
-    ids: list[int] = []
-    for enc in tokenizer.encode_batch([t.decode("utf-8", "replace") for t in texts]):
-        ids.extend(enc.ids)
-    return np.asarray(ids, dtype=dtype)
+    parts = [np.zeros(0, dtype=dtype)]
+    for i in range(0, len(texts), 64):  # bounded batches: Encoding objects are large
+        batch = [t.decode("utf-8", "replace") for t in texts[i:i + 64]]
+        parts += [np.asarray(enc.ids, dtype=dtype) for enc in tokenizer.encode_batch(batch)]
+    return np.concatenate(parts)
 
 
 def _load_text(path: Path, stdlib: bool, cache_dir: Path, tokenizer: str, vocab_size: int | None,
