@@ -303,9 +303,20 @@ def run_many(jobs: list[tuple[OptimizerSpec, float]], args, model_cfg, train_cfg
     return finals
 
 
+def _rank0() -> bool:
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+
+def _close_dist() -> None:
+    """Leaves the torchrun process group cleanly (no-op in a single process)."""
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
 def _finish(out: Path, finals: list[dict], model_cfg: ModelConfig, *, grid: bool, shared_lr: float | None) -> None:
     """Writes results.jsonl, results.md and the plots (rank 0 only)."""
-    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+    if not _rank0():
         return
     records = []
     for f in finals:
@@ -337,12 +348,14 @@ def cmd_train(args) -> int:
         if env.rank == 0:
             print(f"stopped after step {final['step']} with a checkpoint in {out}; rerun the same "
                   "command to resume")
+        _close_dist()
         return 0
     final["run_dir"] = str(out)
     if env.rank == 0:
         text = report.results_markdown([final], grid=False, shared_lr=None)
         (out / "results.md").write_text(text)
         print(text)
+    _close_dist()
     return 0
 
 
@@ -362,7 +375,9 @@ def cmd_compare(args) -> int:
     t0 = time.perf_counter()
     finals = run_many(jobs, args, model_cfg, train_cfg, corpus_info, out)
     _finish(out, finals, model_cfg, grid=bool(grid), shared_lr=train_cfg.lr)
-    print(f"compare: {len(jobs)} runs in {time.perf_counter() - t0:.0f} s; results in {out}")
+    if _rank0():
+        print(f"compare: {len(jobs)} runs in {time.perf_counter() - t0:.0f} s; results in {out}")
+    _close_dist()
     return 0
 
 
@@ -375,6 +390,7 @@ def cmd_sweep(args) -> int:
     jobs = [(spec, grid_lr(j)) for j in grid]
     finals = run_many(jobs, args, model_cfg, train_cfg, corpus_info, out)
     _finish(out, finals, model_cfg, grid=True, shared_lr=None)
+    _close_dist()
     return 0
 
 
