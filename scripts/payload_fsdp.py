@@ -14,7 +14,9 @@ and the next one (a non-refresh step), and the statistic reductions Dobb's captu
 forward/backward of the refresh step. "derived" columns: ``dobb_bench.payload`` (leading logical
 entries x 4 bytes); measured bytes are logical sizes (the gathered matrix for an all-gather, the
 reduced tensor for an all-reduce; see ``dobb.meter``). FSDP's own all-gathers/reduce-scatters are
-outside ``step()`` and not counted.
+outside ``step()`` and not counted. Dion runs its distributed step (partial sums of ``B Q`` and
+``B^T P``, see ``dobb/baselines/dion.py``), so its measured bytes are what that step sends; the
+derived column is Table 3's ``r(m+n)``.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from dobb_bench.model import GPT, config_from_preset
 
 DEFAULT_SPECS = ("adamw", "dobb", "dobb-l2", "dobb-g", "dobb-g-l2", "dobb:source=grad_gram", "muon",
                  "dion:rank_fraction=1", "dion:rank_fraction=1/4", "dion:rank_fraction=1/16",
+                 "dion:rank_fraction=1/4,qr=rcqr",
                  "block-muon:axis=0", "block-muon:axis=1", "torch-muon")
 
 
@@ -44,17 +47,13 @@ def build(spec: str, model, blocks: int):
         hp.setdefault("blocks", blocks)
     if name.startswith("dobb"):
         hp.setdefault("check_finite", False)
-    # Explicit split: dobb.param_groups' vocabulary rule would also send every Linear whose
-    # out_features equals the position table's length (64 in the tiny preset) to AdamW.
-    if name != "adamw":
-        hp["is_matrix"] = _is_hidden
+    if name != "adamw":  # dobb.param_groups' split must be the matrix set the derived column counts
+        matrices = {id(p) for g in dobb.param_groups(model, algorithm=name) if g["algorithm"] != "adamw"
+                    for _, p in g["params"]}
+        if matrices != {id(p) for p in _hidden_matrices(model)}:
+            raise RuntimeError("dobb.param_groups no longer picks exactly the blocks' Linear weights")
     opt = dobb.build_optimizer(name, model, lr=1e-3, weight_decay=0.0, **hp)
-    hp.pop("is_matrix", None)
     return opt, hp
-
-
-def _is_hidden(name, module, p) -> bool:
-    return isinstance(module, torch.nn.Linear) and p is module.weight and name.startswith("blocks.")
 
 
 def measure(spec: str, args, batches) -> dict:
@@ -141,6 +140,7 @@ def main() -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=1)
+    dist.barrier()  # no rank tears gloo down while a peer still finishes (seen: rare abort at exit)
     dist.destroy_process_group()
 
 

@@ -21,6 +21,11 @@ placements once, at optimizer construction, and turns them into a ``MatrixLayout
 Anything the update cannot serve from local data (``Partial``, a ``_StridedShard`` or two mesh
 dims on the blocked axis, a block straddling a shard, a ``stat_group`` mixing ranks that hold
 different blocks) is a ``ValueError`` here, never a silent gather or a hang later.
+
+The baselines' placement knowledge lives here too: ``gather_full`` / ``local_slice`` (the
+all-gather Muon-type directions pay, and the way back to the local shard), ``rows_are_local``, and
+``axis_split``: the ``AxisSplit`` of a matrix (which mesh dim splits each axis, this rank's offsets,
+the process groups) through which Dion sums its ``O(r(m+n))`` partial products across shards.
 """
 from __future__ import annotations
 
@@ -35,7 +40,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from .distributed import MatrixLayout
 from .functional import block_sizes, identity_blocks
 
-__all__ = ["DTensorLayout", "dtensor_layout", "data_parallel_dims", "chunk_sizes"]
+__all__ = ["DTensorLayout", "dtensor_layout", "data_parallel_dims", "chunk_sizes", "AxisSplit", "axis_split",
+           "gather_full", "local_slice", "rows_are_local", "row_wise", "replicate_like"]
 
 _FLATTENED: dict[tuple, object] = {}
 
@@ -234,3 +240,165 @@ def _resolve_stat_group(mesh, stat_group, d_b):
 def _dim_subsets(ndim: int):
     for r in range(ndim + 1):
         yield from itertools.combinations(range(ndim), r)
+
+
+# ----------------------------------------------------------------------------- baselines' helpers
+def gather_full(local_t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Full matrix from this rank's shard ``local_t`` of a tensor laid out like ``like``.
+
+    The direction of Muon, Dion2, PR-Muon and RMNP couples the whole matrix, so a sharded
+    parameter pays this all-gather (the communication Table 3 charges them); plain tensors pass.
+    """
+    if not isinstance(like, DTensor):
+        return local_t
+    d = DTensor.from_local(local_t, like.device_mesh, like.placements, shape=like.shape,
+                           stride=like.stride(), run_check=False)
+    return d.full_tensor()
+
+
+def local_slice(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a full (replicated) tensor, laid out like ``like``; no communication."""
+    if not isinstance(like, DTensor):
+        return full
+    mesh = like.device_mesh
+    d = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return d.redistribute(mesh, like.placements).to_local()
+
+
+def rows_are_local(like: torch.Tensor) -> bool:
+    """Whether every rank holds whole rows (plain tensor, or sharded only along dim 0)."""
+    if not isinstance(like, DTensor):
+        return True
+    return all(pl.is_replicate() or (pl.is_shard() and pl.dim == 0) for pl in like.placements)
+
+
+def row_wise(fn, local_t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Apply a row-wise function: locally when rows are whole on this rank, else on the gathered
+    matrix (columns sharded: row norms span ranks)."""
+    if rows_are_local(like):
+        return fn(local_t)
+    return local_slice(fn(gather_full(local_t, like)), like)
+
+
+def replicate_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``full`` (the same on every rank) as a DTensor replicated over ``like``'s mesh."""
+    mesh = like.device_mesh
+    return DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False,
+                              shape=full.shape, stride=full.stride())
+
+
+@dataclass
+class AxisSplit:
+    """How the two axes of a 2-D DTensor are split across ranks, for updates that sum partial
+    products over the ranks holding other parts of an axis (Dion's ``O(r(m+n))`` exchange).
+
+    ``mesh_dims[a]``: the mesh dim whose plain ``Shard`` splits axis ``a`` (``torch.chunk`` sizes,
+    uneven and empty shards allowed), or None; ``starts[a]``: the global index of this rank's first
+    entry on axis ``a``; ``groups[a]``: the process group of that mesh dim (None when the axis is
+    whole, or the mesh dim has size 1). ``signature`` is the same on every rank, so optimizers can
+    batch matrices by it without the ranks disagreeing on the order of collectives.
+    """
+
+    shape: tuple[int, int]
+    local_shape: tuple[int, int]
+    mesh: object
+    mesh_dims: tuple
+    starts: tuple[int, int]
+    groups: tuple
+    signature: tuple
+
+    @property
+    def sharded_axes(self) -> tuple[int, ...]:
+        """The axes split over more than one rank."""
+        return tuple(a for a in (0, 1) if self.groups[a] is not None)
+
+    @property
+    def sharded_axis(self) -> int | None:
+        """The one axis split over ranks (None: none; ``ValueError`` when both are)."""
+        axes = self.sharded_axes
+        if len(axes) > 1:
+            raise ValueError(f"both axes are sharded (mesh dims {self.mesh_dims}); use sharded_axes")
+        return axes[0] if axes else None
+
+    def group(self, axis: int):
+        return self.groups[axis]
+
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    def all_reduce_sum_(self, t: torch.Tensor, axis: int) -> torch.Tensor:
+        """Sum of ``t`` over the ranks holding the other parts of ``axis`` (in place when
+        contiguous); no collective when the axis is whole."""
+        group = self.groups[axis]
+        if group is None:
+            return t
+        t = t.contiguous()
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+        return t
+
+    def gather_along(self, t: torch.Tensor, axis: int, dim: int) -> torch.Tensor:
+        """``t``, whose dimension ``dim`` holds this rank's part of ``axis``, completed to the whole
+        axis: a zero-padded sum over the axis' group (one all-reduce of the logical full size,
+        uneven and empty shards included). No collective when the axis is whole."""
+        group = self.groups[axis]
+        if group is None:
+            return t
+        shape = list(t.shape)
+        shape[dim] = self.shape[axis]
+        full = t.new_zeros(shape)
+        full.narrow(dim, self.starts[axis], self.local_shape[axis]).copy_(t)
+        dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group)
+        return full
+
+    def narrow_along(self, full: torch.Tensor, axis: int, dim: int) -> torch.Tensor:
+        """This rank's part of ``axis`` from a tensor whose dimension ``dim`` spans the whole axis."""
+        if self.mesh_dims[axis] is None:
+            return full
+        return full.narrow(dim, self.starts[axis], self.local_shape[axis])
+
+    def state_along(self, full: torch.Tensor, axis: int) -> torch.Tensor:
+        """A state tensor whose dim 0 runs along the weight's ``axis`` (e.g. Dion's ``Q``), from its
+        full value (the same on every rank): a DTensor on the weight's mesh, ``Shard(0)`` over the
+        mesh dim that splits ``axis`` and ``Replicate`` elsewhere, so DCP reshards it with the weight."""
+        d_axis = self.mesh_dims[axis]
+        placements = [Shard(0) if d == d_axis else Replicate() for d in range(self.mesh.ndim)]
+        local = self.narrow_along(full, axis, 0).clone()
+        return DTensor.from_local(local, self.mesh, placements, run_check=False,
+                                  shape=full.shape, stride=full.stride())
+
+
+def axis_split(param: torch.Tensor) -> AxisSplit:
+    """The ``AxisSplit`` of a 2-D DTensor, or a ``ValueError`` saying why partial sums cannot serve it
+    (``Partial``, ``_StridedShard``, an axis split over two mesh dims, a non-chunk local shape)."""
+    if not isinstance(param, DTensor):
+        raise ValueError("axis_split needs a DTensor")
+    mesh, placements = param.device_mesh, tuple(param.placements)
+    shape = tuple(int(s) for s in param.shape)
+    local_shape = tuple(int(s) for s in param.to_local().shape)
+    coord = mesh.get_coordinate()
+    if coord is None:
+        raise ValueError("this rank is not part of the parameter's device mesh")
+    dims: list[int | None] = [None, None]
+    for d, pl in enumerate(placements):
+        if pl.is_replicate():
+            continue
+        if type(pl) is not Shard:
+            raise ValueError(f"placement {pl} on mesh dim {d} (only Shard and Replicate are split by axis)")
+        axis = pl.dim % 2
+        if dims[axis] is not None:
+            raise ValueError(f"axis {axis} is split over mesh dims {dims[axis]} and {d}")
+        dims[axis] = d
+    starts, groups = [0, 0], [None, None]
+    for axis, d in enumerate(dims):
+        if d is None:
+            continue
+        sizes = chunk_sizes(shape[axis], mesh.size(d))
+        if sizes[coord[d]] != local_shape[axis]:
+            raise ValueError(
+                f"local length {local_shape[axis]} of axis {axis} does not follow torch.chunk sizes {sizes}"
+            )
+        starts[axis] = sum(sizes[: coord[d]])
+        groups[axis] = mesh.get_group(d) if mesh.size(d) > 1 else None
+    signature = (tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()), tuple(dims))
+    return AxisSplit(shape=shape, local_shape=local_shape, mesh=mesh, mesh_dims=tuple(dims),
+                     starts=tuple(starts), groups=tuple(groups), signature=signature)

@@ -1,4 +1,5 @@
-"""Helpers shared by the baselines: the update protocol, validation, and DTensor gather/slice.
+"""Helpers shared by the baselines: the update protocol, validation, and forwarders to the DTensor
+gather/slice helpers of ``dobb.sharding``.
 
 Why a separate ``apply_protocol`` (and not ``MatrixOptimizer._apply_updates``): the Muon family
 produces bf16 directions, and ``torch.optim.Muon`` adds them with ``param.add_(O, alpha=-lr*s)``,
@@ -29,45 +30,42 @@ def upcast(x: Tensor) -> Tensor:
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
+# The DTensor helpers live in ``dobb.sharding`` (the one module that knows placements); these
+# forwarders import it only when a DTensor is actually present, so single-device use stays light.
 def gather_full(local_t: Tensor, like: Tensor) -> Tensor:
-    """Full matrix from this rank's shard ``local_t`` of a tensor laid out like ``like``.
-
-    The direction of Muon, Dion, Dion2, PR-Muon and RMNP couples the whole matrix, so a sharded
-    parameter pays this all-gather (the communication Table 3 charges them); plain tensors pass.
-    """
+    """Full matrix from this rank's shard (``dobb.sharding.gather_full``); plain tensors pass."""
     if not is_dtensor(like):
         return local_t
-    from torch.distributed.tensor import DTensor
+    from ..sharding import gather_full as impl
 
-    d = DTensor.from_local(local_t, like.device_mesh, like.placements, shape=like.shape,
-                           stride=like.stride(), run_check=False)
-    return d.full_tensor()
+    return impl(local_t, like)
 
 
 def local_slice(full: Tensor, like: Tensor) -> Tensor:
-    """This rank's shard of a full (replicated) tensor, laid out like ``like``; no communication."""
+    """This rank's shard of a full tensor (``dobb.sharding.local_slice``); plain tensors pass."""
     if not is_dtensor(like):
         return full
-    from torch.distributed.tensor import DTensor, Replicate
+    from ..sharding import local_slice as impl
 
-    mesh = like.device_mesh
-    d = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
-    return d.redistribute(mesh, like.placements).to_local()
+    return impl(full, like)
 
 
 def rows_are_local(like: Tensor) -> bool:
-    """Whether every rank holds whole rows (plain tensor, or sharded only along dim 0)."""
+    """Whether every rank holds whole rows (``dobb.sharding.rows_are_local``)."""
     if not is_dtensor(like):
         return True
-    return all(pl.is_replicate() or (pl.is_shard() and pl.dim == 0) for pl in like.placements)
+    from ..sharding import rows_are_local as impl
+
+    return impl(like)
 
 
 def row_wise(fn, local_t: Tensor, like: Tensor) -> Tensor:
-    """Apply a row-wise function: locally when rows are whole on this rank, else on the gathered
-    matrix (columns sharded: row norms span ranks)."""
-    if rows_are_local(like):
+    """A row-wise function, locally when rows are whole (``dobb.sharding.row_wise``)."""
+    if not is_dtensor(like):
         return fn(local_t)
-    return local_slice(fn(gather_full(local_t, like)), like)
+    from ..sharding import row_wise as impl
+
+    return impl(fn, local_t, like)
 
 
 def apply_protocol(params: Sequence[Tensor], targets: Sequence[Tensor], updates: Sequence[Tensor],

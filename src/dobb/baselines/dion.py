@@ -1,4 +1,4 @@
-"""Dion (Ahn et al. 2025, "Dion: Distributed Orthonormalized Updates"), written from Algorithm 1.
+"""Dion (Ahn et al. 2025, "Dion: Distributed Orthonormalized Updates"), written from its algorithms.
 
 Per matrix with gradient ``G`` and error-feedback momentum ``M`` (rank ``r``):
 
@@ -16,9 +16,28 @@ rows (the cheaper QR) and the persistent ``Q`` has ``max(m, n)`` rows. ``Q`` sta
 matrix from ``torch.Generator().manual_seed(seed + k)`` (``k``: the parameter's position among the
 optimizer's matrices), column-normalized: identical on every rank. The math runs in fp32 (fp64 for
 fp64 weights); ``M`` is stored in the weight's dtype, ``Q`` in fp32. All equal-shape matrices of a
-group run as one batch. Sharded (DTensor) weights are gathered: that all-gather is the
-communication Dion's distributed algorithm reduces to ``O(r(m+n))``; this class is the
-single-device reference of the algorithm, not its distributed implementation.
+group run as one batch.
+
+Sharded weights (DTensor; ``dobb.sharding.axis_split`` says how each axis is split) run the
+distributed algorithm on local blocks. Call the oriented matrix's rows (``min(m, n)``, ``P``'s
+axis) and columns (``max(m, n)``, ``Q``'s axis); each rank holds a block ``B_loc`` and the rows
+``Q_loc`` of ``Q`` for its columns:
+
+    P_loc  = sum over the column shards of B_loc Q_loc        # s_loc x r
+    P_loc  = orth(P) with P's rows spread over the row shards
+    R_loc  = sum over the row shards of B_loc^T P_loc          # l_loc x r
+    M_loc <- B_loc - (1 - mu) P_loc R_loc^T                    # local
+    Q_loc  = R_loc / sqrt(sum over the column shards of the squared column norms)
+    O_loc  = P_loc Q_loc^T                                      # local
+
+With the rows split, ``orth`` is Householder QR of the whole ``P`` (completed by one zero-padded
+all-reduce of ``s x r``) or randomized Cholesky QR (sums of the ``ceil(1.25 r) x r`` sketch and of
+the ``r x r`` Gram). Per matrix and step, logical entries (``s = min(m, n)``, ``l = max(m, n)``):
+rows split ``s r + l r`` (Householder; Table 3's ``r(m+n)``) or ``ceil(1.25 r) r + r^2 + l r``
+(rcqr); columns split ``s r + r``; both (FSDP x TP) the sum of the pieces. ``Q`` is a DTensor
+sharded like the weight's ``l`` axis (``Shard(0)``) or replicated. Layouts the partial sums cannot
+serve (``_StridedShard``, an axis split over two mesh dims, ``Partial``) fall back to gathering the
+whole matrix (listed in ``Dion.gathered``, with the reason). The math below sees plain tensors only.
 """
 from __future__ import annotations
 
@@ -34,70 +53,174 @@ from . import _common as C
 from .newton_schulz import column_normalize
 
 _QR = ("householder", "rcqr")
+_COLUMN_EPS = 1e-30  # column_normalize's floor on the squared norm
 
 
 def dion_rank(m: int, n: int, rank_fraction: float) -> int:
     return max(1, round(rank_fraction * min(m, n)))
 
 
+def rcqr_sketch(batch: int, rows: int, r: int, generator: torch.Generator | None, device=None,
+                dtype=torch.float32, oversample: float = 1.25) -> Tensor:
+    """The Gaussian sketch ``(batch, ceil(oversample*r), rows)`` of randomized Cholesky QR."""
+    k = math.ceil(oversample * r)
+    return torch.randn(batch, k, rows, generator=generator, device=device, dtype=dtype) / math.sqrt(k)
+
+
+def _same(t: Tensor) -> Tensor:
+    return t
+
+
 def qr_randomized_cholesky(p: Tensor, generator: torch.Generator | None = None,
-                           oversample: float = 1.25) -> Tensor:
+                           oversample: float = 1.25, *, sketch: Tensor | None = None,
+                           row_sum=None) -> Tensor:
     """Orthonormal factor of a batch ``(b, s, r)`` by randomized Cholesky QR (no host sync).
 
     A Gaussian sketch ``S`` (``ceil(oversample*r) x s``) gives ``R1`` from a small QR of ``S P``;
     ``P1 = P R1^{-1}`` is well conditioned, and one Cholesky QR of ``P1`` finishes the job. Tiny
     pivots of ``R1`` and the Gram are shifted (shifted Cholesky QR) instead of branching, so a
     rank-deficient ``P`` (e.g. a zero gradient) yields finite, not exactly orthonormal, columns.
+
+    Distributed rows: ``p`` holds this rank's rows, ``sketch`` the matching columns of the whole
+    sketch, ``row_sum`` sums a tensor over the ranks holding the other rows (``S P`` and the Gram
+    are sums over rows).
     """
     b, s, r = p.shape
-    k = math.ceil(oversample * r)
-    sketch = torch.randn(b, k, s, generator=generator, device=p.device, dtype=p.dtype) / math.sqrt(k)
-    r1 = torch.linalg.qr(sketch @ p, mode="r").R
+    total = row_sum or _same
+    if sketch is None:
+        sketch = rcqr_sketch(b, s, r, generator, p.device, p.dtype, oversample)
+    r1 = torch.linalg.qr(total(sketch @ p), mode="r").R
     tiny, eps = torch.finfo(p.dtype).tiny ** 0.5, torch.finfo(p.dtype).eps
     d = r1.diagonal(dim1=-2, dim2=-1)
     floor = (eps * r * d.abs().amax(-1, keepdim=True)).clamp_min(tiny)
     d_safe = torch.where(d.abs() < floor, torch.where(d < 0, -floor, floor), d)
     r1 = r1 - torch.diag_embed(d) + torch.diag_embed(d_safe)
     p1 = torch.linalg.solve_triangular(r1, p, upper=True, left=False)
-    gram = p1.mT @ p1
+    gram = total(p1.mT @ p1)
     shift = (eps * gram.diagonal(dim1=-2, dim2=-1).mean(-1)).clamp_min(tiny)
     gram = gram + shift[:, None, None] * torch.eye(r, dtype=p.dtype, device=p.device)
     r2 = torch.linalg.cholesky_ex(gram, upper=True).L
     return torch.linalg.solve_triangular(r2, p1, upper=True, left=False)
 
 
-def orthonormalize(p: Tensor, qr: str = "householder", generator: torch.Generator | None = None) -> Tensor:
+class _Whole:
+    """Every row and column of the oriented matrix on this rank: nothing to sum."""
+
+    rows_split = False
+
+    def sum_rows(self, t: Tensor) -> Tensor:
+        return t
+
+    sum_cols = sum_rows
+
+    def total_rows(self, p: Tensor) -> int:
+        return p.shape[-2]
+
+    def gather_rows(self, t: Tensor) -> Tensor:
+        return t
+
+    def narrow_rows(self, t: Tensor, dim: int = -2) -> Tensor:
+        return t
+
+
+_WHOLE = _Whole()
+
+
+class OrientedSplit:
+    """A ``dobb.sharding.AxisSplit`` seen from the oriented matrix: its rows are ``P``'s axis (the
+    weight's axis 0, or 1 when ``m > n``), its columns ``Q``'s. ``sum_rows`` sums over the ranks
+    holding other rows, ``sum_cols`` over those holding other columns."""
+
+    def __init__(self, split, tall: bool):
+        self.split = split
+        self.row_axis = 1 if tall else 0
+        self.col_axis = 1 - self.row_axis
+        self.rows_split = split.group(self.row_axis) is not None
+
+    def sum_rows(self, t: Tensor) -> Tensor:
+        return self.split.all_reduce_sum_(t, self.row_axis)
+
+    def sum_cols(self, t: Tensor) -> Tensor:
+        return self.split.all_reduce_sum_(t, self.col_axis)
+
+    def total_rows(self, p: Tensor) -> int:
+        return self.split.shape[self.row_axis]
+
+    def gather_rows(self, t: Tensor) -> Tensor:
+        return self.split.gather_along(t, self.row_axis, t.dim() - 2)
+
+    def narrow_rows(self, t: Tensor, dim: int = -2) -> Tensor:
+        return self.split.narrow_along(t, self.row_axis, dim % t.dim())
+
+
+def orthonormalize(p: Tensor, qr: str = "householder", generator: torch.Generator | None = None, *,
+                   shards=None, sketch: Tensor | None = None) -> Tensor:
+    """Orthonormal columns spanning ``p`` (``(b, s, r)``). With ``shards`` whose rows are split,
+    ``p`` is this rank's rows of the whole ``P`` and so is the result; ``sketch`` (rcqr) is the
+    sketch of the whole ``P`` (drawn from ``generator`` when None)."""
+    sh = shards if shards is not None else _WHOLE
     if qr == "householder":
-        return torch.linalg.qr(p).Q
+        if not sh.rows_split:
+            return torch.linalg.qr(p).Q
+        return sh.narrow_rows(torch.linalg.qr(sh.gather_rows(p)).Q)
     if qr == "rcqr":
-        return qr_randomized_cholesky(p, generator)
+        if sketch is None:
+            sketch = rcqr_sketch(p.shape[0], sh.total_rows(p), p.shape[-1], generator, p.device, p.dtype)
+        return qr_randomized_cholesky(p, sketch=sh.narrow_rows(sketch, -1), row_sum=sh.sum_rows)
     raise ValueError(f"qr must be one of {_QR}, got {qr!r}")
 
 
 def dion_step(b: Tensor, q: Tensor, mu: float, qr: str = "householder",
-              generator: torch.Generator | None = None) -> tuple[Tensor, Tensor, Tensor]:
+              generator: torch.Generator | None = None, *, shards=None,
+              sketch: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """One Dion step on an oriented batch ``b`` (``(batch, s, l)``, ``s <= l``), ``B = M + G``.
 
     Returns ``(O, M_new, Q_new)``: the raw update ``P Q^T`` (``(batch, s, l)``), the
-    error-feedback momentum and the next warm start ``(batch, l, r)``.
+    error-feedback momentum and the next warm start ``(batch, l, r)``. With ``shards`` (an
+    ``OrientedSplit``), ``b`` is this rank's block, ``q`` its rows of ``Q``, and every output is
+    this rank's block of the whole step's (module docstring); ``sketch`` as in ``orthonormalize``.
     """
-    p = orthonormalize(b @ q, qr, generator)
-    r = b.mT @ p
+    sh = shards if shards is not None else _WHOLE
+    p = sh.sum_cols(b @ q)
+    p = orthonormalize(p, qr, generator, shards=sh, sketch=sketch)
+    r = sh.sum_rows(b.mT @ p)
     m_new = torch.baddbmm(b, p, r.mT, alpha=-(1.0 - mu))
-    q_new = column_normalize(r)
+    # column_normalize(R) with the squared norms summed over the column shards
+    q_new = r * torch.rsqrt(sh.sum_cols(r.square().sum(dim=-2, keepdim=True)).clamp_min(_COLUMN_EPS))
     return p @ q_new.mT, m_new, q_new
 
 
 class Dion(MatrixOptimizer):
     """Args: ``lr``, ``weight_decay``, ``tau``, ``rank_fraction`` (0.25), ``momentum`` (``mu``, 0.95),
-    ``qr`` ("householder" or "rcqr": randomized Cholesky QR), ``seed`` (0), AdamW args."""
+    ``qr`` ("householder" or "rcqr": randomized Cholesky QR), ``seed`` (0), AdamW args.
+
+    ``gathered``: ``{parameter name (or index): reason}`` for DTensor weights whose layout the
+    distributed step cannot serve and which are therefore gathered whole every step.
+    """
 
     algorithm = "dion"
     matrix_defaults: dict[str, Any] = dict(rank_fraction=0.25, momentum=0.95, qr="householder", seed=0)
 
     def __init__(self, params, *, lr: float, **kwargs):
         self._n_matrices = 0
+        self._splits: dict[int, Any] = {}  # id(param) -> None (plain), AxisSplit, or str (gather: why)
+        self.gathered: dict[str, str] = {}
         super().__init__(params, lr=lr, **kwargs)
+
+    def _split_of(self, p: Tensor, index: int):
+        if id(p) not in self._splits:
+            split = None
+            if C.is_dtensor(p):
+                from ..sharding import axis_split  # only with DTensors: keeps plain imports light
+
+                try:
+                    split = axis_split(p)
+                except ValueError as exc:
+                    split = str(exc)
+                    name = self._param_names.get(id(p), f"parameter #{index} (shape {tuple(p.shape)})")
+                    self.gathered[name] = split
+            self._splits[id(p)] = split
+        return self._splits[id(p)]
 
     def _validate_matrix_group(self, group):
         C.check_fraction(group, "rank_fraction")
@@ -105,6 +228,7 @@ class Dion(MatrixOptimizer):
         C.check_choice(group, "qr", _QR)
         C.check_int(group, "seed", 0)
         for p in group["params"]:
+            split = self._split_of(p, self._n_matrices)
             state = self.state[p]
             if state:
                 continue
@@ -112,56 +236,100 @@ class Dion(MatrixOptimizer):
             r = dion_rank(m, n, group["rank_fraction"])
             dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
             gen = torch.Generator().manual_seed(group["seed"] + self._n_matrices)
-            q0 = column_normalize(torch.randn(max(m, n), r, generator=gen, dtype=dtype))
+            q0 = column_normalize(torch.randn(max(m, n), r, generator=gen, dtype=dtype)).to(_device_of(p))
             self._n_matrices += 1
             state["step"] = 0
             state["momentum"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["Q"] = q0.to(_device_of(p))
+            if split is None:
+                state["Q"] = q0
+            elif isinstance(split, str):  # gathered every step: Q replicated
+                from ..sharding import replicate_like
+
+                state["Q"] = replicate_like(q0, p)
+            else:  # Q's rows run along the weight's longer axis (the oriented columns)
+                state["Q"] = split.state_along(q0, 0 if m > n else 1)
+
+    def _batch_key(self, p: Tensor) -> tuple:
+        """Sub-batch key: the same on every rank (so the collectives come in the same order)."""
+        split = self._splits[id(p)]
+        if split is None:
+            return ("local",)
+        if isinstance(split, str):
+            return ("gather",)
+        return ("split", split.signature, p.shape[0] > p.shape[1])  # orientation: which axis is P's
 
     def _matrix_step(self, group):
         active = [p for p in group["params"] if p.grad is not None]
         if not active:
             return
+        mu, qr = group["momentum"], group["qr"]
+        # Batches of one oriented global shape (as a single process forms them, so rcqr draws the
+        # same sketches), split into sub-batches of one sharding layout.
         batches: dict[tuple, list[int]] = defaultdict(list)
-        fulls = []
         for i, p in enumerate(active):
-            st = self.state[p]
-            mom, grad = C.local(st["momentum"]), C.local(p.grad)
-            dtype = st["Q"].dtype
-            b = C.gather_full(mom.to(dtype) + grad.to(dtype), p)
-            fulls.append(b if p.shape[0] <= p.shape[1] else b.mT)
-            batches[(tuple(fulls[-1].shape), st["Q"].shape[1], dtype, b.device)].append(i)
+            q = C.local(self.state[p]["Q"])
+            batches[(min(p.shape), max(p.shape), q.shape[1], q.dtype, q.device)].append(i)
         outs: list[Tensor | None] = [None] * len(active)
-        for idx in batches.values():
-            ps = [active[i] for i in idx]
-            qs = [self.state[p]["Q"] for p in ps]
-            gen = None
-            if group["qr"] == "rcqr":  # fresh sketch per step, reproducible on resume and on every rank
-                step = self.state[ps[0]]["step"]
-                gen = torch.Generator(device=qs[0].device).manual_seed(group["seed"] * 1_000_003 + step)
-            o, m_new, q_new = dion_step(torch.stack([fulls[i] for i in idx]), torch.stack(qs),
-                                        group["momentum"], group["qr"], gen)
-            for j, (i, p) in enumerate(zip(idx, ps)):
-                st = self.state[p]
-                tall = p.shape[0] > p.shape[1]
-                st["Q"].copy_(q_new[j])
-                mj, oj = (m_new[j].mT, o[j].mT) if tall else (m_new[j], o[j])
-                C.local(st["momentum"]).copy_(C.local_slice(mj, p))
-                outs[i] = C.local_slice(oj, p)
+        for (s, _, r, dtype, device), idx in batches.items():
+            sketch = None
+            if qr == "rcqr":  # fresh sketch per step, reproducible on resume and on every rank
+                step = self.state[active[idx[0]]]["step"]
+                gen = torch.Generator(device=device).manual_seed(group["seed"] * 1_000_003 + step)
+                sketch = rcqr_sketch(len(idx), s, r, gen, device, dtype)
+            subs: dict[tuple, list[int]] = defaultdict(list)
+            for j, i in enumerate(idx):
+                subs[self._batch_key(active[i])].append(j)
+            for js in subs.values():
+                ps = [active[idx[j]] for j in js]
+                sk = None if sketch is None else sketch[js]
+                for j, o in zip(js, self._step_batch(ps, mu, qr, dtype, sk)):
+                    outs[idx[j]] = o
         params = [C.local(p) for p in active]
         scales = [C.protocol_scale(*p.shape, group["tau"]) for p in active]
         C.apply_protocol(params, params, outs, scales, group["lr"], group["weight_decay"])
         for p in active:
             self.state[p]["step"] += 1
 
+    def _step_batch(self, ps: list[Tensor], mu: float, qr: str, dtype: torch.dtype,
+                    sketch: Tensor | None) -> list[Tensor]:
+        """One Dion step on matrices of one shape and layout; returns each local raw update."""
+        split = self._splits[id(ps[0])]
+        gather = isinstance(split, str)
+        # Whole matrices may mix orientations (equal oriented shapes); a split sub-batch has one.
+        talls = [p.shape[0] > p.shape[1] for p in ps]
+        bs = []
+        for p, tall in zip(ps, talls):
+            b = C.local(self.state[p]["momentum"]).to(dtype) + C.local(p.grad).to(dtype)
+            if gather:
+                b = C.gather_full(b, p)
+            bs.append(b.mT if tall else b)
+        qs = [C.local(self.state[p]["Q"]) for p in ps]
+        shards = OrientedSplit(split, talls[0]) if split is not None and not gather else None
+        o, m_new, q_new = dion_step(torch.stack(bs), torch.stack(qs), mu, qr, shards=shards, sketch=sketch)
+        outs = []
+        for j, (p, tall) in enumerate(zip(ps, talls)):
+            st = self.state[p]
+            C.local(st["Q"]).copy_(q_new[j])
+            mj, oj = (m_new[j].mT, o[j].mT) if tall else (m_new[j], o[j])
+            if gather:
+                mj, oj = C.local_slice(mj, p), C.local_slice(oj, p)
+            C.local(st["momentum"]).copy_(mj)
+            outs.append(oj)
+        return outs
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # torch casts floating state to the weight's dtype on load (it calls
         # Optimizer._process_value_according_to_param_policy directly, so overriding that has no
         # effect): put Q back in the dtype it was saved in, or a bf16 model would resume with bf16 Q.
         saved = C.saved_state_by_param(self, state_dict, "Q")
+        layout = {p: self.state[p]["Q"] for p in saved if C.is_dtensor(self.state[p].get("Q"))}
         super().load_state_dict(state_dict)
         for p, q in saved.items():
-            self.state[p]["Q"] = q.to(device=_device_of(p), copy=True)
+            q = q.to(device=_device_of(p), copy=True)
+            mine = layout.get(p)
+            if mine is not None and C.is_dtensor(q) and tuple(q.placements) != tuple(mine.placements):
+                q = q.redistribute(mine.device_mesh, mine.placements)  # keep this run's Q layout
+            self.state[p]["Q"] = q
         for p in self.iter_matrix_params():
             if "step" in self.state[p]:
                 self.state[p]["step"] = int(self.state[p]["step"])
