@@ -361,3 +361,28 @@ def test_param_groups_keep_hidden_layers_of_vocabulary_or_context_width():
     groups = dobb.param_groups(model)
     assert [n for n, _ in groups[0]["params"]] == ["2.weight", "3.weight"]
     assert "4.weight" in [n for n, _ in groups[1]["params"]]
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+@pytest.mark.parametrize("norm", ["sign", "l2"])
+def test_momentum_forms_match_spec_sum_form(nesterov, norm):
+    """Three steps against SPEC step 1 in its sum form: M <- mu M + G; U = M or G + mu M."""
+    m, n, lr, mu = 6, 8, 0.05, 0.9
+    layer = _one_layer(m, n)
+    opt = dobb.Dobb([layer.weight], layer, lr=lr, momentum=mu, nesterov=nesterov, norm=norm, basis="eigh",
+                    refresh_every=100, **F64)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(20, n, generator=g, dtype=torch.float64)  # one batch: fixed basis from step 0
+    s = 0.2 * math.sqrt(max(m, n))
+    mom = torch.zeros(m, n, dtype=torch.float64)
+    for _ in range(3):
+        t = torch.randn(20, m, generator=g, dtype=torch.float64)
+        w0 = layer.weight.detach().clone()
+        (layer(x) * t).sum().backward()
+        grad = layer.weight.grad.clone()
+        opt.step()
+        opt.zero_grad()
+        mom = mu * mom + grad
+        u = grad + mu * mom if nesterov else mom
+        expected = w0 - lr * s * _ref_direction(u, x, 1, norm, "input")
+        torch.testing.assert_close(layer.weight.detach(), expected, atol=1e-12, rtol=0)

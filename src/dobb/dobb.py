@@ -205,9 +205,11 @@ class Dobb(MatrixOptimizer):
         grads = [lay.local(p.grad) for lay, p in zip(layouts, active)]
         moms = [lay.local(s["momentum"]) for lay, s in zip(layouts, states)]
         mu = group["momentum"]
-        torch._foreach_mul_(moms, mu)
-        torch._foreach_add_(moms, grads)
-        u = torch._foreach_add(grads, moms, alpha=mu) if group["nesterov"] else moms
+        # EMA form, one fused pass: M_ema = (1-mu) * M with M = mu M + G of SPEC step 1, and the
+        # Nesterov lerp is (1-mu) * (G + mu M). Both normalizations are scale-invariant (per
+        # coefficient sign, per column l2), so the update is the one SPEC defines.
+        torch._foreach_lerp_(moms, grads, 1.0 - mu)
+        u = torch._foreach_lerp(grads, moms, mu) if group["nesterov"] else moms
 
         refresh = [i for i, p in enumerate(active) if self._is_refresh(p, group)]
         if refresh:
