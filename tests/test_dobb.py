@@ -82,7 +82,7 @@ def test_refresh_schedule_ema_and_orthogonal_iteration():
         if step % T == 0:
             if expected_stat is None:
                 expected_stat = a_new
-                expected_q = torch.linalg.eigh(a_new).eigenvectors
+                expected_q = torch.linalg.eigh(a_new).eigenvectors.flip(-1)  # descending
             else:
                 expected_stat = decay * expected_stat + (1 - decay) * a_new
                 expected_q = torch.linalg.qr(expected_stat @ expected_q).Q

@@ -194,9 +194,15 @@ def orthogonal_iteration(a: Tensor, q: Tensor, steps: int = 1, qr: str = "househ
 
 
 def eigh_basis(a: Tensor) -> Tensor:
-    """Exact eigenvectors of a batch of symmetric matrices (columns, ascending eigenvalues)."""
+    """Exact eigenvectors of a batch of symmetric matrices, columns by *descending* eigenvalue.
+
+    The order matters for the warm-started orthogonal iteration that follows: ``qr(A Q)`` keeps
+    column ``j`` in the span of the first ``j`` columns of ``A Q``, so it is stable only when the
+    columns already run from the largest eigenvalue down. With ``eigh``'s ascending order a single
+    ``qr(A Q)`` step mixes the leading eigenvectors into every column and scrambles the basis.
+    """
     a = 0.5 * (a + a.transpose(-1, -2))
-    return torch.linalg.eigh(a).eigenvectors
+    return torch.linalg.eigh(a).eigenvectors.flip(-1)
 
 
 # ----------------------------------------------------------------------------- the direction
