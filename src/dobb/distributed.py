@@ -122,9 +122,6 @@ class MatrixLayout:
             return identity_blocks(self.local_sizes, dtype=dtype, device=like.device)
         return torch.zeros(k, s, dtype=dtype, device=like.device)
 
-    def local_block_state(self, t: torch.Tensor) -> torch.Tensor:
-        return t
-
 
 def plain_features(x: torch.Tensor) -> torch.Tensor:
     """Captured features as a plain tensor: a DTensor input (tensor parallel layers see their input

@@ -29,7 +29,6 @@ __all__ = [
     "block_view",
     "identity_blocks",
     "second_moment_blocks",
-    "gram_blocks",
     "qr_householder",
     "qr_cholesky",
     "orthogonal_iteration",
@@ -138,12 +137,6 @@ def second_moment_blocks(x: Tensor, sizes: Sequence[int], dtype=torch.float32) -
         xs = x[:, run.start : run.stop].reshape(-1, run.count, run.size).transpose(0, 1)
         block_view(out, run).copy_(torch.bmm(xs.transpose(1, 2), xs))
     return out, x.shape[0]
-
-
-def gram_blocks(g: Tensor, sizes: Sequence[int], dtype=torch.float32) -> Tensor:
-    """Diagonal blocks of the gradient Gram ``g^T g / rows`` (input side for an ``m x n`` g)."""
-    sums, rows = second_moment_blocks(g, sizes, dtype)
-    return sums / rows
 
 
 # ----------------------------------------------------------------------------- QR and bases
