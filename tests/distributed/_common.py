@@ -165,3 +165,10 @@ def same_on_all_ranks(obj) -> bool:
     objs = [None] * dist.get_world_size()
     dist.all_gather_object(objs, obj)
     return all(o == objs[0] for o in objs)
+
+
+def per_rank(ranks, key):
+    """The value of one check on every rank; a string is a rank's error report, shown on failure."""
+    for res in ranks:
+        assert not isinstance(res[key], str), res[key]
+    return [res[key] for res in ranks]

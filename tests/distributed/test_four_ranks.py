@@ -14,7 +14,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from _common import (BLOCKS, REFRESH, STEPS, VARIANTS, Net, data, fixed_partitions, full_params, make_opt,
+from _common import (per_rank as _get, BLOCKS, REFRESH, STEPS, VARIANTS, Net, data, fixed_partitions, full_params, make_opt,
                      max_diff, partitions, reference, reference_stats, same_on_all_ranks, state_keys, stats, train)
 from _spawn import spawn
 from dobb import Dobb
@@ -151,12 +151,6 @@ def worker(rank, world):
 @pytest.fixture(scope="module")
 def ranks():
     return spawn(worker, WORLD)
-
-
-def _get(ranks, key):
-    for res in ranks:
-        assert not isinstance(res[key], str), res[key]
-    return [res[key] for res in ranks]
 
 
 # Per-rank payloads on the (dp=2, tp=2) mesh. Statistic (n^2/B per matrix, the tp-sharded blocked

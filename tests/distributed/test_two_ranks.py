@@ -20,7 +20,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from _common import (BLOCKS, STEPS, VARIANTS, Net, data, full_params, make_opt, max_diff, reference,
+from _common import (per_rank as _get, BLOCKS, STEPS, VARIANTS, Net, data, full_params, make_opt, max_diff, reference,
                      reference_stats, same_on_all_ranks, state_keys, stats, train)
 from _spawn import spawn
 from dobb import Dobb
@@ -127,12 +127,6 @@ def worker(rank, world):
 @pytest.fixture(scope="module")
 def ranks():
     return spawn(worker, WORLD)
-
-
-def _get(ranks, key):
-    for res in ranks:
-        assert not isinstance(res[key], str), res[key]
-    return [res[key] for res in ranks]
 
 
 @pytest.mark.parametrize("variant", ["dobb", "dobb-g"])
