@@ -1,0 +1,102 @@
+"""The one optimizer-spec grammar of ``compare``, ``sweep``, ``ablate``, ``timing`` and ``payload``.
+
+``NAME[:key=value[:key=value]...][@Label]``, e.g. ``dion:rank_fraction=1/16`` or
+``dobb:blocks=4:norm=l2@Mine``. Values are typed (``parse_value``): ``true``/``false``, fractions
+``a/b``, Python literals (``4``, ``1e-3``, ``(0.9,0.99)``), ``*_dtype`` names as torch dtypes, else
+strings. Hyperparameters are separated by ``:`` only: a comma inside a value is part of it (a
+tuple), so the older ``name:k=v,k=v`` form is refused with the spelling to use instead, rather
+than silently read as one string.
+
+Errors are ``ValueError``s naming the spec (the CLI prints them as one line, exit code 2).
+"""
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+import torch
+
+__all__ = ["OptimizerSpec", "parse_spec", "parse_hparams", "parse_value", "default_label", "PRETTY"]
+
+PRETTY = {"adamw": "AdamW", "muon": "Muon", "dion": "Dion", "rmnp": "RMNP", "pr-muon": "PR-Muon",
+          "block-muon": "Block Muon", "dion2": "Dion2", "dobb": "Dobb", "dobb-l2": "Dobb-l2",
+          "dobb-g": "Dobb-G", "dobb-g-l2": "Dobb-G-l2"}
+HP_SHORT = {"blocks": "B", "rank_fraction": "rho"}
+_KEY = re.compile(r"[A-Za-z_]\w*")
+_COMMA_KEY = re.compile(r",\s*[A-Za-z_]\w*\s*=")  # ",qr=" inside a value: the old comma grammar
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    name: str
+    hparams: dict = field(default_factory=dict)
+    label: str = ""
+    text: str = ""  # the spec as typed (timing and payload tables label rows with it)
+
+
+def parse_value(key: str, text: str):
+    """``4`` -> int, ``1e-3`` -> float, ``1/4`` -> 0.25, ``true`` -> True, ``*_dtype`` -> torch dtype."""
+    if key.endswith("_dtype"):
+        dtype = getattr(torch, text.removeprefix("torch."), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"hyperparameter {key}={text}: not a torch dtype")
+        return dtype
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    if re.fullmatch(r"\s*[-+]?\d+\s*/\s*\d+\s*", text):
+        num, den = text.split("/")
+        if int(den) == 0:
+            raise ValueError(f"hyperparameter {key}={text}: division by zero")
+        return int(num) / int(den)
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def parse_hparams(items: list[str], where: str) -> dict:
+    """``["blocks=4", "norm=l2"]`` -> ``{"blocks": 4, "norm": "l2"}``; ``where`` names the source in errors."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not _KEY.fullmatch(key.strip()) or not value.strip():
+            raise ValueError(f"malformed {where} {item!r}: expected key=value")
+        out[key.strip()] = parse_value(key.strip(), value.strip())
+    return out
+
+
+def default_label(name: str, hparams: dict) -> str:
+    """``"Dion rho=1/16"``: the display name and the hyperparameters, short keys for B and rho."""
+    parts = []
+    for k, v in hparams.items():
+        if k == "rank_fraction" and isinstance(v, float) and 0 < v <= 1:
+            v = str(Fraction(v).limit_denominator(256))
+        parts.append(f"{HP_SHORT.get(k, k)}={v}")
+    return " ".join([PRETTY.get(name, name)] + parts)
+
+
+def _unparenthesized_comma_key(value: str) -> bool:
+    depth, flat = 0, []
+    for ch in value:
+        depth += 1 if ch in "([{" else -1 if ch in ")]}" else 0
+        flat.append(ch if depth == 0 else " ")
+    return bool(_COMMA_KEY.search("".join(flat)))
+
+
+def parse_spec(text: str) -> OptimizerSpec:
+    """``"dobb:blocks=4:norm=l2@Mine"`` -> ``OptimizerSpec("dobb", {"blocks": 4, "norm": "l2"}, "Mine")``."""
+    text = str(text).strip()
+    body, _, label = text.partition("@")
+    name, *items = body.strip().split(":")
+    name = name.strip().lower()
+    if not name:
+        raise ValueError(f"malformed optimizer spec {text!r}: empty name (expected NAME[:key=value...])")
+    for item in items:
+        if _unparenthesized_comma_key(item.partition("=")[2]):
+            fixed = body.strip().replace(",", ":")
+            raise ValueError(f"optimizer spec {text!r}: separate hyperparameters with ':', not ',' "
+                             f"(e.g. {fixed!r})")
+    hparams = parse_hparams(items, f"hyperparameter in {text!r}")
+    return OptimizerSpec(name, hparams, label.strip() or default_label(name, hparams), text)
