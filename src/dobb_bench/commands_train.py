@@ -35,6 +35,7 @@ from . import report
 from .cli import CliError
 from .data import load_corpus
 from .model import GPT, PRESETS, ModelConfig, config_from_preset
+from .provenance import provenance
 from .train import METRICS_FILE, TrainConfig, run_training, setup_dist, write_jsonl
 
 GRID_BASE = 5e-3
@@ -230,20 +231,22 @@ def _out(args, command: str) -> Path:
 
 # ----- running ----------------------------------------------------------------------------------
 def _run_one(spec: OptimizerSpec, lr: float, model_cfg, train_cfg, corpus, run_dir: Path, *,
-             progress: bool, resume: bool, env=None, keep_checkpoint=True, stop_after=None) -> dict:
+             progress: bool, resume: bool, env=None, keep_checkpoint=True, stop_after=None,
+             prov: dict | None = None) -> dict:
     meta = {"run": spec.label, "optimizer": spec.name, "hparams": {k: str(v) for k, v in spec.hparams.items()},
-            "lr": lr, "weight_decay": train_cfg.weight_decay}
+            "lr": lr, "weight_decay": train_cfg.weight_decay,
+            "provenance": prov or provenance()}  # the parent's command line, not a spawned child's
     factory = functools.partial(build_optimizer, spec.name, spec.hparams, lr, train_cfg.weight_decay)
     return run_training(model_cfg, replace(train_cfg, lr=lr), corpus, factory, out_dir=run_dir, meta=meta,
                         progress=progress, resume=resume, env=env, keep_checkpoint=keep_checkpoint,
                         stop_after=stop_after)
 
 
-def _child(spec, lr, model_cfg, train_cfg, data_args, run_dir, progress, resume, threads):
+def _child(spec, lr, model_cfg, train_cfg, data_args, run_dir, progress, resume, threads, prov=None):
     torch.set_num_threads(threads)
     corpus = load_corpus(data_args.pop("data"), **data_args)
     _run_one(spec, lr, model_cfg, train_cfg, corpus, run_dir, progress=progress, resume=resume,
-             keep_checkpoint=False)
+             keep_checkpoint=False, prov=prov)
 
 
 def _read_final(run_dir: Path, expect: dict | None = None) -> dict | None:

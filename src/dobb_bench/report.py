@@ -159,3 +159,49 @@ def _typed(hparams: dict) -> dict:
             except (TypeError, ValueError):
                 out[k] = v
     return out
+
+
+# ----- normalised reading of a loss table ----------------------------------------------------------
+_BLOCKED = {"dobb": "input", "dobb-l2": "input", "dobb-g": "output", "dobb-g-l2": "output",
+            "block-muon": "input"}
+
+
+def block_widths(optimizer: str, hparams: dict, model: dict) -> str | None:
+    """Block widths per matrix kind, e.g. ``"32 / 128 (attn+MLP-in / MLP-out input)"``; None if unblocked.
+
+    Dobb's input side blocks each matrix's input axis: width ``d`` for q/k/v, attention-out and
+    MLP-in, ``4d`` for MLP-out. The output side (Dobb-G; block Muon axis=0) blocks the output
+    axis: ``3d`` (fused qkv), ``d``, ``4d``, ``d``. ``side``/``axis`` in ``hparams`` override.
+    """
+    side = _BLOCKED.get(optimizer)
+    if side is None:
+        return None
+    hp = _typed(hparams)
+    if "side" in hp:
+        side = hp["side"]
+    if optimizer == "block-muon" and str(hp.get("axis", 1)) == "0":
+        side = "output"
+    blocks = int(hp.get("blocks", 4 if optimizer == "block-muon" else 1))
+    d = int(model.get("width", 0))
+    if not d:
+        return None
+
+    def w(n):
+        return str(math.ceil(n / blocks))
+
+    if side == "input":
+        return f"{w(d)} / {w(4 * d)}"
+    return f"{w(d)} / {w(4 * d)} / {w(3 * d)}"
+
+
+def block_width_note(optimizer: str) -> str:
+    side = _BLOCKED.get(optimizer)
+    return ("input axis: attention and MLP-in / MLP-out" if side == "input"
+            else "output axis: attention-out and MLP-out / MLP-in / fused qkv")
+
+
+def gap_closure(x: float, adamw: float, muon: float) -> float | None:
+    """(AdamW - x) / (AdamW - Muon): 0 = AdamW, 1 = Muon; None when the gap is not positive."""
+    if None in (x, adamw, muon) or not adamw > muon:
+        return None
+    return (adamw - x) / (adamw - muon)

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from .data import BatchSampler, Corpus, eval_batches, eval_offsets
 from .model import GPT, ModelConfig
+from .provenance import provenance
 
 CKPT_FILE = "checkpoint.pt"
 CKPT_DIR = "checkpoint_dcp"
@@ -211,6 +212,27 @@ def evaluate(model, corpus: Corpus, offsets: np.ndarray, seq_len: int, batch_siz
     return (total[0] / total[1]).item()
 
 
+def optimizer_options(optimizer) -> list[dict]:
+    """Every param group's options after defaults (JSON-ready), one entry per distinct group."""
+    out = []
+    for g in optimizer.param_groups:
+        opts = {}
+        for k, v in g.items():
+            if k == "params":
+                continue
+            if isinstance(v, torch.Tensor) and v.numel() == 1:
+                v = v.item()
+            if isinstance(v, (tuple, list)):
+                v = [x for x in v if isinstance(x, (int, float, str, bool)) or x is None]
+            elif not (isinstance(v, (int, float, str, bool)) or v is None):
+                v = str(v)
+            opts[k] = v
+        opts["n_params"] = len(g["params"])
+        if opts not in out:
+            out.append(opts)
+    return out
+
+
 def _fqn_to_index(optim_sd: dict) -> dict:
     """DCP's optimizer state dict (keyed by parameter names) in ``Optimizer.state_dict`` form.
 
@@ -234,6 +256,8 @@ class Run:
                  make_optimizer: Callable, *, out_dir=None, meta: dict | None = None,
                  progress: bool = False, resume: bool = True, env: DistEnv | None = None):
         self.model_cfg, self.cfg, self.corpus, self.meta = model_cfg, cfg, corpus, dict(meta or {})
+        # Provenance goes into the final record only (eval records stay small).
+        self.provenance = self.meta.pop("provenance", None)
         self.out = Path(out_dir) if out_dir else None
         self.progress, self.resume = progress, resume
         self.env = env or setup_dist(cfg.dist, cfg.device)
@@ -510,7 +534,12 @@ class Run:
             "world": self.env.world, "device": str(self.env.device), "dist": self.env.mode,
             "threads": torch.get_num_threads(),
             "train_losses": self.train_losses,
+            "tokens": steps * self.cfg.batch_size * self.seq_len,
             "model": self.model_cfg.to_dict(), "train": asdict(self.cfg),
+            "optimizer_groups": optimizer_options(self.optimizer),
+            "corpus": {"name": self.corpus.name, "vocab_size": self.corpus.vocab_size,
+                       "train_tokens": len(self.corpus.train), "val_tokens": len(self.corpus.val)},
+            "provenance": self.provenance or provenance(),
         }
 
 

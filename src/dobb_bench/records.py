@@ -1,0 +1,122 @@
+"""Committed run records and the docs tables regenerated from them.
+
+Why: a number in docs/ is only worth reading if it can be traced to the run that produced it.
+``dobb-bench report --collect RUN_DIR --study NAME`` turns a ``compare``/``sweep`` output folder
+into compact records (final values, the eval curve, every hyperparameter, provenance) appended to
+``docs/results/records/NAME.jsonl``; ``dobb-bench report`` rewrites every table in ``docs/*.md``
+that sits between ``<!-- table:NAME -->`` and ``<!-- /table -->`` from those records
+(generators in ``tables.py``). ``tests/bench/test_docs_tables.py`` fails when a docs table
+differs from its regeneration or rests on a record from a dirty tree.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+RECORDS = ROOT / "docs" / "results" / "records"
+DOCS = ROOT / "docs"
+_KEEP = ("run", "optimizer", "hparams", "lr", "weight_decay", "steps", "tokens", "diverged",
+         "final_val_loss", "final_val_bpb", "best_val_loss", "final_train_loss", "tokens_per_s",
+         "opt_ms_per_step", "train_wall_s", "train_cpu_s", "threads", "world", "device", "dist",
+         "n_params", "model", "train", "optimizer_groups", "corpus", "provenance")
+TABLE = re.compile(r"(<!-- table:([\w.-]+) -->\n)(.*?)(<!-- /table -->)", re.S)
+
+
+def compact(final: dict, evals: list[dict]) -> dict:
+    """A committed record: the final record without per-step losses, plus the eval curve."""
+    rec = {k: final.get(k) for k in _KEEP if k in final}
+    rec["seed"] = (final.get("train") or {}).get("seed")
+    rec["curve"] = [[e["step"], None if e.get("val_loss") is None else round(e["val_loss"], 5)]
+                    for e in evals]
+    losses = final.get("train_losses") or []
+    stride = max(1, len(losses) // 50)  # ~50 points of the train curve are enough to plot it
+    rec["train_curve"] = [[i + 1, round(v, 4)] for i, v in enumerate(losses)
+                          if (i + 1) % stride == 0 and v is not None and math.isfinite(v)]
+    return rec
+
+
+def _key(rec: dict) -> str:
+    t = rec.get("train") or {}
+    return json.dumps([rec.get("run"), rec.get("lr"), rec.get("seed"), rec.get("steps"), rec.get("model"),
+                       (rec.get("corpus") or {}).get("name"), t.get("micro_batches"), t.get("batch_size")],
+                      sort_keys=True)
+
+
+def read_run_dir(out_dir: Path) -> list[dict]:
+    """Compact records of every finished run under a compare/sweep output folder."""
+    out = []
+    for metrics in sorted(Path(out_dir).glob("runs/*/metrics.jsonl")):
+        lines = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+        if not lines or lines[-1].get("type") != "final":
+            continue
+        out.append(compact(lines[-1], [r for r in lines[:-1] if r.get("type") == "eval"]))
+    return out
+
+
+def collect(out_dir, study: str, records_dir: Path = RECORDS) -> list[dict]:
+    """Adds the runs in ``out_dir`` to ``records_dir/study.jsonl`` (a rerun replaces its record)."""
+    if not re.fullmatch(r"[\w.-]+", study):
+        raise ValueError(f"study name {study!r}: use letters, digits, '.', '_' or '-'")
+    new = read_run_dir(Path(out_dir))
+    if not new:
+        raise ValueError(f"no finished runs under {out_dir}/runs/*/metrics.jsonl")
+    path = Path(records_dir) / f"{study}.jsonl"
+    old = load(study, records_dir) if path.exists() else []
+    merged = {_key(r): r for r in old}
+    merged.update({_key(r): r for r in new})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in merged.values()))
+    return new
+
+
+def load(study: str, records_dir: Path = RECORDS) -> list[dict]:
+    path = Path(records_dir) / f"{study}.jsonl"
+    if not path.exists():
+        raise ValueError(f"no records for study {study!r} ({path})")
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def clean(rec: dict) -> bool:
+    p = rec.get("provenance") or {}
+    return bool(p.get("git_rev")) and p.get("git_dirty") is False
+
+
+# ----- docs tables ---------------------------------------------------------------------------------
+def render(name: str) -> tuple[str, list[dict]]:
+    from . import tables
+
+    fn = tables.TABLES.get(name)
+    if fn is None:
+        raise ValueError(f"docs table {name!r} has no generator in dobb_bench.tables.TABLES")
+    text, used = fn()
+    return text.rstrip("\n") + "\n", used
+
+
+def regenerate_text(text: str) -> tuple[str, list[tuple[str, list[dict]]]]:
+    """``text`` with every marked table rewritten; also each table's name and records used."""
+    used_by = []
+
+    def sub(m):
+        body, used = render(m.group(2))
+        used_by.append((m.group(2), used))
+        return m.group(1) + body + m.group(4)
+
+    return TABLE.sub(sub, text), used_by
+
+
+def regenerate_docs(docs: Path = DOCS, write: bool = True) -> dict[str, list[str]]:
+    """Rewrites the marked tables of ``docs/*.md``; returns {file: [table names that changed]}."""
+    changed = {}
+    for md in sorted(Path(docs).glob("*.md")):
+        text = md.read_text()
+        new, used_by = regenerate_text(text)
+        if new != text:
+            old_bodies = {m.group(2): m.group(3) for m in TABLE.finditer(text)}
+            new_bodies = {m.group(2): m.group(3) for m in TABLE.finditer(new)}
+            changed[md.name] = [k for k in new_bodies if old_bodies.get(k) != new_bodies[k]]
+            if write:
+                md.write_text(new)
+    return changed
