@@ -24,7 +24,7 @@ from .. import functional as F
 from .._base import _name_of
 from ..distributed import layout_for
 from . import _common as C
-from .muon import MUON_DEFAULTS, _MuonFamily
+from .muon import MUON_DEFAULTS, _MuonFamily, ns_options
 from .newton_schulz import orthogonalize
 
 
@@ -64,7 +64,7 @@ class BlockMuon(_MuonFamily):
             for size in sizes:
                 srcs.append(src[:, start:start + size] if axis == 1 else src[start:start + size])
                 start += size
-        outs = orthogonalize(srcs, group["ns_coefficients"], group["ns_steps"], group["eps"])
+        outs = orthogonalize(srcs, group["ns_coefficients"], group["ns_steps"], group["eps"], **ns_options(group))
 
         targets, updates, scales = [], [], []
         for p, pl, (local_ok, first, sizes) in zip(active, params, plan):

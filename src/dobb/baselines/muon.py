@@ -21,11 +21,27 @@ from torch import Tensor
 
 from .._base import MatrixOptimizer
 from . import _common as C
-from .newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_STEPS, orthogonalize
+from .newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_METHODS, NS_STEPS, orthogonalize
 
 MUON_DEFAULTS: dict[str, Any] = dict(
     momentum=0.95, nesterov=True, ns_coefficients=NS_COEFFICIENTS, ns_steps=NS_STEPS, eps=NS_EPS,
+    ns_method="standard", ns_dtype="bfloat16",
 )
+NS_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+             "float64": torch.float64}
+
+
+def ns_options(group: dict[str, Any]) -> dict[str, Any]:
+    """``orthogonalize`` keyword arguments of a group (``ns_dtype`` may be a name or a dtype)."""
+    dt = group["ns_dtype"]
+    return dict(method=group["ns_method"], dtype=NS_DTYPES[dt] if isinstance(dt, str) else dt)
+
+
+def check_ns_options(group: dict[str, Any]) -> None:
+    C.check_choice(group, "ns_method", NS_METHODS)
+    dt = group["ns_dtype"]
+    if not ((isinstance(dt, str) and dt in NS_DTYPES) or dt in NS_DTYPES.values()):
+        raise ValueError(f"ns_dtype must be one of {tuple(NS_DTYPES)} (or the torch dtype), got {dt!r}")
 
 
 class _MuonFamily(MatrixOptimizer):
@@ -38,6 +54,7 @@ class _MuonFamily(MatrixOptimizer):
         C.check_bool(group, "nesterov")
         C.check_int(group, "ns_steps", 1, 99)
         C.check_positive(group, "eps")
+        check_ns_options(group)
         coeffs = group["ns_coefficients"]
         if not (isinstance(coeffs, (tuple, list)) and len(coeffs) == 3
                 and all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in coeffs)):
@@ -70,7 +87,8 @@ class _MuonFamily(MatrixOptimizer):
     def _orthogonalize(self, group: dict, active: list[Tensor], u: list[Tensor]) -> list[Tensor]:
         """NS5 of each full matrix (sharded ones are gathered), returned as local shards."""
         full = [C.gather_full(t, p) for t, p in zip(u, active)]
-        outs = orthogonalize(full, group["ns_coefficients"], group["ns_steps"], group["eps"])
+        outs = orthogonalize(full, group["ns_coefficients"], group["ns_steps"], group["eps"],
+                             **ns_options(group))
         return [C.local_slice(o, p) for o, p in zip(outs, active)]
 
     def _directions(self, group: dict, active: list[Tensor], states: list[dict], params: list[Tensor],
@@ -91,7 +109,10 @@ class Muon(_MuonFamily):
 
     Args: ``lr``, ``weight_decay``, ``tau`` (update scale ``tau*sqrt(max(m, n))``, 0.2 = torch's
     ``match_rms_adamw``), ``momentum`` (0.95), ``nesterov`` (True), ``ns_coefficients``,
-    ``ns_steps`` (5), ``eps`` (1e-7), ``adamw_betas``, ``adamw_eps``.
+    ``ns_steps`` (5), ``eps`` (1e-7), ``ns_method`` (``"standard"`` NS5 or ``"gram"``: the same
+    iteration on the short side's Gram matrix, fewer FLOPs on non-square matrices; see
+    ``gram_ns``), ``ns_dtype`` (``"bfloat16"`` as torch; ``"float64"`` for exact comparisons),
+    ``adamw_betas``, ``adamw_eps``.
     """
 
     algorithm = "muon"

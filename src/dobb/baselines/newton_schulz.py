@@ -17,6 +17,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from .gram_ns import gram_newton_schulz
+
 try:  # torch >= 2.9 ships Muon; older versions use the batched path for every matrix
     from torch.optim._muon import _zeropower_via_newtonschulz as _torch_ns
 except ImportError:  # pragma: no cover - depends on the installed torch
@@ -25,22 +27,23 @@ except ImportError:  # pragma: no cover - depends on the installed torch
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
 NS_EPS = 1e-7
+NS_METHODS = ("standard", "gram")
 
-__all__ = ["NS_COEFFICIENTS", "NS_STEPS", "NS_EPS", "newton_schulz", "orthogonalize",
+__all__ = ["NS_COEFFICIENTS", "NS_STEPS", "NS_EPS", "NS_METHODS", "newton_schulz", "orthogonalize",
            "row_normalize", "column_normalize"]
 
 
 def newton_schulz(x: Tensor, coefficients: Sequence[float] = NS_COEFFICIENTS, steps: int = NS_STEPS,
-                  eps: float = NS_EPS) -> Tensor:
+                  eps: float = NS_EPS, dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """Approximate orthogonal polar factor of every matrix in ``x`` (``(m, n)`` or ``(b, m, n)``).
 
-    Returns bf16. Each iteration is ``X <- a X + (b A + c A^2) X`` with ``A = X X^T`` on the wide
+    Returns ``dtype`` (bf16 as torch's Muon; fp64 for exact reference comparisons). Each iteration is ``X <- a X + (b A + c A^2) X`` with ``A = X X^T`` on the wide
     orientation (so ``A`` is ``min(m, n)`` square).
     """
     a, b, c = coefficients
     squeeze = x.dim() == 2
     y = x.unsqueeze(0) if squeeze else x
-    y = y.bfloat16()
+    y = y.to(dtype)
     tall = y.size(-2) > y.size(-1)
     if tall:
         y = y.mT
@@ -55,20 +58,29 @@ def newton_schulz(x: Tensor, coefficients: Sequence[float] = NS_COEFFICIENTS, st
 
 
 def orthogonalize(mats: Sequence[Tensor], coefficients: Sequence[float] = NS_COEFFICIENTS,
-                  steps: int = NS_STEPS, eps: float = NS_EPS) -> list[Tensor]:
+                  steps: int = NS_STEPS, eps: float = NS_EPS, method: str = "standard",
+                  dtype: torch.dtype = torch.bfloat16) -> list[Tensor]:
     """NS5 of a list of 2-D matrices: one batched call per (shape, device) group.
 
-    A matrix alone in its group goes through torch's own kernel when this torch has it.
+    ``method="gram"`` runs ``gram_newton_schulz`` (the same iteration on the short side's Gram
+    matrix); ``dtype`` is the iteration's precision. A matrix alone in its group goes through
+    torch's own kernel when this torch has it (standard method, bf16 only).
     """
+    if method not in NS_METHODS:
+        raise ValueError(f"method must be one of {NS_METHODS}, got {method!r}")
     out: list[Tensor | None] = [None] * len(mats)
     groups: dict[tuple, list[int]] = defaultdict(list)
     for i, m in enumerate(mats):
         groups[(tuple(m.shape), m.device)].append(i)
     for idx in groups.values():
-        if len(idx) == 1 and _torch_ns is not None:
+        if len(idx) == 1 and _torch_ns is not None and method == "standard" and dtype == torch.bfloat16:
             out[idx[0]] = _torch_ns(mats[idx[0]], tuple(coefficients), steps, eps)
             continue
-        res = newton_schulz(torch.stack([mats[i] for i in idx]), coefficients, steps, eps)
+        stacked = torch.stack([mats[i] for i in idx])
+        if method == "gram":
+            res = gram_newton_schulz(stacked, coefficients, steps, eps, dtype)
+        else:
+            res = newton_schulz(stacked, coefficients, steps, eps, dtype)
         for i, r in zip(idx, res.unbind(0)):
             out[i] = r
     return out  # type: ignore[return-value]
