@@ -15,6 +15,8 @@ _COMMAND_MODULES = [
     "ablations",
     "spectral",
     "timing",
+    "payload_command",
+    "diagnostics",
 ]
 
 
@@ -22,16 +24,17 @@ class CliError(Exception):
     """A user-facing error: printed as one line, exit code 2."""
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(modules=None) -> argparse.ArgumentParser:
+    """``modules``: a subset of ``_COMMAND_MODULES`` (``python -m dobb_bench.timing`` imports only its own)."""
     parser = argparse.ArgumentParser(prog="dobb-bench", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in _COMMAND_MODULES:
+    for name in modules or _COMMAND_MODULES:
         importlib.import_module(f"dobb_bench.{name}").add_parsers(sub)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+def main(argv: list[str] | None = None, modules=None) -> int:
+    parser = build_parser(modules)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
