@@ -175,38 +175,6 @@ class StepDiagnostics:
                 if key in r and (i + 1) % every == 0]
 
 
-# ----------------------------------------------------------------------------- provenance
-def provenance(argv: list[str] | None = None, **extra) -> dict:
-    """Where a record comes from: git revision of the code that ran (and whether its tree was
-    dirty), the command line, torch version, CPU model, thread count."""
-    import platform
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    here = Path(__file__).resolve().parent
-
-    def git(*args):
-        try:
-            return subprocess.run(["git", *args], cwd=here, capture_output=True, text=True, timeout=30).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"git_revision": git("rev-parse", "HEAD") or None,
-            "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
-            "command": " ".join(["dobb-bench", *(sys.argv[1:] if argv is None else argv)]),
-            "torch": torch.__version__, "python": platform.python_version(), "cpu": cpu,
-            "threads": torch.get_num_threads(), **extra}
-
-
 # ----------------------------------------------------------------------------- the grid command
 # The issue-14 setting (default preset of the 200-step main job) and the quick one; stated here so
 # the record stays comparable if the main job's defaults change.
@@ -290,6 +258,7 @@ def cmd_microbatch(args) -> int:
 
     from .cli import CliError
     from .model import GPT, ModelConfig
+    from .provenance import provenance
     from .specs import parse_spec
 
     specs = [parse_spec(t) for t in (args.optimizer or ["dobb:blocks=16"])]
@@ -320,7 +289,7 @@ def cmd_microbatch(args) -> int:
             runs.append(r)
             print(f"{r['label']} M={r['micro_batches']} capture={r['capture']} seed={r['seed']}: "
                   f"{r['final_val_loss']:.4f} ({r['wall_s']} s)", flush=True)
-    record = {"kind": "microbatch", "provenance": provenance(seeds=seeds),
+    record = {"kind": "microbatch", "provenance": {**provenance(), "seeds": seeds},
               "setting": {"name": setting, **SETTINGS[setting], "steps": args.steps or SETTINGS[setting]["steps"],
                           "lr": LR, "weight_decay": 0.1, "schedule": "cosine", "warmup": "5% of steps",
                           "min_lr_ratio": 0.1, "data": args.data or "stdlib (byte)"},
