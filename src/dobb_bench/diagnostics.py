@@ -334,3 +334,11 @@ def add_parsers(sub) -> None:
     p.add_argument("--out", default="bench-out/microbatch")
     p.add_argument("--record", help="write the compact JSON record here")
     p.set_defaults(func=cmd_microbatch)
+
+
+if __name__ == "__main__":  # python -m dobb_bench.diagnostics microbatch ...: imports only this command
+    import sys
+
+    from dobb_bench import cli
+
+    sys.exit(cli.main(modules=["diagnostics"]))
