@@ -105,3 +105,155 @@ def test_muon_and_block_muon_gram_option(cls, kw):
 def test_ns_option_validation(kw, arg):
     with pytest.raises(ValueError, match=arg):
         Muon([nn.Parameter(torch.zeros(4, 4))], lr=0.1, **kw)
+
+
+# ----------------------------------------------------------------------------- NorMuon, Dion3
+def normuon_reference(grads, lr=0.1, wd=0.01, tau=0.2, mu=0.95, beta2=0.95, eps=1e-8, nesterov=True):
+    """NorMuon written out row by row in float64 (Li et al. 2025, Frobenius-preserving rescale)."""
+    m, n = grads[0].shape
+    w, buf, v = torch.zeros(m, n, dtype=torch.float64), torch.zeros(m, n, dtype=torch.float64), [0.0] * m
+    for g in grads:
+        buf = mu * buf + (1 - mu) * g
+        u = g + mu * (buf - g) if nesterov else buf
+        o = ns5_reference(u)
+        rows = []
+        for i in range(m):
+            v[i] = beta2 * v[i] + (1 - beta2) * sum(float(x) ** 2 for x in o[i]) / n
+            rows.append(o[i] / (math.sqrt(v[i]) + eps))
+        o2 = torch.stack(rows)
+        o2 = o2 * o.norm() / o2.norm()
+        w = (1 - lr * wd) * w - lr * tau * math.sqrt(max(m, n)) * o2
+    return w, torch.tensor(v, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("shape", [(24, 36), (36, 24)])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_normuon_matches_dense_reference(shape, nesterov):
+    from dobb.baselines import NorMuon
+
+    grads = [randn(*shape, seed=s) * torch.linspace(0.1, 3, shape[0], dtype=torch.float64)[:, None]
+             for s in range(4)]  # rows of very different scale: the normalization matters
+    w = nn.Parameter(torch.zeros(shape, dtype=torch.float64))
+    opt = NorMuon([w], lr=0.1, weight_decay=0.01, ns_dtype="float64", nesterov=nesterov)
+    for g in grads:
+        w.grad = g.clone()
+        opt.step()
+    ref_w, ref_v = normuon_reference(grads, nesterov=nesterov)
+    assert (w.detach() - ref_w).abs().max().item() < 1e-12
+    assert (opt.state[w]["neuron_variance"] - ref_v).abs().max().item() < 1e-14
+    # the direction differs from Muon's: rows equalized, Frobenius norm kept
+    muon = _weights_after(Muon, grads, ns_dtype="float64", nesterov=nesterov)
+    assert (muon - ref_w).abs().max().item() > 1e-3
+
+
+def test_normuon_normalize_zero_rows_and_norm():
+    from dobb.baselines import normuon_normalize
+
+    o = randn(2, 6, 10, seed=4)
+    o[0, 2] = 0
+    out, v = normuon_normalize(o, torch.zeros(2, 6, dtype=torch.float64), 0.9)
+    assert out[0, 2].abs().max() == 0 and v[0, 2] == 0
+    assert torch.allclose(out.norm(dim=(-2, -1)), o.norm(dim=(-2, -1)), rtol=1e-12)
+    # first step from v = 0: every nonzero row gets the same norm
+    norms = out[1].norm(dim=-1)
+    assert torch.allclose(norms, norms[0].expand_as(norms), rtol=1e-6)  # up to eps
+
+
+def dion3_reference(grads, fraction, lr=0.1, wd=0.01, tau=0.2, mu=0.95, beta2=0.95, eps=1e-8):
+    m, n = grads[0].shape
+    k = max(1, round(fraction * m))
+    w, mom, v = torch.zeros(m, n, dtype=torch.float64), torch.zeros(m, n, dtype=torch.float64), [0.0] * m
+    chosen = []
+    for g in grads:
+        b = mom + g
+        l1 = [sum(abs(float(x)) for x in b[i]) for i in range(m)]
+        rows = sorted(sorted(range(m), key=lambda i: -l1[i])[:k])
+        chosen.append(rows)
+        ok = ns5_reference(b[rows])
+        scaled = []
+        for j, i in enumerate(rows):
+            v[i] = beta2 * v[i] + (1 - beta2) * sum(float(x) ** 2 for x in ok[j]) / n
+            scaled.append(ok[j] / (math.sqrt(v[i]) + eps))
+        scaled = torch.stack(scaled)
+        scaled = scaled * ok.norm() / scaled.norm()
+        o = torch.zeros(m, n, dtype=torch.float64)
+        o[rows] = scaled
+        mom = b.clone()
+        mom[rows] = mu * b[rows]
+        w = (1 - lr * wd) * w - lr * tau * math.sqrt(max(k, n)) * o
+    return w, mom, torch.tensor(v, dtype=torch.float64), chosen
+
+
+@pytest.mark.parametrize("shape,fraction", [((20, 12), 0.25), ((12, 30), 0.5), ((16, 16), 1.0)])
+def test_dion3_matches_dense_reference(shape, fraction):
+    from dobb.baselines import Dion3
+
+    grads = [randn(*shape, seed=10 + s) * torch.linspace(0.2, 2, shape[0], dtype=torch.float64)[:, None]
+             for s in range(4)]
+    w = nn.Parameter(torch.zeros(shape, dtype=torch.float64))
+    opt = Dion3([w], lr=0.1, weight_decay=0.01, fraction=fraction, ns_dtype="float64")
+    for g in grads:
+        w.grad = g.clone()
+        opt.step()
+    ref_w, ref_m, ref_v, chosen = dion3_reference(grads, fraction)
+    assert len({tuple(c) for c in chosen}) > 1 or fraction == 1.0  # the subset moves between steps
+    assert (w.detach() - ref_w).abs().max().item() < 1e-12
+    assert (opt.state[w]["momentum"] - ref_m).abs().max().item() < 1e-12
+    assert (opt.state[w]["neuron_variance"] - ref_v).abs().max().item() < 1e-14
+    gram = nn.Parameter(torch.zeros(shape, dtype=torch.float64))
+    opt = Dion3([gram], lr=0.1, weight_decay=0.01, fraction=fraction, ns_dtype="float64", ns_method="gram")
+    for g in grads:
+        gram.grad = g.clone()
+        opt.step()
+    assert (gram.detach() - ref_w).abs().max().item() < 1e-12
+
+
+@pytest.mark.parametrize("name,kw,arg", [("normuon", {"beta2": 1.0}, "beta2"), ("dion3", {"fraction": 0}, "fraction"),
+                                         ("dion3", {"neuron_eps": -1.0}, "neuron_eps"),
+                                         ("dion3", {"ns_method": "x"}, "ns_method")])
+def test_peer_validation(name, kw, arg):
+    import dobb
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8))
+    with pytest.raises(ValueError, match=arg):
+        dobb.build_optimizer(name, model, lr=0.1, **kw)
+
+
+@pytest.mark.parametrize("name", ["normuon", "dion3"])
+def test_peers_train_and_resume_bitwise(name):
+    """The loss falls, and a saved/loaded optimizer continues bitwise (every state key round-trips)."""
+    import io
+
+    import dobb
+
+    def setup():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 8))
+        return model, dobb.build_optimizer(name, model, lr=0.02, weight_decay=0.01)
+
+    x = randn(64, 16, seed=1).float()
+    y = torch.sin(x[:, :8])
+
+    def run(model, opt, steps):
+        for _ in range(steps):
+            opt.zero_grad()
+            loss = ((model(x) - y) ** 2).mean()
+            loss.backward()
+            opt.step()
+        return loss.item()
+
+    model, opt = setup()
+    first = ((model(x) - y) ** 2).mean().item()
+    run(model, opt, 3)
+    buf = io.BytesIO()
+    torch.save({"m": model.state_dict(), "o": opt.state_dict()}, buf)
+    last = run(model, opt, 20)
+    assert last < first * 0.9
+    model2, opt2 = setup()
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    model2.load_state_dict(saved["m"])
+    opt2.load_state_dict(saved["o"])
+    run(model2, opt2, 20)
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)

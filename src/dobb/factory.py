@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .baselines import RMNP, BlockMuon, Dion, Dion2, Muon, PeriodicRowMuon
+from .baselines import RMNP, BlockMuon, Dion, Dion2, Dion3, Muon, NorMuon, PeriodicRowMuon
 from .dobb import Dobb
 from .groups import param_groups
 
@@ -26,6 +26,8 @@ _MATRIX = {
     "pr-muon": (PeriodicRowMuon, {}),
     "block-muon": (BlockMuon, {}),
     "dion2": (Dion2, {}),
+    "normuon": (NorMuon, {}),
+    "dion3": (Dion3, {}),
     "dobb": (Dobb, {}),
     "dobb-l2": (Dobb, {"norm": "l2"}),
     "dobb-g": (Dobb, {"side": "output", "source": "output_grad"}),

@@ -1,0 +1,101 @@
+"""Dion3 (Amsel et al., the ``dion`` package's NorDion2): Dion2's row subset plus NorMuon's
+per-neuron normalization of the orthogonalized rows.
+
+Per matrix ``W`` (``m x n``), with error-feedback momentum ``M`` and per-row second moment ``v``:
+
+    B = M + G
+    K = the k = max(1, round(fraction * m)) rows of B with the largest ell1 norms (ascending order)
+    O_K = NS5(B[K])                                      # k x n
+    v[K] <- beta2 v[K] + (1 - beta2) mean_j O_K[:, j]^2  # only the selected rows' moments move
+    O'_K = O_K / (sqrt(v[K]) + eps) * ||O_K||_F / ||O_K / (sqrt(v[K]) + eps)||_F
+    O[K] = O'_K;  O[rows not in K] = 0
+    M = B;  M[K] <- mu * B[K]
+    W <- (1 - lr*wd) W - lr * tau*sqrt(max(k, n)) * O
+
+i.e. ``Dion2`` (same selection, error feedback and scale; see ``dion2.py``) with ``O_K`` passed
+through ``normuon_normalize``, which keeps its Frobenius norm, so the moved rows keep update RMS
+``tau``. ``ns_method="gram"`` and ``ns_dtype`` are Muon's options. Sharded weights are gathered
+(row selection is matrix-wide); ``v`` is a whole vector, identical on every rank.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .._base import MatrixOptimizer
+from . import _common as C
+from .dion2 import selected_rows
+from .muon import check_ns_options, ns_options
+from .newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_STEPS, orthogonalize
+from .normuon import check_neuron_options, normuon_normalize, state_dtype
+
+
+def dion3_step(b: Tensor, v: Tensor, k: int, mu: float, beta2: float, neuron_eps: float = 1e-8,
+               coefficients=NS_COEFFICIENTS, steps: int = NS_STEPS, eps: float = NS_EPS,
+               method: str = "standard", dtype: torch.dtype = torch.bfloat16
+               ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One step on a batch ``b = M + G`` (``(batch, m, n)``) with row moments ``v`` (``(batch, m)``).
+
+    Returns ``(O, M_new, v_new, rows)``: the raw update (zero outside the selected rows, ``v``'s
+    dtype), the new momentum, the new row moments and the selected row indices.
+    """
+    rows = torch.topk(b.abs().sum(dim=-1, dtype=torch.float32), k, dim=-1).indices.sort(dim=-1).values
+    idx = rows.unsqueeze(-1).expand(-1, -1, b.shape[-1])
+    sub = torch.gather(b, 1, idx)
+    ortho = torch.stack(orthogonalize(list(sub.unbind(0)), coefficients, steps, eps, method=method, dtype=dtype))
+    normed, v_sel = normuon_normalize(ortho, torch.gather(v, 1, rows), beta2, neuron_eps)
+    o = torch.zeros(b.shape, dtype=normed.dtype, device=b.device).scatter_(1, idx, normed)
+    return o, b.scatter(1, idx, sub * mu), v.scatter(1, rows, v_sel), rows
+
+
+class Dion3(MatrixOptimizer):
+    """Args: ``lr``, ``weight_decay``, ``tau``, ``fraction`` (0.25), ``momentum`` (0.95), ``beta2``
+    (0.95), ``neuron_eps`` (1e-8), ``ns_coefficients``, ``ns_steps`` (5), ``eps``, ``ns_method``,
+    ``ns_dtype``, AdamW args."""
+
+    algorithm = "dion3"
+    matrix_defaults: dict[str, Any] = dict(fraction=0.25, momentum=0.95, beta2=0.95, neuron_eps=1e-8,
+                                           ns_coefficients=NS_COEFFICIENTS, ns_steps=NS_STEPS, eps=NS_EPS,
+                                           ns_method="standard", ns_dtype="bfloat16")
+
+    def _validate_matrix_group(self, group):
+        C.check_fraction(group, "fraction")
+        C.check_unit_interval(group, "momentum")
+        C.check_int(group, "ns_steps", 1, 99)
+        C.check_positive(group, "eps")
+        check_ns_options(group)
+        check_neuron_options(group)
+        for p in group["params"]:
+            state = self.state[p]
+            if "momentum" not in state:
+                state["momentum"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["neuron_variance"] = torch.zeros(p.shape[0], dtype=state_dtype(p), device=p.device)
+
+    def _matrix_step(self, group):
+        active = [p for p in group["params"] if p.grad is not None]
+        if not active:
+            return
+        fulls, batches = [], defaultdict(list)
+        for i, p in enumerate(active):
+            b = C.gather_full(C.local(self.state[p]["momentum"]) + C.local(p.grad), p)
+            fulls.append(b)
+            batches[(tuple(b.shape), b.dtype, b.device)].append(i)
+        outs: list[Tensor | None] = [None] * len(active)
+        scales = [0.0] * len(active)
+        for (shape, _, _), idx in batches.items():
+            k = selected_rows(shape[0], group["fraction"])
+            v = torch.stack([self.state[active[i]]["neuron_variance"] for i in idx])
+            o, m_new, v_new, _ = dion3_step(torch.stack([fulls[i] for i in idx]), v, k, group["momentum"],
+                                            group["beta2"], group["neuron_eps"], group["ns_coefficients"],
+                                            group["ns_steps"], group["eps"], **ns_options(group))
+            for j, i in enumerate(idx):
+                st = self.state[active[i]]
+                C.local(st["momentum"]).copy_(C.local_slice(m_new[j], active[i]))
+                st["neuron_variance"].copy_(v_new[j])
+                outs[i] = C.local_slice(o[j], active[i])
+                scales[i] = C.protocol_scale(k, shape[1], group["tau"])
+        params = [C.local(p) for p in active]
+        C.apply_protocol(params, params, outs, scales, group["lr"], group["weight_decay"])

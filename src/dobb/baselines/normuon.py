@@ -1,0 +1,76 @@
+"""NorMuon (Li et al. 2025): Muon's direction with a per-neuron (per-row) adaptive normalization.
+
+Per matrix ``W`` (``m x n``; a row is one output neuron), after Muon's momentum and ``O = NS5(U)``:
+
+    v <- beta2 v + (1 - beta2) mean_j O[:, j]^2        # per-row second moment, v in R^m
+    O' = O / (sqrt(v) + eps)                           # rows of equal RMS on average
+    O' <- O' * ||O||_F / ||O'||_F                      # keep NS5's Frobenius norm
+    W <- (1 - lr*wd) W - lr * tau*sqrt(max(m, n)) * O'
+
+The last rescale (as the ``dion`` package's NorMuon does) keeps ``||O'||_F^2 ~ min(m, n)``, so the
+shared protocol's ``tau*sqrt(max(m, n))`` gives the update RMS ``tau`` of every Muon-type baseline
+(Table 9). ``v`` is a float32 vector (float64 for float64 weights), zero at the start, kept whole
+and identical on every rank (it is computed from the full ``O``, which sharded weights gather as
+Muon does). The normalization is the pure function ``normuon_normalize``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import _common as C
+from .muon import MUON_DEFAULTS, _MuonFamily, ns_options
+from .newton_schulz import orthogonalize
+
+NORMUON_DEFAULTS: dict[str, Any] = dict(MUON_DEFAULTS, beta2=0.95, neuron_eps=1e-8)
+
+
+def normuon_normalize(o: Tensor, v: Tensor, beta2: float, eps: float = 1e-8) -> tuple[Tensor, Tensor]:
+    """``(O', v_new)`` for a batch ``o`` (``(b, m, n)``) and its row second moments ``v`` (``(b, m)``).
+
+    Computed in ``v``'s dtype (at least fp32). Zero rows stay zero; a zero matrix stays zero.
+    """
+    o = o.to(v.dtype)
+    v_new = torch.lerp(v, o.square().mean(dim=-1), 1 - beta2)
+    scaled = o / (v_new.sqrt() + eps).unsqueeze(-1)
+    before = o.norm(dim=(-2, -1), keepdim=True)
+    after = scaled.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-30)
+    return scaled * (before / after), v_new
+
+
+def state_dtype(p: Tensor) -> torch.dtype:
+    return torch.float64 if p.dtype == torch.float64 else torch.float32
+
+
+def check_neuron_options(group: dict) -> None:
+    C.check_unit_interval(group, "beta2")
+    C.check_positive(group, "neuron_eps")
+
+
+class NorMuon(_MuonFamily):
+    """NorMuon. Args as ``Muon`` plus ``beta2`` (0.95, the per-row second moment's EMA) and
+    ``neuron_eps`` (1e-8)."""
+
+    algorithm = "normuon"
+    matrix_defaults = dict(NORMUON_DEFAULTS)
+
+    def _validate_matrix_group(self, group):
+        check_neuron_options(group)
+        for p in group["params"]:
+            if "neuron_variance" not in self.state[p]:
+                self.state[p]["neuron_variance"] = torch.zeros(p.shape[0], dtype=state_dtype(p), device=p.device)
+        super()._validate_matrix_group(group)
+
+    def _directions(self, group, active, states, params, u):
+        full = [C.gather_full(t, p) for t, p in zip(u, active)]
+        outs = orthogonalize(full, group["ns_coefficients"], group["ns_steps"], group["eps"], **ns_options(group))
+        updates = []
+        for p, st, o in zip(active, states, outs):
+            v = st["neuron_variance"]
+            o_new, v_new = normuon_normalize(o.unsqueeze(0), v.unsqueeze(0), group["beta2"], group["neuron_eps"])
+            v.copy_(v_new[0])
+            updates.append(C.local_slice(o_new[0], p))
+        scales = [C.protocol_scale(*p.shape, group["tau"]) for p in active]
+        return params, updates, scales
