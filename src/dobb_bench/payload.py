@@ -33,32 +33,40 @@ baselines gather whole matrices, which the payload meter would show). Amortized 
 boundary (only possible when ``B`` is not a multiple of the shard count on the sharded axis; the
 library refuses such layouts) is charged its dense slab ``s_b x`` (other axis).
 
-Dion's rank is ``r = max(1, round(rank_fraction * min(m, n)))`` (``dobb.baselines.dion``), or
-``rank`` when given. Over GPT-2 XL's matrices (q, k, v, o: ``d x d``; fc ``4d x d``; proj
-``d x 4d``) the aggregate Dion ratio ``sum r(m+n) / sum mn`` is exactly ``1.5 rho`` (Figure 1).
+Dion's rank is the library's ``dobb.baselines.dion.dion_rank``: ``r = max(1, round(rank_fraction *
+min(m, n)))``. Hyperparameters a spec leaves out are the optimizers' own defaults
+(``optimizer_defaults``: the classes' ``matrix_defaults``), never repeated here. Over GPT-2 XL's
+matrices (q, k, v, o: ``d x d``; fc ``4d x d``; proj ``d x 4d``) the aggregate Dion ratio
+``sum r(m+n) / sum mn`` is exactly ``1.5 rho`` (Figure 1).
 """
 from __future__ import annotations
 
 import math
-from fractions import Fraction
-from typing import Any, Iterable, Sequence
+from typing import Iterable, Sequence
+
+import dobb
+from dobb.baselines.dion import dion_rank
 
 __all__ = [
     "PAYLOAD_NAMES",
     "canonical_name",
-    "parse_spec",
+    "optimizer_defaults",
     "payload_entries",
     "relative_payload",
     "dp_stat_entries",
     "derived_state_bytes",
-    "dion_rank",
 ]
 
 PAYLOAD_NAMES = ("adamw", "muon", "dion", "rmnp", "pr-muon", "block-muon", "dion2",
                  "dobb", "dobb-l2", "dobb-g", "dobb-g-l2")
 _ALIASES = {"torch-adamw": "adamw", "torch-muon": "muon", "dobb-ell2": "dobb-l2", "dobb-g-ell2": "dobb-g-l2"}
-_DOBB = {"dobb": ("input", "sign"), "dobb-l2": ("input", "l2"), "dobb-g": ("output", "sign"),
-         "dobb-g-l2": ("output", "l2")}
+_CLASSES = {"muon": dobb.Muon, "dion": dobb.Dion, "rmnp": dobb.RMNP, "pr-muon": dobb.PeriodicRowMuon,
+            "block-muon": dobb.BlockMuon, "dion2": dobb.Dion2, "dobb": dobb.Dobb, "dobb-l2": dobb.Dobb,
+            "dobb-g": dobb.Dobb, "dobb-g-l2": dobb.Dobb}
+# dobb.build_optimizer's presets of the Dobb variants (tests/bench/test_payload.py checks them
+# against the optimizers it builds)
+_VARIANTS = {"dobb-l2": {"norm": "l2"}, "dobb-g": {"side": "output", "source": "output_grad"},
+             "dobb-g-l2": {"side": "output", "source": "output_grad", "norm": "l2"}}
 _AXES = ("output", "input")
 
 
@@ -71,53 +79,18 @@ def canonical_name(name: str) -> str:
     return key
 
 
-def _typed(value: str) -> Any:
-    text = value.strip()
-    low = text.lower()
-    if low in ("true", "yes", "on"):
-        return True
-    if low in ("false", "no", "off"):
-        return False
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    if "/" in text:
-        try:
-            return float(Fraction(text))
-        except (ValueError, ZeroDivisionError):
-            pass
-    return text
+def optimizer_defaults(name: str) -> dict:
+    """The hyperparameters ``dobb.build_optimizer(name, ...)`` uses when a spec leaves them out:
+    the class' ``matrix_defaults`` with the variant's preset on top (``{}`` for AdamW)."""
+    key = canonical_name(name)
+    if key == "adamw":
+        return {}
+    return {**_CLASSES[key].matrix_defaults, **_VARIANTS.get(key, {})}
 
 
-def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
-    """``"dion:rank_fraction=1/16,qr=rcqr"`` -> ``("dion", {"rank_fraction": 0.0625, "qr": "rcqr"})``.
-
-    Values are typed: integers, floats, fractions ``a/b``, ``true``/``false``, else strings.
-    """
-    name, _, rest = str(spec).partition(":")
-    if not name.strip():
-        raise ValueError(f"optimizer spec {spec!r} has no name (expected NAME or NAME:key=value,...)")
-    hp: dict[str, Any] = {}
-    for item in filter(None, (s.strip() for s in rest.split(","))):
-        key, eq, value = item.partition("=")
-        if not eq or not key.strip():
-            raise ValueError(f"optimizer spec {spec!r}: {item!r} is not key=value")
-        hp[key.strip()] = _typed(value)
-    return name.strip(), hp
-
-
-def dion_rank(m: int, n: int, hparams: dict) -> int:
-    if "rank" in hparams and hparams["rank"] is not None:
-        r = int(hparams["rank"])
-        if r < 1:
-            raise ValueError(f"rank must be >= 1, got {r}")
-        return min(r, min(m, n))
-    rho = float(hparams.get("rank_fraction", 0.25))
-    if not 0 < rho <= 1:
-        raise ValueError(f"rank_fraction must lie in (0, 1], got {rho}")
-    return max(1, round(rho * min(m, n)))
+def _with_defaults(name: str, hparams: dict | None) -> tuple[str, dict]:
+    key = canonical_name(name)
+    return key, {**optimizer_defaults(key), **(hparams or {})}
 
 
 def _split(size: int, parts: int) -> list[int]:
@@ -150,8 +123,15 @@ def _check_axis(sharded: str) -> str:
     return sharded
 
 
-def _blocks(hparams: dict, default: int = 1) -> int:
-    b = int(hparams.get("blocks", default))
+def _fraction(hparams: dict, key: str) -> float:
+    frac = float(hparams[key])
+    if not 0 < frac <= 1:
+        raise ValueError(f"{key} must lie in (0, 1], got {frac}")
+    return frac
+
+
+def _blocks(hparams: dict) -> int:
+    b = int(hparams["blocks"])
     if b < 1:
         raise ValueError(f"blocks must be >= 1, got {b}")
     return b
@@ -160,8 +140,7 @@ def _blocks(hparams: dict, default: int = 1) -> int:
 def payload_entries(name: str, m: int, n: int, hparams: dict | None = None, *, sharded: str = "output",
                     shards: int = 4) -> float:
     """Leading logical cross-shard entries per optimizer step for one ``m x n`` matrix."""
-    hp = dict(hparams or {})
-    key = canonical_name(name)
+    key, hp = _with_defaults(name, hparams)
     _check_axis(sharded)
     if int(shards) < 1:
         raise ValueError(f"shards must be >= 1, got {shards}")
@@ -172,41 +151,35 @@ def payload_entries(name: str, m: int, n: int, hparams: dict | None = None, *, s
     if key == "muon":
         return float(m * n)
     if key == "dion":
-        return float(dion_rank(m, n, hp) * (m + n))
+        return float(dion_rank(m, n, _fraction(hp, "rank_fraction")) * (m + n))
     if key == "rmnp":
         return float(m) if sharded == "input" else 0.0
     if key == "pr-muon":
-        period = int(hp.get("period", 3))
+        period = int(hp["period"])
         if period < 1:
             raise ValueError(f"period must be >= 1, got {period}")
         cheap = m if sharded == "input" else 0
         return (m * n + (period - 1) * cheap) / period
     if key == "dion2":
-        frac = float(hp.get("fraction", hp.get("row_fraction", hp.get("rank_fraction", 0.25))))
-        if not 0 < frac <= 1:
-            raise ValueError(f"fraction must lie in (0, 1], got {frac}")
-        return float(max(1, round(frac * m)) * n)  # k selected rows (dobb.baselines.dion2)
+        return float(max(1, round(_fraction(hp, "fraction") * m)) * n)  # k selected rows (dobb.baselines.dion2)
     if key == "block-muon":
-        axis = int(hp.get("axis", 1))  # 1: column blocks (input axis), 0: row blocks (output axis)
+        axis = int(hp["axis"])  # 1: column blocks (input axis), 0: row blocks (output axis)
         blocked = "input" if axis == 1 else "output"
         if blocked != sharded:
             return float(m * n)
         size, other = (n, m) if blocked == "input" else (m, n)
-        return float(sum(_straddling(size, _blocks(hp, 4), shards)) * other)
+        return float(sum(_straddling(size, _blocks(hp), shards)) * other)
     # Dobb family
-    side, norm = _DOBB[key]
-    side = hp.get("side", side)
-    norm = hp.get("norm", norm)
-    blocked = side  # "input": blocks over n (columns); "output": blocks over m (rows)
+    blocked, norm = hp["side"], hp["norm"]  # "input": blocks over n (columns); "output": blocks over m (rows)
     size, other = (n, m) if blocked == "input" else (m, n)
     total = 0.0
     if blocked == sharded:
         total += sum(_straddling(size, _blocks(hp), shards)) * other
     elif norm == "l2":
         total += size  # one partial squared norm per coefficient column (row) summed over shards
-    if hp.get("source") == "grad_gram" and blocked != sharded:
+    if hp["source"] == "grad_gram" and blocked != sharded:
         # G^T G (G G^T) blocks sum over the sharded axis: the statistic itself crosses shards
-        total += _stat_size(size, _blocks(hp)) / int(hp.get("refresh_every", 9))
+        total += _stat_size(size, _blocks(hp)) / int(hp["refresh_every"])
     return float(total)
 
 
@@ -218,13 +191,11 @@ def dp_stat_entries(name: str, m: int, n: int, hparams: dict | None = None, per_
     """Dobb's data-parallel statistic synchronization (``sum_b s_b^2 ~ k^2/B`` per refresh;
     ``/T`` per step with ``per_step``); 0 for every other optimizer and for ``source="grad_gram"``
     (the reduced gradient needs no extra data-parallel exchange)."""
-    hp = dict(hparams or {})
-    key = canonical_name(name)
-    if key not in _DOBB or hp.get("source") == "grad_gram":
+    key, hp = _with_defaults(name, hparams)
+    if _CLASSES.get(key) is not dobb.Dobb or hp["source"] == "grad_gram":
         return 0.0
-    side = hp.get("side", _DOBB[key][0])
-    entries = _stat_size(n if side == "input" else m, _blocks(hp))
-    return entries / int(hp.get("refresh_every", 9)) if per_step else float(entries)
+    entries = _stat_size(n if hp["side"] == "input" else m, _blocks(hp))
+    return entries / int(hp["refresh_every"]) if per_step else float(entries)
 
 
 def _iter_shapes(shapes: Iterable) -> list[tuple[int, int]]:
@@ -263,18 +234,17 @@ def derived_state_bytes(name: str, m: int, n: int, hparams: dict | None = None, 
     the rows, ``in_shards`` the columns): weight-shaped buffers are split over both, Dobb's block
     state only over the shards of its blocked axis (replicated otherwise), Dion's ``Q`` replicated.
     """
-    hp = dict(hparams or {})
-    key = canonical_name(name)
+    key, hp = _with_defaults(name, hparams)
     mn = m * n * param_bytes / (out_shards * in_shards)
     if key == "adamw":
         return 2 * mn
     if key in ("muon", "rmnp", "pr-muon", "block-muon", "dion2"):
         return mn
     if key == "dion":
-        return mn + max(m, n) * dion_rank(m, n, hp) * 4
-    side = hp.get("side", _DOBB[key][0])
-    stat_b = _dtype_bytes(hp.get("stat_dtype", "float32"))
-    basis_b = _dtype_bytes(hp.get("basis_dtype", "bfloat16"))
+        return mn + max(m, n) * dion_rank(m, n, _fraction(hp, "rank_fraction")) * 4
+    side = hp["side"]
+    stat_b = _dtype_bytes(hp["stat_dtype"])
+    basis_b = _dtype_bytes(hp["basis_dtype"])
     k = n if side == "input" else m
     stored = k * -(-k // min(_blocks(hp), k))  # row-stacked (k, s_max) buffers: k^2/B for equal blocks
     return mn + stored * (stat_b + basis_b) / (in_shards if side == "input" else out_shards)

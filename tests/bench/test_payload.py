@@ -8,14 +8,13 @@ from torch import nn
 
 from dobb_bench import payload as P
 from dobb_bench.shapes import matrix_shapes
-from dobb_bench.timing import state_bytes
+from dobb_bench.timing_run import state_bytes
 
 
 def test_dion_is_rank_times_m_plus_n():
     # m=6, n=10: min=6, rho=1/2 -> r=3 -> 3*(6+10)=48 whichever axis is sharded
     for axis in ("output", "input"):
         assert P.payload_entries("dion", 6, 10, {"rank_fraction": 0.5}, sharded=axis) == 48
-    assert P.payload_entries("dion", 6, 10, {"rank": 2}) == 32
     assert P.payload_entries("dion", 6, 10, {"rank_fraction": 0.01}) == 16  # r >= 1
 
 
@@ -82,17 +81,39 @@ def test_dp_statistic_sync_is_n_squared_over_b():
     assert P.dp_stat_entries("dobb", 768, 3072, {"blocks": 16, "source": "grad_gram"}) == 0
 
 
-def test_parse_spec_and_bad_names():
-    assert P.parse_spec("dion:rank_fraction=1/16,qr=rcqr") == ("dion", {"rank_fraction": 0.0625, "qr": "rcqr"})
-    assert P.parse_spec("dobb:blocks=4,stagger=true") == ("dobb", {"blocks": 4, "stagger": True})
-    with pytest.raises(ValueError, match="key=value"):
-        P.parse_spec("dobb:blocks")
+def test_bad_names_and_arguments():
     with pytest.raises(ValueError, match="unknown optimizer"):
         P.payload_entries("sgd", 4, 4)
     with pytest.raises(ValueError, match="sharded"):
         P.payload_entries("muon", 4, 4, sharded="rows")
     with pytest.raises(ValueError, match="no matrix shapes"):
         P.relative_payload("muon", {}, [])
+    with pytest.raises(ValueError, match="rank_fraction must lie"):
+        P.payload_entries("dion", 4, 4, {"rank_fraction": 0})
+
+
+@pytest.mark.parametrize("name", [n for n in P.PAYLOAD_NAMES if n != "adamw"])
+def test_defaults_are_those_of_the_optimizers_built(name):
+    """What payload assumes for a bare name is what dobb.build_optimizer builds for it."""
+    import dobb
+
+    model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 8), nn.Linear(8, 16))
+    opt = dobb.build_optimizer(name, model, lr=1e-3)
+    group = next(g for g in opt.param_groups if g["algorithm"] != "adamw")
+    defaults = P.optimizer_defaults(name)
+    assert defaults and {k: group[k] for k in defaults} == defaults
+    getattr(opt, "remove_hooks", lambda: None)()
+
+
+def test_defaults_drive_the_counts():
+    # PR-Muon's period, Dion's rank fraction and block Muon's axis come from the classes
+    import dobb
+
+    period = dobb.PeriodicRowMuon.matrix_defaults["period"]
+    assert P.payload_entries("pr-muon", 8, 6, sharded="output") == pytest.approx(48 / period)
+    rho = dobb.Dion.matrix_defaults["rank_fraction"]
+    assert P.payload_entries("dion", 8, 16) == max(1, round(rho * 8)) * 24
+    assert P.optimizer_defaults("dobb-g-l2")["side"] == "output" and P.optimizer_defaults("adamw") == {}
 
 
 def test_derived_state_matches_the_library_buffers():
