@@ -19,7 +19,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from .cli import CliError
-from .commands_train import _add_common, _configs, parse_spec, run_many, validate_spec
+from .commands_train import _add_common, _configs, run_many, validate_spec
+from .specs import parse_spec
 
 P = "dobb:blocks=1"  # the principal Dobb setting (B=1 is the paper's ablation reference)
 

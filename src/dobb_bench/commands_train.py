@@ -18,15 +18,13 @@ second instead of after the runs before it.
 from __future__ import annotations
 
 import argparse
-import ast
 import functools
 import json
 import multiprocessing as mp
 import re
 import sys
 import time
-from dataclasses import dataclass, field, replace
-from fractions import Fraction
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -36,6 +34,7 @@ from .cli import CliError
 from .data import load_corpus
 from .model import GPT, PRESETS, ModelConfig, config_from_preset
 from .provenance import provenance
+from .specs import OptimizerSpec, default_label, parse_hparams, parse_spec  # noqa: F401 (re-exported)
 from .train import METRICS_FILE, TrainConfig, run_training, setup_dist, write_jsonl
 
 GRID_BASE = 5e-3
@@ -47,10 +46,6 @@ RUN_PRESETS = {
     "default": dict(preset="small-cpu", steps=200, batch_size=16, eval_every=25, eval_seqs=64),
     "quick": dict(preset="tiny", steps=100, batch_size=8, eval_every=20, eval_seqs=32),
 }
-PRETTY = {"adamw": "AdamW", "muon": "Muon", "dion": "Dion", "rmnp": "RMNP", "pr-muon": "PR-Muon",
-          "block-muon": "Block Muon", "dion2": "Dion2", "dobb": "Dobb", "dobb-l2": "Dobb-l2",
-          "dobb-g": "Dobb-G", "dobb-g-l2": "Dobb-G-l2"}
-HP_SHORT = {"blocks": "B", "rank_fraction": "rho"}
 
 
 def grid_lr(j: float) -> float:
@@ -58,62 +53,7 @@ def grid_lr(j: float) -> float:
     return GRID_BASE * 2 ** (j / 2)
 
 
-# ----- optimizer specs --------------------------------------------------------------------------
-@dataclass(frozen=True)
-class OptimizerSpec:
-    name: str
-    hparams: dict = field(default_factory=dict)
-    label: str = ""
-
-
-def parse_value(key: str, text: str):
-    """``4`` -> int, ``1e-3`` -> float, ``1/4`` -> 0.25, ``true`` -> True, ``*_dtype`` -> torch dtype."""
-    if key.endswith("_dtype"):
-        dtype = getattr(torch, text.removeprefix("torch."), None)
-        if not isinstance(dtype, torch.dtype):
-            raise CliError(f"hyperparameter {key}={text}: not a torch dtype")
-        return dtype
-    if text.lower() in ("true", "false"):
-        return text.lower() == "true"
-    if re.fullmatch(r"\s*[-+]?\d+\s*/\s*\d+\s*", text):
-        num, den = text.split("/")
-        if int(den) == 0:
-            raise CliError(f"hyperparameter {key}={text}: division by zero")
-        return int(num) / int(den)
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text
-
-
-def parse_hparams(items: list[str], where: str) -> dict:
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not re.fullmatch(r"[A-Za-z_]\w*", key.strip()) or not value.strip():
-            raise CliError(f"malformed {where} {item!r}: expected key=value")
-        out[key.strip()] = parse_value(key.strip(), value.strip())
-    return out
-
-
-def default_label(name: str, hparams: dict) -> str:
-    parts = []
-    for k, v in hparams.items():
-        if k == "rank_fraction" and isinstance(v, float) and 0 < v <= 1:
-            v = str(Fraction(v).limit_denominator(256))
-        parts.append(f"{HP_SHORT.get(k, k)}={v}")
-    return " ".join([PRETTY.get(name, name)] + parts)
-
-
-def parse_spec(text: str) -> OptimizerSpec:
-    body, _, label = text.strip().partition("@")
-    name, *hp = body.strip().split(":")
-    if not name:
-        raise CliError(f"malformed optimizer spec {text!r}: empty name")
-    hparams = parse_hparams(hp, f"hyperparameter in {text!r}")
-    return OptimizerSpec(name.strip().lower(), hparams, label.strip() or default_label(name.strip().lower(), hparams))
-
-
+# ----- optimizer specs (the grammar: dobb_bench.specs) -----------------------------------------
 def split_specs(text: str) -> list[str]:
     """Splits at commas outside parentheses (so ``adamw_betas=(0.9,0.99)`` stays whole)."""
     parts, depth, cur = [], 0, ""
