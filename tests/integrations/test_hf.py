@@ -1,0 +1,95 @@
+"""Hugging Face Trainer: GPT-2 and Llama from configs train with Dobb and resume exactly."""
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
+
+import dobb  # noqa: E402
+from dobb.integrations.hf import DobbTrainer, build_optimizer, param_groups  # noqa: E402
+
+VOCAB, SEQ, ROWS = 48, 16, 64
+
+
+def _gpt2(seed=0):
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(cfg)
+
+
+def _llama(seed=0):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=SEQ)
+    return LlamaForCausalLM(cfg)
+
+
+MODELS = {"gpt2": _gpt2, "llama": _llama}
+
+
+def _dataset():
+    """Arithmetic progressions mod VOCAB: the next token is predictable from the previous two."""
+    g = torch.Generator().manual_seed(0)
+    start = torch.randint(0, VOCAB, (ROWS, 1), generator=g)
+    stride = torch.randint(1, 5, (ROWS, 1), generator=g)
+    ids = (start + stride * torch.arange(SEQ)) % VOCAB
+    return [{"input_ids": r, "labels": r} for r in ids]
+
+
+def _args(out, steps, save_steps=None):
+    return TrainingArguments(
+        output_dir=str(out), max_steps=steps, per_device_train_batch_size=8, learning_rate=1e-2,
+        weight_decay=0.01, warmup_steps=3, logging_steps=1, save_strategy="steps" if save_steps else "no",
+        save_steps=save_steps or 500, report_to="none", use_cpu=True, seed=0, disable_tqdm=True,
+        dataloader_num_workers=0)
+
+
+def _losses(trainer):
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+@pytest.mark.parametrize("arch", [pytest.param("gpt2", marks=pytest.mark.xfail(
+    reason="Conv1D (transposed) weights are not Dobb matrices yet", strict=True)), "llama"])
+def test_trainer_trains_and_resumes_exactly(arch, tmp_path):
+    model = MODELS[arch]()
+    trainer = DobbTrainer(model=model, args=_args(tmp_path / "a", 30, save_steps=15), train_dataset=_dataset(),
+                          optimizer_kwargs={"blocks": 2, "refresh_every": 4})
+    trainer.train()
+    opt = trainer.optimizer
+    opt = getattr(opt, "optimizer", opt)  # accelerate's wrapper
+    assert isinstance(opt, dobb.Dobb)
+    matrices = [p for g in opt.param_groups if g["algorithm"] == "dobb" for p in g["params"]]
+    assert len(matrices) >= 8  # the hidden projections of both blocks reach Dobb
+    # statistics were captured through the Trainer's forward passes: ceil(30 / 4) refreshes
+    assert all(opt.state[p]["captures"] == 8 for p in matrices)
+    losses = _losses(trainer)
+    assert len(losses) == 30
+    assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5, losses
+
+    resumed = DobbTrainer(model=MODELS[arch](seed=1), args=_args(tmp_path / "b", 30), train_dataset=_dataset(),
+                          optimizer_kwargs={"blocks": 2, "refresh_every": 4})
+    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-15"))
+    for (name, p), q in zip(model.named_parameters(), resumed.model.parameters()):
+        torch.testing.assert_close(q, p, atol=1e-6, rtol=0, msg=name)
+    assert _losses(resumed) == pytest.approx(losses, abs=1e-6)  # its log history starts from the checkpoint's
+
+
+def test_decay_split_follows_the_trainer_and_plain_trainer_accepts_the_optimizer(tmp_path):
+    model = _llama()
+    args = _args(tmp_path, 2)
+    decay = set(Trainer(model=model, args=args).get_decay_parameter_names(model))
+    groups = param_groups(model, decay_names=decay)
+    by_wd = {(g["algorithm"], g.get("weight_decay")): {id(p) for _, p in g["params"]} for g in groups}
+    norms = {id(p) for n, p in model.named_parameters() if "norm" in n}
+    assert norms and norms <= by_wd[("adamw", 0.0)]
+    assert id(model.model.embed_tokens.weight) in by_wd[("adamw", None)]
+    opt = build_optimizer(model, "muon", lr=1e-3, weight_decay=0.1, decay_names=decay)
+    trainer = Trainer(model=model, args=args, train_dataset=_dataset(), optimizers=(opt, None))
+    before = model.model.layers[0].mlp.up_proj.weight.detach().clone()
+    trainer.train()
+    assert not torch.equal(before, model.model.layers[0].mlp.up_proj.weight)
+    with pytest.raises(ValueError, match="weight_decay"):
+        DobbTrainer(model=model, args=args, optimizer_kwargs={"weight_decay": 0.1})
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        build_optimizer(model, "adam", lr=1e-3)
