@@ -1,12 +1,14 @@
-"""dobb_bench.spectral: the constructions and updates behind Tables 1-2 and Figure 2, checked against
-closed forms and direct float64 computations; the CLI's outputs and errors; tiny end-to-end runs."""
+"""dobb_bench.spectral (command), spectral_tables and spectral_run: the constructions and updates
+behind Tables 1-2 and Figure 2, checked against closed forms and direct float64 computations; the
+CLI's outputs and errors (a checkpoint that would run code is refused); tiny end-to-end runs."""
 import math
 
 import pytest
 import torch
 
-from dobb import metrics
-from dobb_bench import spectral as S
+from dobb_bench import metrics
+from dobb_bench import spectral_run as R
+from dobb_bench import spectral_tables as S
 from dobb_bench.cli import main
 
 F64 = torch.float64
@@ -88,7 +90,7 @@ def test_table2_rows_orders_block_and_rank():
 def test_capture_matches_direct_second_moments():
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
-    cap = S.SecondMomentCapture({"0": net[0], "2": net[2]})
+    cap = R.SecondMomentCapture({"0": net[0], "2": net[2]})
     x = torch.randn(4, 6, 5)
     cap.enabled = True
     net(x).square().sum().backward()
@@ -126,7 +128,7 @@ def test_hidden_linears_skip_tied_head_even_when_sizes_collide():
     from dobb_bench.model import GPT, config_from_preset
 
     model = GPT(config_from_preset("tiny", vocab_size=256))  # width 64 = seq_len, fc out 256 = vocab
-    names = list(S.hidden_linears(model))
+    names = list(R.hidden_linears(model))
     assert len(names) == 2 * 4 and "head" not in names and "blocks.0.mlp.fc" in names
 
 
@@ -141,14 +143,14 @@ def tiny_data(tmp_path, monkeypatch):
 
 
 def test_table2_training_and_checkpoint(tiny_data, tmp_path):
-    rows, info = S.table2_from_training("tiny", steps=3, optimizer="adamw", batch_size=4, data=tiny_data, blocks=(1, 4))
+    rows, info = R.table2_from_training("tiny", steps=3, optimizer="adamw", batch_size=4, data=tiny_data, blocks=(1, 4))
     assert info["matrices"] == 2 * 6 and len(rows) == 2  # qkv counted as q, k, v
     from dobb_bench.model import GPT, config_from_preset
 
     model = GPT(config_from_preset("tiny", vocab_size=256))
     ckpt = tmp_path / "ck.pt"
     torch.save({"model": model.state_dict(), "config": model.config.to_dict()}, ckpt)
-    rows, info = S.table2_from_training(checkpoint=ckpt, batch_size=4, data=tiny_data, blocks=(2,), probe_steps=2)
+    rows, info = R.table2_from_training(checkpoint=ckpt, batch_size=4, data=tiny_data, blocks=(2,), probe_steps=2)
     assert 0 < rows[0]["Dobb"] <= 1 and rows[0]["paper Dobb"] is None
     assert info["momentum"].startswith("rebuilt")  # no optimizer state in this checkpoint
 
@@ -162,16 +164,51 @@ def test_checkpoint_momentum_is_the_optimizers_own(name, key, tiny_data):
 
     model = GPT(config_from_preset("tiny", vocab_size=256))
     opt = dobb.build_optimizer(name, model, lr=1e-3, weight_decay=0.0)
-    _, sampler = S.setup_run("tiny", tiny_data, 4, 0)
-    S.train(model, sampler, opt, 2)
+    _, sampler = R.setup_run("tiny", tiny_data, 4, 0)
+    R.train(model, sampler, opt, 2)
     ckpt = {"fingerprint": {"model": model.config.to_dict(), "optimizer": name},
             "model": model.state_dict(), "optimizer": opt.state_dict()}
-    got = S.checkpoint_momentum(ckpt, model)
-    assert set(got) == set(S.hidden_linears(model))
-    for lname, lin in S.hidden_linears(model).items():
+    got = R.checkpoint_momentum(ckpt, model)
+    assert set(got) == set(R.hidden_linears(model))
+    for lname, lin in R.hidden_linears(model).items():
         assert torch.equal(got[lname], opt.state[lin.weight][key].double())
     ckpt["optimizer"]["state"] = {}
-    assert S.checkpoint_momentum(ckpt, model) is None
+    assert R.checkpoint_momentum(ckpt, model) is None
+
+
+class _Payload:
+    """Unpickling this runs code (writes a marker file): what a crafted checkpoint would do."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_checkpoint_with_code_is_refused_and_a_real_one_loads(capsys, tmp_path, tiny_data):
+    import dobb
+    from dobb_bench.model import GPT, config_from_preset
+
+    model = GPT(config_from_preset("tiny", vocab_size=256))
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "evil.pt"
+    torch.save({"model": model.state_dict(), "config": model.config.to_dict(), "x": _Payload(marker)}, evil)
+    assert main(["orthogonality", "--table", "2", "--checkpoint", str(evil), "--data", tiny_data]) == 2
+    err = capsys.readouterr().err
+    assert "refusing to load checkpoint" in err and "could run code" in err and err.count("\n") == 1
+    assert not marker.exists()
+    # a real checkpoint (Dobb's state_dict holds torch dtypes among its hyperparameters) loads
+    opt = dobb.build_optimizer("dobb", model, lr=1e-3, weight_decay=0.0)
+    _, sampler = R.setup_run("tiny", tiny_data, 4, 0)
+    R.train(model, sampler, opt, 2)
+    good = tmp_path / "good.pt"
+    torch.save({"fingerprint": {"model": model.config.to_dict(), "optimizer": "dobb"},
+                "model": model.state_dict(), "optimizer": opt.state_dict()}, good)
+    loaded, _, momentum = R.load_checkpoint(good, tiny_data, 4, 0)
+    assert torch.equal(loaded.state_dict()["blocks.0.mlp.fc.weight"], model.state_dict()["blocks.0.mlp.fc.weight"])
+    lin = R.hidden_linears(model)["blocks.0.mlp.fc"]
+    assert torch.equal(momentum["blocks.0.mlp.fc"], opt.state[lin.weight]["momentum"].double())
 
 
 def test_cli_tables_and_errors(capsys, tmp_path, tiny_data):

@@ -1,10 +1,10 @@
-"""dobb.metrics against closed forms: known spectra, orthogonal and rank-one matrices."""
+"""dobb_bench.metrics against closed forms: known spectra, orthogonal and rank-one matrices."""
 import math
 
 import pytest
 import torch
 
-from dobb import metrics as M
+from dobb_bench import metrics as M
 
 
 def _gen(seed=0):
