@@ -9,7 +9,7 @@ from torch import nn
 import dobb
 from dobb.factory import valid_hparams
 
-NAMES = ["adamw", "muon", "dion", "rmnp", "pr-muon", "block-muon", "dion2", "normuon", "dion3", "dobb", "dobb-l2", "dobb-g",
+NAMES = ["adamw", "muon", "owner-muon", "dion", "rmnp", "pr-muon", "block-muon", "dion2", "normuon", "dion3", "dobb", "dobb-l2", "dobb-g",
          "dobb-g-l2"]
 
 

@@ -15,12 +15,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .baselines import RMNP, BlockMuon, Dion, Dion2, Dion3, Muon, NorMuon, PeriodicRowMuon
+from .baselines import RMNP, BlockMuon, Dion, Dion2, Dion3, Muon, NorMuon, OwnerMuon, PeriodicRowMuon
 from .dobb import Dobb
 from .groups import param_groups
 
 _MATRIX = {
     "muon": (Muon, {}),
+    "owner-muon": (OwnerMuon, {}),
     "dion": (Dion, {}),
     "rmnp": (RMNP, {}),
     "pr-muon": (PeriodicRowMuon, {}),
@@ -37,7 +38,7 @@ OPTIMIZER_NAMES: tuple[str, ...] = ("adamw", *_MATRIX)
 
 _COMMON = ("tau", "adamw_betas", "adamw_eps")
 _GROUPING = ("head_names", "is_matrix")  # passed to dobb.param_groups
-_CTOR_EXTRA = {Dobb: ("check_finite", "stat_group")}
+_CTOR_EXTRA = {Dobb: ("check_finite", "stat_group"), OwnerMuon: ("replicated_group",)}
 _ADAMW_DEFAULTS = {"betas": (0.9, 0.95)}
 
 

@@ -13,10 +13,11 @@ from .dion3 import Dion3, dion3_step
 from .gram_ns import gram_newton_schulz
 from .muon import Muon
 from .normuon import NorMuon, normuon_normalize
+from .owner_muon import OwnerMuon
 from .newton_schulz import NS_COEFFICIENTS, newton_schulz, orthogonalize, row_normalize
 from .pr_muon import PeriodicRowMuon
 from .rmnp import RMNP
 
 __all__ = ["Muon", "Dion", "RMNP", "PeriodicRowMuon", "BlockMuon", "Dion2", "newton_schulz",
            "orthogonalize", "row_normalize", "dion_step", "dion2_step", "NS_COEFFICIENTS",
-           "gram_newton_schulz", "NorMuon", "normuon_normalize", "Dion3", "dion3_step"]
+           "gram_newton_schulz", "NorMuon", "normuon_normalize", "Dion3", "dion3_step", "OwnerMuon"]
