@@ -84,13 +84,13 @@ def _measure_label(spec: str) -> str:
     return {"adamw": "torch-adamw"}.get(name.strip().lower(), name.strip().lower()) + (":" + rest if rest else "")
 
 
-def measure_fsdp_payload(specs: list[str], preset_name: str, layers: str, fs: int) -> dict:
+def measure_fsdp_payload(specs: list[str], preset_name: str, layers: str, fs: int, fused_qkv: bool = False) -> dict:
     """A small FSDP2 run (gloo, ``fs`` CPU processes): metered collectives/bytes per optimizer."""
     import torch.multiprocessing as mp
 
     names = [_measure_label(spec) for spec in specs]
-    cfg = dict(preset=preset_name, layers=layers, optimizers=tuple(names), repeats=1, warmup=1, fs=fs,
-               meter=True, log=False, threads=1, blocks=fs, refresh_every=3)
+    cfg = dict(preset=preset_name, layers=layers, fused_qkv=fused_qkv, optimizers=tuple(names), repeats=1,
+               warmup=1, fs=fs, meter=True, log=False, threads=1, blocks=fs, refresh_every=3)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "result.json")
         mp.spawn(_measure_worker, args=(fs, _free_port(), cfg, path), nprocs=fs, join=True)
@@ -109,7 +109,8 @@ def cmd_payload(args) -> int:
     if args.measure:
         mshapes = matrix_shapes(args.measure_preset, args.measure_layers, args.fused_qkv)
         mtable = payload_rows(specs, mshapes, "output", args.measure_fs)
-        measured = measure_fsdp_payload(specs, args.measure_preset, args.measure_layers, args.measure_fs)
+        measured = measure_fsdp_payload(specs, args.measure_preset, args.measure_layers, args.measure_fs,
+                                        args.fused_qkv)
         text += "\n" + _measured_markdown(mtable, measured, args, mshapes)
     else:
         text += "\n(measured bytes: add --measure for a small FSDP2 run with the payload meter)\n"
@@ -125,7 +126,7 @@ def cmd_payload(args) -> int:
 def _measured_markdown(mtable: dict, measured: dict, args, mshapes) -> str:
     lines = [f"Measured with the payload meter: GPT-2 {args.measure_preset} layers {args.measure_layers} "
              f"({len(mshapes)} matrices), FSDP2 FS={args.measure_fs} on CPU (gloo), rank 0, one optimizer.step() "
-             "(PR-Muon: a full step); Dobb: a refresh step (T = 3; B from the spec, else B = FS) and the next "
+             "(PR-Muon: a full step); Dobb: a refresh step (T and B from the spec, else T = 3, B = FS) and the next "
              "step, plus its capture pass's statistic mean (tagged 'stat'). Derived bytes = entries x 4 (fp32); "
              "the meter counts each collective's logical tensor (constant collective factors omitted, as in "
              "Table 3).", "",

@@ -122,12 +122,13 @@ def test_payload_command_prints_figure1_ratio(capsys, tmp_path):
 @pytest.mark.slow
 def test_fsdp2_meter_matches_derived_payload():
     """Two gloo ranks, FSDP2 FS=2: Dobb's step moves nothing, Dobb-ell2's moves its n column norms."""
-    result = payload_command.measure_fsdp_payload(["adamw", "dobb", "dobb-l2"], "tiny", "1", 2)
+    result = payload_command.measure_fsdp_payload(["adamw", "dobb", "dobb-l2"], "tiny", "1", 2, fused_qkv=True)
     by = {s["label"]: s for s in result["summaries"]}
     assert by["torch-adamw"]["metered"]["step"]["bytes"] == 0
     assert by["dobb"]["metered"]["step"]["bytes"] == 0 and by["dobb"]["metered"]["next_step"]["bytes"] == 0
-    n_total = sum(n for _, (m, n) in matrix_shapes("tiny", "1"))
+    shapes = matrix_shapes("tiny", "1", fused_qkv=True)  # the measured bank has the derived table's matrices
+    n_total = sum(n for _, (m, n) in shapes)
     assert by["dobb-l2"]["metered"]["step"]["bytes"] == 4 * n_total
     # the data-parallel statistic mean (n^2/B per matrix, fp32) runs in the capture pass, tagged "stat"
-    stat = sum(n * n // 2 for _, (m, n) in matrix_shapes("tiny", "1")) * 4
+    stat = sum(n * n // 2 for _, (m, n) in shapes) * 4
     assert by["dobb"]["metered"]["capture_stat"]["bytes"] == stat
