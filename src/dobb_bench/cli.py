@@ -17,6 +17,7 @@ _COMMAND_MODULES = [
     "timing",
     "payload_command",
     "diagnostics",
+    "controlled",
 ]
 
 
