@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -247,15 +248,17 @@ def cmd_controlled(args) -> int:
         raise CliError(f"--seeds takes comma-separated integers, got {args.seeds!r}") from None
     torch.set_num_threads(args.threads)
     optimizers = [o for o in default_optimizers(args.n) if o[2].get("blocks", 1) in (1, *range(2, args.n // 2 + 1))]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     result = run_grid(kinds, optimizers, n=args.n, m=args.m, alpha=args.alpha, noise=args.noise, steps=args.steps,
                       batch=args.batch, seeds=seeds)
-    wall = time.perf_counter() - t0
-    record = {"kind": "controlled", "provenance": provenance(), "wall_s": round(wall, 1), **result}
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    # CPU time is what the run costs on one free core; wall time also counts other jobs' share
+    record = {"kind": "controlled", "provenance": provenance(), "wall_s": round(wall, 1), "cpu_s": round(cpu, 1),
+              "load_avg_1min": round(os.getloadavg()[0], 2), **result}
     text = table(result)
     print("\nsuboptimality L(W_N) - L* (x1e-3; L(0) - L* = %g; * = best lr at the grid's edge; "
           "xk = Dobb's ratio to Dobb B=1)\n" % result["problems"][kinds[0]]["initial_suboptimality"] + text)
-    print(f"\n{wall:.0f} s")
+    print(f"\n{wall:.0f} s wall, {cpu:.0f} s CPU")
     if args.record:
         Path(args.record).parent.mkdir(parents=True, exist_ok=True)
         Path(args.record).write_text(json.dumps(record, separators=(",", ":")) + "\n")
