@@ -66,7 +66,7 @@ def dobb_direction(U: torch.Tensor, A: torch.Tensor, blocks: int = 1, norm: str 
     for s in sizes:
         basis[start:start + s, :s] = F.eigh_basis(A[start:start + s, start:start + s].to(F64))
         start += s
-    return F.direction_input(U.to(F64), basis, sizes, norm=norm)
+    return F.direction(U.to(F64), basis, sizes, norm=norm, side="input")
 
 
 def table1b(size: int = 768, seeds: int = 3, targets=TABLE1_TARGETS, act_target: float = 0.15,
