@@ -38,12 +38,16 @@ from .specs import OptimizerSpec, default_label, parse_hparams, parse_spec  # no
 from .train import METRICS_FILE, TrainConfig, run_training, setup_dist, write_jsonl
 
 GRID_BASE = 5e-3
+# Dobb rows keep blocks >= 32 wide (width 128 / B=4): narrower blocks are a measured quality risk
+# (docs/results.md, block-width study), not the regime a user should pick.
 DEFAULT_COMPARE = ("adamw,muon,dion:rank_fraction=1/4,dion:rank_fraction=1/16,rmnp,"
-                   "block-muon:blocks=16,dobb:blocks=1,dobb:blocks=4,dobb:blocks=16,"
-                   "dobb-l2:blocks=4,dobb-g:blocks=4")
+                   "block-muon:blocks=4,dobb:blocks=1,dobb:blocks=4,dobb-l2:blocks=4,dobb-g:blocks=4")
 # Measured wall times are in the final report / README; both fit their budgets on 2 CPU cores.
 RUN_PRESETS = {
-    "default": dict(preset="small-cpu", steps=200, batch_size=16, eval_every=25, eval_seqs=64),
+    # 2 layers x width 128, 64-token context, 800 steps: past the loss plateau near 2.9 nats for
+    # every optimizer (docs/results.md, horizon study) at a quarter of small-cpu's step cost.
+    "default": dict(preset="small-cpu", layers=2, context=64, steps=800, batch_size=16, eval_every=50,
+                    eval_seqs=64),
     "quick": dict(preset="tiny", steps=100, batch_size=8, eval_every=20, eval_seqs=32),
 }
 
@@ -139,8 +143,11 @@ def _configs(args) -> tuple[ModelConfig, TrainConfig, dict]:
             raise CliError(f"{flag} must be a positive integer, got {value}")
     corpus = load_corpus(args.data, cache_dir=args.cache_dir, tokenizer=args.tokenizer,
                          vocab_size=args.vocab_size, val_fraction=args.val_fraction)
-    model_cfg = config_from_preset(args.preset or preset["preset"], layers=args.layers,
-                                   width=args.width, heads=args.heads, seq_len=args.context,
+    own = args.preset is None  # the run preset's model overrides apply to its own model preset only
+    model_cfg = config_from_preset(args.preset or preset["preset"],
+                                   layers=args.layers or (preset.get("layers") if own else None),
+                                   width=args.width, heads=args.heads,
+                                   seq_len=args.context or (preset.get("context") if own else None),
                                    vocab_size=corpus.vocab_size, fused_qkv=not args.separate_qkv,
                                    tied=not args.untied)
     if args.seq_len is not None and args.seq_len > model_cfg.seq_len:
@@ -210,40 +217,74 @@ def _settings(spec: OptimizerSpec, lr: float, model_cfg: ModelConfig, train_cfg:
 
 
 def run_many(jobs: list[tuple[OptimizerSpec, float]], args, model_cfg, train_cfg, corpus_info, out: Path) -> list[dict]:
-    """Runs every (spec, lr) job once; a finished run found in ``out`` is reused unless --no-resume."""
+    """Runs every (spec, lr) job once; a finished run found in ``out`` is reused unless --no-resume.
+
+    Isolated runs (one child process each) go ``--jobs`` at a time: on 2 cores two one-thread
+    runs use the machine fully, and each child's max RSS is still its own.
+    """
     corpus, data_args = corpus_info
     env = setup_dist(train_cfg.dist, train_cfg.device)
     isolate = args.isolate if args.isolate is not None else (env.world == 1 and env.device.type == "cpu")
-    progress, resume = not args.no_progress, not args.no_resume
-    finals = []
-    for i, (spec, lr) in enumerate(jobs, 1):
-        run_dir = out / "runs" / _slug(f"{spec.label}" + (f"_lr{lr:.3g}" if len(jobs) > len({j[0].label for j in jobs}) else ""))
+    if getattr(args, "jobs", 1) < 1:
+        raise CliError(f"--jobs must be a positive integer, got {args.jobs}")
+    n_jobs = args.jobs if isolate and hasattr(args, "jobs") else 1
+    progress, resume = not args.no_progress and n_jobs == 1, not args.no_resume
+    prov = provenance()
+    several = len(jobs) > len({j[0].label for j in jobs})
+    todo, finals = [], [None] * len(jobs)
+    for i, (spec, lr) in enumerate(jobs):
+        run_dir = out / "runs" / _slug(f"{spec.label}" + (f"_lr{lr:.3g}" if several else ""))
         expect = _settings(spec, lr, model_cfg, train_cfg)
         final = _read_final(run_dir, expect) if resume else None
-        t0 = time.perf_counter()
-        if final is None:
-            if isolate:
-                proc = mp.get_context("spawn").Process(
-                    target=_child, args=(spec, lr, model_cfg, train_cfg, dict(data_args), run_dir, progress, resume,
-                          torch.get_num_threads()))
-                proc.start()
-                proc.join()
-                final = _read_final(run_dir, expect)
-                if proc.exitcode != 0 or final is None:
-                    raise CliError(f"run {spec.label!r} failed in its child process (exit code {proc.exitcode})")
-            else:
-                final = _run_one(spec, lr, model_cfg, train_cfg, corpus, run_dir, progress=progress,
-                                 resume=resume, env=env, keep_checkpoint=False)
-                final.pop("evals", None)
-        final["run_dir"] = str(run_dir)
-        finals.append(final)
-        if env.rank == 0:
-            loss = final.get("final_val_loss")
-            print(f"[{i}/{len(jobs)}] {spec.label} lr={lr:.3g}: val loss "
-                  f"{'diverged' if loss is None or final.get('diverged') else f'{loss:.4f}'}, "
-                  f"{final['tokens_per_s']:.0f} tok/s, opt {final['opt_ms_per_step']:.2f} ms/step "
-                  f"({time.perf_counter() - t0:.1f} s)", flush=True)
+        if final is not None:
+            _done(finals, i, final, run_dir, jobs, env, 0.0)
+        else:
+            todo.append((i, spec, lr, run_dir, expect))
+    if not isolate:
+        for i, spec, lr, run_dir, _ in todo:
+            t0 = time.perf_counter()
+            final = _run_one(spec, lr, model_cfg, train_cfg, corpus, run_dir, progress=progress,
+                             resume=resume, env=env, keep_checkpoint=False, prov=prov)
+            final.pop("evals", None)
+            _done(finals, i, final, run_dir, jobs, env, time.perf_counter() - t0)
+        return finals
+    ctx, active = mp.get_context("spawn"), []
+    while todo or active:
+        while todo and len(active) < n_jobs:
+            i, spec, lr, run_dir, expect = todo.pop(0)
+            proc = ctx.Process(target=_child, args=(spec, lr, model_cfg, train_cfg, dict(data_args), run_dir,
+                                                    progress, resume, torch.get_num_threads(), prov))
+            proc.start()
+            active.append((proc, i, spec, run_dir, expect, time.perf_counter()))
+        proc, i, spec, run_dir, expect, t0 = active[0]
+        for item in active:  # wait for whichever finishes first
+            if not item[0].is_alive():
+                proc, i, spec, run_dir, expect, t0 = item
+                break
+        else:
+            time.sleep(0.5)
+            continue
+        proc.join()
+        active.remove((proc, i, spec, run_dir, expect, t0))
+        final = _read_final(run_dir, expect)
+        if proc.exitcode != 0 or final is None:
+            for other in active:
+                other[0].terminate()
+            raise CliError(f"run {spec.label!r} failed in its child process (exit code {proc.exitcode})")
+        _done(finals, i, final, run_dir, jobs, env, time.perf_counter() - t0)
     return finals
+
+
+def _done(finals, i, final, run_dir, jobs, env, seconds) -> None:
+    final["run_dir"] = str(run_dir)
+    finals[i] = final
+    if env.rank == 0:
+        spec, lr = jobs[i]
+        loss = final.get("final_val_loss")
+        print(f"[{sum(f is not None for f in finals)}/{len(jobs)}] {spec.label} lr={lr:.3g}: val loss "
+              f"{'diverged' if loss is None or final.get('diverged') else f'{loss:.4f}'}, "
+              f"{final['tokens_per_s']:.0f} tok/s, opt {final['opt_ms_per_step']:.2f} ms/step "
+              f"({seconds:.1f} s)", flush=True)
 
 
 def _rank0() -> bool:
@@ -273,6 +314,8 @@ def _finish(out: Path, finals: list[dict], model_cfg: ModelConfig, *, grid: bool
               for m in blk.modules() if isinstance(m, torch.nn.Linear)] * model_cfg.layers
     notes.append(report.plot_payload(finals, shapes, out / "payload_vs_loss.png"))
     text = table + "\n" + "\n".join(f"- {n}" for n in notes if n) + "\n"
+    if any(f["optimizer"].startswith("dobb") for f in finals):
+        text += "\n" + report.plain_summary(finals, shapes)
     (out / "results.md").write_text(text)
     print("\n" + text)
 
@@ -360,6 +403,9 @@ def _allow_negative_lists(p: argparse.ArgumentParser) -> None:
 
 
 def add_parsers(sub) -> None:
+    from .tables import add_report_parser
+
+    add_report_parser(sub)
     p = sub.add_parser("train", help="train one optimizer")
     p.add_argument("--optimizer", required=True, help="name for dobb.build_optimizer")
     p.add_argument("--hp", action="append", metavar="KEY=VALUE", help="optimizer hyperparameter (repeatable)")
@@ -373,6 +419,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--lr-grid", help="also run each optimizer at lr_j = 5e-3*2**(j/2) for these j")
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                    help="one child process per run (default on CPU without torchrun)")
+    p.add_argument("--jobs", type=int, default=2, help="isolated runs at a time (default 2: two cores)")
     _add_common(p)
     _allow_negative_lists(p)
     p.set_defaults(func=cmd_compare)
@@ -382,6 +429,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--hp", action="append", metavar="KEY=VALUE")
     p.add_argument("--grid", default="-2,-1,0,1", help="grid indices j, lr_j = 5e-3*2**(j/2)")
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--jobs", type=int, default=2, help="isolated runs at a time")
     _add_common(p)
     _allow_negative_lists(p)
     p.set_defaults(func=cmd_sweep)

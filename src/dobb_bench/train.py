@@ -35,12 +35,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .data import BatchSampler, Corpus, eval_batches, eval_offsets
+from .checkpoint_io import (COMPLETE, FAULT_ENV, UnsafeCheckpoint, _fault, _fqn_to_index, _fsync_file,  # noqa: F401
+                            _rng_state, _set_rng_state, check_dcp_metadata, safe_load)
 from .model import GPT, ModelConfig
 from .provenance import provenance
 
 CKPT_FILE = "checkpoint.pt"
 CKPT_DIR = "checkpoint_dcp"
 METRICS_FILE = "metrics.jsonl"
+
 
 
 @dataclass
@@ -160,21 +163,6 @@ def _peak_mem_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def _clean(value):
     """JSON-safe: non-finite floats become null (JSON has no NaN)."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -231,22 +219,6 @@ def optimizer_options(optimizer) -> list[dict]:
         if opts not in out:
             out.append(opts)
     return out
-
-
-def _fqn_to_index(optim_sd: dict) -> dict:
-    """DCP's optimizer state dict (keyed by parameter names) in ``Optimizer.state_dict`` form.
-
-    ``get_state_dict`` lists each group's parameter names in the optimizer's order, so the i-th
-    name is parameter index i. Loading through plain ``optimizer.load_state_dict`` keeps working
-    for optimizers whose ``load_state_dict`` expects integer ids (``set_state_dict`` passes names).
-    """
-    flat = [name for g in optim_sd["param_groups"] for name in g["params"]]
-    index = {name: i for i, name in enumerate(flat)}
-    groups, start = [], 0
-    for g in optim_sd["param_groups"]:
-        groups.append({**g, "params": list(range(start, start + len(g["params"])))})
-        start += len(g["params"])
-    return {"state": {index[k]: v for k, v in optim_sd["state"].items()}, "param_groups": groups}
 
 
 class Run:
@@ -306,6 +278,7 @@ class Run:
         self.train_time = self.opt_time = self.train_cpu = 0.0
         self.opt_steps_timed = 0
         self.diverged = False
+        self._saves = 0
 
     def fingerprint(self) -> dict:
         keys = ("steps", "seq_len", "batch_size", "micro_batches", "lr", "weight_decay", "warmup", "schedule",
@@ -333,12 +306,17 @@ class Run:
             path = self.out / CKPT_FILE
             tmp = path.with_name(path.name + ".tmp")
             torch.save(state, tmp)
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
+            _fsync_file(tmp)
             os.replace(tmp, path)
         self.env.barrier()
 
     def _save_dcp(self) -> None:
+        """Writes into ``checkpoint_dcp.tmp``, marks it complete, then renames it into place.
+
+        A loader takes only a folder holding the ``COMPLETE`` marker (written by rank 0 after
+        every rank's shards and the metadata are on disk), so a save killed at any point leaves
+        the previous checkpoint as the one that loads.
+        """
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
         final, tmp, old = (self.out / CKPT_DIR, self.out / (CKPT_DIR + ".tmp"), self.out / (CKPT_DIR + ".old"))
@@ -349,19 +327,30 @@ class Run:
         dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp))
         extras = [None] * self.env.world
         dist.all_gather_object(extras, self._extra_state())
+        self._saves += 1
+        _fault("save", self._saves, self.env.rank)
         if self.env.rank == 0:
             torch.save(extras, tmp / "extra.pt")
+            _fsync_file(tmp / "extra.pt")
+            (tmp / COMPLETE).write_text(str(self.step))
+            _fsync_file(tmp / COMPLETE)
             if final.exists():
                 os.replace(final, old)
             os.replace(tmp, final)
             shutil.rmtree(old, ignore_errors=True)
         self.env.barrier()
 
+    def _dcp_folder(self) -> Path | None:
+        for folder in (self.out / CKPT_DIR, self.out / (CKPT_DIR + ".old")):
+            if (folder / COMPLETE).exists():
+                return folder
+        return None
+
     def _checkpoint_exists(self) -> bool:
         if self.out is None:
             return False
         if self.env.mode == "fsdp":
-            return (self.out / CKPT_DIR).exists() or (self.out / (CKPT_DIR + ".old")).exists()
+            return self._dcp_folder() is not None
         return (self.out / CKPT_FILE).exists()
 
     def _materialize_optimizer_state(self) -> None:
@@ -390,23 +379,21 @@ class Run:
         if self.env.mode == "fsdp":
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict
-            folder = self.out / CKPT_DIR
-            if not folder.exists():
-                folder = self.out / (CKPT_DIR + ".old")
+            folder = self._dcp_folder()
+            check_dcp_metadata(folder)
+            extras = safe_load(folder / "extra.pt")
             self._materialize_optimizer_state()
             model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
             sd = {"model": model_sd, "optimizer": optim_sd}
             dcp.load(sd, checkpoint_id=str(folder))
             set_model_state_dict(self.model, sd["model"])
             self.optimizer.load_state_dict(_fqn_to_index(sd["optimizer"]))
-            extras = torch.load(folder / "extra.pt", weights_only=False)
             if len(extras) != self.env.world:
                 raise ValueError(f"checkpoint in {self.out} was written by {len(extras)} processes, "
                                  f"not {self.env.world}")
             state = extras[self.env.rank]
         else:
-            # Our own file (written by save_checkpoint); it holds Python RNG tuples.
-            state = torch.load(self.out / CKPT_FILE, map_location=self.env.device, weights_only=False)
+            state = safe_load(self.out / CKPT_FILE, map_location=self.env.device)
         if state["fingerprint"] != self.fingerprint():
             diff = [k for k in state["fingerprint"] if state["fingerprint"][k] != self.fingerprint().get(k)]
             raise ValueError(f"checkpoint in {self.out} comes from a different configuration "
@@ -504,6 +491,7 @@ class Run:
                 self._write_metrics()
             if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and self.step < cfg.steps:
                 self.save_checkpoint()
+            _fault("step", self.step, env.rank)
         if bar is not None:
             bar.close()
         if stop_after is not None and self.step < cfg.steps and not self.diverged:

@@ -138,3 +138,40 @@ def test_library_optimizer_resume_equals_uninterrupted(tmp_path, corpus, tiny_mo
     assert _curve(resumed) == _curve(full)
     again = run_training(tiny_model_cfg, cfg, corpus, factory)
     assert _curve(again) == _curve(full)
+
+
+class _Payload:
+    """Unpickling this calls ``open(marker, "w")``: a stand-in for arbitrary code in a checkpoint."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_planted_pickle_payload_is_refused(tmp_path, corpus, tiny_model_cfg, tiny_train_cfg, adamw_factory):
+    out = tmp_path / "run"
+    cfg = replace(tiny_train_cfg, steps=6)
+    run_training(tiny_model_cfg, cfg, corpus, adamw_factory, out_dir=out, stop_after=2)
+    state = torch.load(out / T.CKPT_FILE, weights_only=True)  # our own checkpoints load safely
+    assert state["step"] == 2
+    marker = tmp_path / "code-ran"
+    state["evil"] = _Payload(marker)
+    torch.save(state, out / T.CKPT_FILE)
+    with pytest.raises(ValueError, match="refusing to load .*checkpoint.pt.*could run code"):
+        run_training(tiny_model_cfg, cfg, corpus, adamw_factory, out_dir=out)
+    assert not marker.exists()
+    # DCP's .metadata (read by torch with plain pickle) is vetted before torch sees it
+    import pickle
+
+    folder = tmp_path / "dcp"
+    folder.mkdir()
+    (folder / ".metadata").write_bytes(pickle.dumps({"x": _Payload(marker)}))
+    with pytest.raises(ValueError, match="refusing to load .*dcp.*metadata"):
+        T.check_dcp_metadata(folder)
+    assert not marker.exists()
+    with pytest.raises(ValueError, match="refusing to load"):
+        torch.save([{"evil": _Payload(marker)}], folder / "extra.pt")
+        T.safe_load(folder / "extra.pt")
+    assert not marker.exists()

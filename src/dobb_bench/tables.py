@@ -1,0 +1,210 @@
+"""Generators of the docs tables, each computed only from committed records (``records.py``).
+
+Every generator returns ``(markdown, records_used)``. Conventions for every table:
+- losses are final validation loss (nats/token), mean ± sample standard deviation over seeds,
+  with the seed count given;
+- gap closure is (AdamW - x) / (AdamW - Muon) on the seed means of the same study and setting;
+- a difference is called beyond noise only when it exceeds 2 standard deviations (the larger of
+  the two rows' seed spreads); with one seed the threshold is a stated 0.1 nats.
+
+``dobb-bench report`` (in ``add_report_parser``) rewrites the tables in docs/*.md and collects
+run folders into records.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+from collections import defaultdict
+
+from . import records as R
+from .report import block_widths, gap_closure
+
+ONE_SEED_NOISE = 0.1
+
+
+def _loss(r):
+    v = r.get("final_val_loss")
+    return None if v is None or r.get("diverged") else v
+
+
+def stats(values: list[float]) -> tuple[float, float | None, int]:
+    vals = [v for v in values if v is not None and math.isfinite(v)]
+    if not vals:
+        return math.nan, None, 0
+    return statistics.fmean(vals), statistics.stdev(vals) if len(vals) > 1 else None, len(vals)
+
+
+def fmt_ms(mean: float, std: float | None, n: int) -> str:
+    if n == 0:
+        return "diverged"
+    return f"{mean:.3f} ± {std:.3f}" if std is not None else f"{mean:.3f}"
+
+
+def noise(std_a: float | None, std_b: float | None) -> float:
+    if std_a is None or std_b is None:
+        return ONE_SEED_NOISE
+    return 2 * max(std_a, std_b)
+
+
+def _group(recs, key):
+    out = defaultdict(list)
+    for r in recs:
+        out[key(r)].append(r)
+    return out
+
+
+def _find(groups: dict, name: str):
+    return next((v for k, v in groups.items() if k == name), None)
+
+
+def seeds_table(recs: list[dict], label_order: list[str] | None = None) -> str:
+    """One row per run label: lr, block widths, seeds, loss, gap closure, difference vs AdamW."""
+    by = _group(recs, lambda r: r["run"])
+    st = {k: stats([_loss(r) for r in v]) for k, v in by.items()}
+    adamw, muon = st.get("AdamW"), st.get("Muon")
+    rows = ["| optimizer | lr | block widths | seeds | final val loss | gap closure | vs AdamW |",
+            "|---|---|---|---|---|---|---|"]
+    labels = [k for k in (label_order or []) if k in by] + [k for k in by if k not in (label_order or [])]
+    for label in labels:
+        runs = by[label]
+        m, s, n = st[label]
+        r0 = runs[0]
+        bw = block_widths(r0["optimizer"], r0.get("hparams", {}), r0.get("model", {})) or "—"
+        gc = gap_closure(m, adamw[0], muon[0]) if adamw and muon and n else None
+        if label == "AdamW" or adamw is None or not n or not adamw[2]:
+            vs = "—"
+        else:
+            d = m - adamw[0]
+            beyond = abs(d) > noise(s, adamw[1])
+            vs = f"{d:+.3f} ({'beyond' if beyond else 'within'} noise)"
+        lrs = sorted({r["lr"] for r in runs})
+        rows.append(f"| {label} | {', '.join(f'{x:.3g}' for x in lrs)} | {bw} | "
+                    f"{','.join(str(r['seed']) for r in sorted(runs, key=lambda r: r['seed']))} | "
+                    f"{fmt_ms(m, s, n)} | {'—' if gc is None else f'{100 * gc:.0f}%'} | {vs} |")
+    return "\n".join(rows) + "\n" + setting_line(recs)
+
+
+def setting_line(recs: list[dict]) -> str:
+    r = recs[0]
+    m, t, c, p = r.get("model", {}), r.get("train", {}), r.get("corpus", {}), r.get("provenance", {})
+    revs = sorted({(x.get("provenance") or {}).get("git_rev", "?")[:7] for x in recs})
+    steps = sorted({x.get("steps") for x in recs})
+    return (f"\nSetting: {m.get('layers')} layers, width {m.get('width')}, context {m.get('seq_len')}, "
+            f"corpus `{c.get('name')}`; {'/'.join(map(str, steps))} steps x {t.get('batch_size')} sequences, "
+            f"{t.get('micro_batches')} micro-batch(es), weight decay {t.get('weight_decay')}, "
+            f"{t.get('schedule')} schedule; {len(recs)} runs at revision(s) {', '.join(revs)} "
+            f"on {(p.get('machine') or {}).get('cpu')}, torch {p.get('torch')}.\n")
+
+
+def lr_grid_table(recs: list[dict]) -> str:
+    by = _group(recs, lambda r: r["run"])
+    lrs = sorted({r["lr"] for r in recs})
+    rows = ["| optimizer | " + " | ".join(f"lr {x:.3g}" for x in lrs) + " | best |",
+            "|---|" + "---|" * (len(lrs) + 1)]
+    for label, runs in by.items():
+        cell = {}
+        for lr in lrs:
+            cell[lr] = stats([_loss(r) for r in runs if abs(r["lr"] - lr) < 1e-12])
+        done = {lr: v for lr, v in cell.items() if v[2]}
+        best = min(done, key=lambda k: done[k][0]) if done else None
+        cells = [("**" + fmt_ms(*cell[lr]) + "**" if lr == best else fmt_ms(*cell[lr])) if cell[lr][2]
+                 else "" for lr in lrs]
+        rows.append(f"| {label} | " + " | ".join(cells) + f" | {'' if best is None else f'{best:.3g}'} |")
+    return "\n".join(rows) + "\n" + setting_line(recs)
+
+
+def horizon_table(recs: list[dict]) -> str:
+    steps = sorted({r["steps"] for r in recs})
+    by = _group(recs, lambda r: r["run"])
+    st = {(k, s): stats([_loss(r) for r in v if r["steps"] == s]) for k, v in by.items() for s in steps}
+    rows = ["| optimizer | " + " | ".join(f"{s} steps" for s in steps) + " |", "|---|" + "---|" * len(steps)]
+    for label in by:
+        cells = []
+        for s in steps:
+            m, sd, n = st[(label, s)]
+            a, mu = st.get(("AdamW", s)), st.get(("Muon", s))
+            gc = gap_closure(m, a[0], mu[0]) if n and a and mu and a[2] and mu[2] else None
+            cells.append("" if not n else fmt_ms(m, sd, n) + ("" if gc is None or label in ("AdamW", "Muon")
+                                                               else f" ({100 * gc:.0f}%)"))
+        rows.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(rows) + "\n" + setting_line(recs)
+
+
+PAPER_PENALTY = {192: 0.18, 48: 0.23, 12: 0.50}  # block penalty / AdamW-Muon gap, paper Small
+
+
+def width_table(recs: list[dict]) -> str:
+    """Block penalty (Dobb B - Dobb B=1) over the AdamW-Muon gap, per model width and block width."""
+    rows = ["| model width | B | block width (attn+MLP-in / MLP-out) | seeds | Dobb loss | penalty / gap |",
+            "|---|---|---|---|---|---|"]
+    by_w = _group(recs, lambda r: r["model"]["width"])
+    for width in sorted(by_w):
+        g = _group(by_w[width], lambda r: r["run"])
+        ref = {k: stats([_loss(r) for r in v]) for k, v in g.items()}
+        a, mu, one = ref.get("AdamW"), ref.get("Muon"), ref.get("Dobb B=1")
+        dobb = sorted((k for k in g if g[k][0]["optimizer"] == "dobb"),
+                      key=lambda k: int(g[k][0]["hparams"].get("blocks", 1)))
+        for k in dobb:
+            r0 = g[k][0]
+            m, s, n = ref[k]
+            pen = (m - one[0]) / (a[0] - mu[0]) if one and a and mu and a[0] > mu[0] and n else None
+            rows.append(f"| {width} | {r0['hparams'].get('blocks', 1)} | "
+                        f"{block_widths('dobb', r0['hparams'], r0['model'])} | {n} | {fmt_ms(m, s, n)} | "
+                        f"{'—' if pen is None else f'{pen:.2f}'} |")
+        rows.append(f"| {width} | AdamW / Muon | — | {a[2] if a else 0} / {mu[2] if mu else 0} | "
+                    f"{fmt_ms(*a) if a else ''} / {fmt_ms(*mu) if mu else ''} | gap "
+                    f"{'' if not (a and mu) else f'{a[0] - mu[0]:.3f}'} |")
+    rows.append("")
+    rows.append("Paper (Small, width 768, Table 11): penalty / gap " +
+                ", ".join(f"{v:.2f} at {k}-wide blocks" for k, v in PAPER_PENALTY.items()) + ".")
+    return "\n".join(rows) + "\n" + setting_line(recs)
+
+
+def _study(name, fn, where=None):
+    def gen():
+        recs = R.load(name)
+        if where is not None:
+            recs = [r for r in recs if where(r)]
+        return fn(recs), recs
+    return gen
+
+
+TABLES = {
+    "headline": _study("headline", seeds_table),
+    "lr-grid": _study("lr-grid", lr_grid_table),
+    "block-width": _study("block-width", width_table),
+    "horizon": _study("horizon", horizon_table),
+    "corpus2": _study("corpus2", seeds_table),
+    "main-job": _study("main-job", seeds_table),
+}
+
+
+# ----- the `report` subcommand --------------------------------------------------------------------
+def cmd_report(args) -> int:
+    if args.collect:
+        new = R.collect(args.collect, args.study)
+        print(f"report: {len(new)} record(s) from {args.collect} -> {R.RECORDS / (args.study + '.jsonl')}")
+        return 0
+    changed = R.regenerate_docs(write=not args.check)
+    for name, tabs in changed.items():
+        print(f"{'differs' if args.check else 'rewrote'}: docs/{name}: {', '.join(tabs)}")
+    if args.check and changed:
+        return 1
+    if not changed:
+        print("report: every docs table matches its records")
+    return 0
+
+
+def add_report_parser(sub) -> None:
+    p = sub.add_parser("report", help="regenerate the docs tables from docs/results/records")
+    p.add_argument("--check", action="store_true", help="only compare; exit 1 if a table differs")
+    p.add_argument("--collect", metavar="RUN_DIR", help="add a compare/sweep output folder's runs to the records")
+    p.add_argument("--study", help="records file to collect into (docs/results/records/STUDY.jsonl)")
+    p.set_defaults(func=lambda a: (_need_study(a), cmd_report(a))[1])
+
+
+def _need_study(args):
+    if args.collect and not args.study:
+        print("dobb-bench report: error: --collect needs --study NAME", file=sys.stderr)
+        raise SystemExit(2)
