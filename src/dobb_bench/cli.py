@@ -18,6 +18,7 @@ _COMMAND_MODULES = [
     "payload_command",
     "diagnostics",
     "controlled",
+    "roofline",
 ]
 
 
