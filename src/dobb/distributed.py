@@ -1,0 +1,188 @@
+"""Everything that knows about placement: process groups, DTensor layouts, block/shard alignment.
+
+The optimizers ask this module for a ``MatrixLayout`` per matrix parameter and then work on local
+tensors only (``layout.local(t)``); the math in ``functional`` never sees a DTensor.
+
+This file holds the single-process / data-parallel (plain tensor) layout; sharded layouts
+(DTensor: FSDP2, tensor parallel) extend ``MatrixLayout`` in ``sharding``. Dobb's own collectives
+are tagged (``meter.collective_kind``) so a ``PayloadMeter`` can report them separately.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .functional import block_sizes, identity_blocks
+from .meter import collective_kind
+
+
+@dataclass
+class MatrixLayout:
+    """How one ``m x n`` matrix parameter is laid out, and where its blocks are.
+
+    ``blocked_axis`` is 1 for input-side blocks (Dobb) and 0 for output-side blocks (Dobb-G).
+    ``local_sizes`` are the sizes of the blocks held locally, in order; ``local_start`` is the
+    global index of the first local entry of the blocked axis.
+    """
+
+    shape: tuple[int, int]
+    local_shape: tuple[int, int]
+    blocked_axis: int
+    local_sizes: list[int]
+    local_start: int = 0
+    # Group over which captured statistics are averaged (ranks that see different data), or None.
+    stat_group: object | None = None
+    # Group of ranks holding other rows of the same columns (input side) whose column norms must be
+    # summed for ell2 normalization, or None when rows are not sharded.
+    l2_group: object | None = None
+    extra: dict = field(default_factory=dict)
+    # Block sizes of the whole axis, identical on every rank (schedules derived from block sizes,
+    # e.g. ``stagger``, must agree across ranks or their collectives would not match); None -> local.
+    global_sizes: list[int] | None = None
+    # The part of the blocked axis whose statistics this rank captures and reduces: None -> its own
+    # blocks; else blocks ``span_sizes`` from ``span_start`` (the whole axis when the shards of the
+    # blocked axis are spread over data-parallel ranks, see ``sharding``).
+    span_start: int = 0
+    span_sizes: list[int] | None = None
+
+    def __post_init__(self):
+        if self.global_sizes is None:
+            self.global_sizes = list(self.local_sizes)
+
+    @property
+    def rows(self) -> int:
+        """Global length of the axis that is not blocked (sign normalization divides by its root)."""
+        return self.shape[1 - self.blocked_axis]
+
+    @property
+    def local_blocked_len(self) -> int:
+        return self.local_shape[self.blocked_axis]
+
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    @property
+    def state_cols(self) -> int:
+        """Columns of the local row-stacked block state (the largest block)."""
+        return max(self.local_sizes) if self.local_sizes else 1
+
+    @property
+    def capture_sizes(self) -> list[int]:
+        """Block sizes of the statistic this rank captures and reduces (see ``span_sizes``)."""
+        return self.local_sizes if self.span_sizes is None else self.span_sizes
+
+    def capture_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Features for the captured span: the local blocks, or the whole axis (``span_sizes``)."""
+        x = plain_features(x)
+        if self.span_sizes is None:
+            return self.local_features(x)
+        if x.shape[-1] != self.shape[self.blocked_axis]:
+            raise ValueError(
+                f"captured features have last dimension {x.shape[-1]}, but this layout averages the "
+                f"statistic of the whole axis ({self.shape[self.blocked_axis]}) over ranks that hold "
+                f"different blocks; pass Dobb(stat_group=...) without the mesh dims that shard it"
+            )
+        return x
+
+    def stat_to_state(self, stat: torch.Tensor) -> torch.Tensor:
+        """A captured (span) statistic ``(k_span, s)`` -> the local block-state shape ``(k_local, state_cols)``."""
+        if self.span_sizes is not None:
+            lo = self.local_start - self.span_start
+            stat = stat[lo : lo + self.local_blocked_len]
+        return self.pad_state_cols(stat)
+
+    def pad_state_cols(self, stat: torch.Tensor) -> torch.Tensor:
+        """Zero-pad a local ``(k_local, s)`` block tensor to the state's ``state_cols`` columns."""
+        pad = self.state_cols - stat.shape[1]
+        return torch.nn.functional.pad(stat, (0, pad)) if pad > 0 else stat
+
+    def local_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Restrict captured features (last dim = blocked axis) to the locally held blocks.
+
+        Activations arrive with the full axis under data parallelism and FSDP, and already local
+        under row-wise tensor parallelism; both are accepted.
+        """
+        x = plain_features(x)
+        k = x.shape[-1]
+        if k == self.local_blocked_len:
+            return x
+        if k == self.shape[self.blocked_axis]:
+            return x[..., self.local_start : self.local_start + self.local_blocked_len]
+        raise ValueError(
+            f"captured features have last dimension {k}, but the matrix's blocked axis has length "
+            f"{self.shape[self.blocked_axis]} (local {self.local_blocked_len}): is the hook on the right layer?"
+        )
+
+    def new_block_state(self, dtype: torch.dtype, identity: bool, like: torch.Tensor) -> torch.Tensor:
+        """Row-stacked block storage ``(k_local, s_max)`` (see ``functional``), zeros or identity."""
+        k, s = self.local_blocked_len, max(self.local_sizes) if self.local_sizes else 1
+        if identity and self.local_sizes:
+            return identity_blocks(self.local_sizes, dtype=dtype, device=like.device)
+        return torch.zeros(k, s, dtype=dtype, device=like.device)
+
+
+def plain_features(x: torch.Tensor) -> torch.Tensor:
+    """Captured features as a plain tensor: a DTensor input (tensor parallel layers see their input
+    as a DTensor inside forward hooks) is replaced by its local shard, which holds whole rows."""
+    if type(x).__name__ != "DTensor":
+        return x
+    for pl in x.placements:
+        if pl.is_partial() or (pl.is_shard() and pl.dim % x.dim() != x.dim() - 1):
+            raise ValueError(
+                f"captured features are a DTensor with placements {tuple(x.placements)}: Dobb needs every "
+                f"token row whole and present (Replicate, or Shard(-1) on the feature dim)"
+            )
+    return x.to_local()
+
+
+def default_stat_group(param: torch.Tensor):
+    """Data-parallel group for plain (replicated) parameters: the world, when initialized."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.group.WORLD
+    return None
+
+
+def layout_for(param: torch.Tensor, side: str, blocks: int, stat_group="default") -> MatrixLayout:
+    """Choose the layout of a matrix parameter and validate its block partition."""
+    if type(param).__name__ == "DTensor":
+        from .sharding import dtensor_layout  # sharded layouts live beside this module
+
+        return dtensor_layout(param, side, blocks, stat_group)
+    m, n = param.shape
+    axis = 1 if side == "input" else 0
+    sizes = block_sizes(param.shape[axis], blocks)
+    group = default_stat_group(param) if stat_group == "default" else stat_group
+    return MatrixLayout((m, n), (m, n), axis, sizes, 0, group, None)
+
+
+class StatReduction:
+    """An in-flight mean of a captured statistic over the data-parallel group."""
+
+    def __init__(self, tensor: torch.Tensor, group):
+        self.tensor = tensor
+        self.group = group
+        self.size = dist.get_world_size(group)
+        with collective_kind("stat"):
+            self.work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        return self.tensor.div_(self.size)
+
+
+def reduce_stat_async(tensor: torch.Tensor, group) -> StatReduction | None:
+    """Launch the data-parallel mean of a statistic (Dobb's only communication); None if no group."""
+    if group is None or tensor.numel() == 0:  # every rank of the group holds the same (empty) span
+        return None
+    return StatReduction(tensor, group)
+
+
+def all_reduce_sum_(tensor: torch.Tensor, group) -> torch.Tensor:
+    """Sum over ``group`` (ell2 column norms, gradient-Gram partial sums); no-op without a group."""
+    if group is not None:
+        with collective_kind("norm"):
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor
+
