@@ -1,4 +1,5 @@
-"""dobb.Dobb against a float64 dense reference, plus schedule, capture, state and error handling."""
+"""dobb.Dobb against a float64 dense reference, plus schedule, state and error handling
+(capture hooks: test_capture.py; param group rule: test_groups.py)."""
 import io
 import math
 
@@ -7,7 +8,6 @@ import torch
 from torch import nn
 
 import dobb
-import dobb.capture
 from dobb import functional as F
 
 F64 = dict(basis_dtype=torch.float64, stat_dtype=torch.float64)
@@ -102,64 +102,6 @@ def test_basis_dtype_bf16_stores_6n2_over_B_bytes():
     assert st["stat"].nbytes + st["basis"].nbytes == 6 * n * n // B  # Table 18, principal precision
 
 
-def _count_captures(monkeypatch):
-    calls = []
-    real = dobb.capture.F.second_moment_blocks
-
-    def counting(x, sizes, dtype=torch.float32):
-        calls.append(x.shape[0] if x.dim() == 2 else x.reshape(-1, x.shape[-1]).shape[0])
-        return real(x, sizes, dtype)
-
-    monkeypatch.setattr(dobb.capture.F, "second_moment_blocks", counting)
-    return calls
-
-
-@pytest.mark.parametrize("capture,expected", [("first", 2), ("all", 6)])
-def test_capture_only_on_refresh_steps(monkeypatch, capture, expected):
-    calls = _count_captures(monkeypatch)
-    torch.manual_seed(0)
-    layer = nn.Linear(8, 4)
-    opt = dobb.Dobb([layer.weight], layer, lr=0.01, refresh_every=3, capture=capture)
-    for step in range(5):  # refresh steps 0 and 3; 3 micro-batches each
-        for _ in range(3):
-            layer(torch.randn(4, 8)).sum().backward()
-        with torch.no_grad():
-            layer(torch.randn(4, 8))  # no_grad passes never capture
-        layer.eval()
-        layer(torch.randn(4, 8))  # eval passes never capture
-        layer.train()
-        opt.step()
-        opt.zero_grad()
-    assert len(calls) == expected
-
-
-def test_capture_all_equals_mean_over_micro_batches():
-    torch.manual_seed(0)
-    layer = nn.Linear(8, 4).double()
-    opt = dobb.Dobb([layer.weight], layer, lr=0.01, capture="all", **F64)
-    xs = [torch.randn(5, 8, dtype=torch.float64), torch.randn(3, 8, dtype=torch.float64)]
-    for x in xs:
-        layer(x).sum().backward()
-    opt.step()
-    x = torch.cat(xs)
-    torch.testing.assert_close(opt.state[layer.weight]["stat"], x.T @ x / 8, atol=1e-12, rtol=0)
-
-
-@pytest.mark.parametrize("capture", ["first", "all"])
-@pytest.mark.parametrize("source", ["activation", "output_grad"])
-def test_checkpoint_recomputation_does_not_capture_twice(monkeypatch, capture, source):
-    calls = _count_captures(monkeypatch)
-    torch.manual_seed(0)
-    layer = nn.Linear(8, 8)
-    side = "input" if source == "activation" else "output"
-    opt = dobb.Dobb([layer.weight], layer, lr=0.01, capture=capture, source=source, side=side)
-    for _ in range(2):
-        x = torch.randn(4, 8, requires_grad=True)
-        torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False).sum().backward()
-    opt.step()
-    assert len(calls) == (1 if capture == "first" else 2)
-
-
 def _train(opt_factory, steps, dtype=torch.float32, state=None, start=0):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 24), nn.GELU(), nn.Linear(24, 16), nn.LayerNorm(16)).to(dtype)
@@ -234,26 +176,6 @@ def test_scheduler_changes_lr_like_manual_setting():
         return layer.weight.detach()
 
     assert torch.equal(run(True), run(False))
-
-
-def test_param_groups_rule():
-    class Tiny(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.wte = nn.Embedding(50, 8)
-            self.fc = nn.Linear(8, 16)
-            self.proj = nn.Linear(16, 8)
-            self.ln = nn.LayerNorm(8)
-            self.lm_head = nn.Linear(8, 50, bias=False)
-            self.lm_head.weight = self.wte.weight  # tied head
-            self.scale = nn.Parameter(torch.ones(()))
-
-    groups = dobb.param_groups(Tiny())
-    matrix = [n for n, _ in groups[0]["params"]]
-    other = [n for n, _ in groups[1]["params"]]
-    assert groups[0]["algorithm"] == "dobb" and groups[1]["algorithm"] == "adamw"
-    assert matrix == ["fc.weight", "proj.weight"]
-    assert set(other) == {"wte.weight", "fc.bias", "proj.bias", "ln.weight", "ln.bias", "scale"}
 
 
 def test_params_without_grad_are_untouched():
@@ -351,16 +273,6 @@ def test_stagger_spreads_refresh_work_with_same_period():
         per_step.append(sum(opt.state[m.weight]["captures"] - before[m] for m in model))
     assert per_step[0] == 6  # every matrix gets its first basis on step 0
     assert per_step[1:] == [2] * 6  # then a third of them per step, each every 3 steps
-
-
-def test_param_groups_keep_hidden_layers_of_vocabulary_or_context_width():
-    """A byte-level model of width 256 has hidden Linears with out_features == vocab == 256 and a
-    position table whose size equals some widths: only the last, vocabulary-sized Linear is the head."""
-    model = nn.Sequential(nn.Embedding(256, 64), nn.Embedding(64, 64), nn.Linear(64, 256), nn.Linear(256, 64),
-                          nn.Linear(64, 256))
-    groups = dobb.param_groups(model)
-    assert [n for n, _ in groups[0]["params"]] == ["2.weight", "3.weight"]
-    assert "4.weight" in [n for n, _ in groups[1]["params"]]
 
 
 @pytest.mark.parametrize("nesterov", [False, True])

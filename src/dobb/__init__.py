@@ -5,11 +5,11 @@ the projected momentum); ``build_optimizer`` gives it and the baselines under on
 protocol; ``param_groups`` splits a model between a matrix optimizer and AdamW.
 """
 from . import functional
+from .baselines import RMNP, BlockMuon, Dion, Dion2, Muon, PeriodicRowMuon
 from .dobb import Dobb
+from .factory import OPTIMIZER_NAMES, build_optimizer
 from .groups import param_groups, split_parameters
 
-__all__ = ["Dobb", "param_groups", "split_parameters", "functional"]
+__all__ = ["Dobb", "Muon", "Dion", "RMNP", "PeriodicRowMuon", "BlockMuon", "Dion2", "build_optimizer",
+           "OPTIMIZER_NAMES", "param_groups", "split_parameters", "functional"]
 __version__ = "0.1.0"
-from .factory import build_optimizer, OPTIMIZER_NAMES
-from .baselines import Muon, Dion, RMNP, PeriodicRowMuon, BlockMuon, Dion2
-__all__ += ["build_optimizer", "OPTIMIZER_NAMES", "Muon", "Dion", "RMNP", "PeriodicRowMuon", "BlockMuon", "Dion2"]

@@ -6,7 +6,15 @@ numbers), every other group runs the subclass' matrix update under the shared up
 protocol ``W <- (1 - lr*wd) W - lr * tau*sqrt(max(m, n)) * O`` (paper Table 9).
 
 Subclasses set ``algorithm`` (the name of their matrix groups), ``matrix_defaults`` (their
-hyperparameters and defaults) and implement ``_matrix_step(group)``.
+hyperparameters and defaults) and implement
+
+- ``_check_matrix_group(group)``: raise ``ValueError`` naming a bad hyperparameter;
+- ``_init_matrix_state(group)``: create every matrix's state, eagerly and identically on every
+  rank (``torch.distributed.checkpoint`` loads only into state that exists);
+- ``_matrix_step(group, active)``: update the matrices of ``group`` that have a gradient;
+
+and may override ``_check_gradients()`` (before any update), ``_after_step()`` and
+``_after_load()``. Every optimizer keeps its momentum under the state key ``"momentum"``.
 """
 from __future__ import annotations
 
@@ -17,11 +25,12 @@ from typing import Any
 import torch
 from torch.optim.adamw import adamw as _torch_adamw
 
-ADAMW_DEFAULTS = {"adamw_betas": (0.9, 0.95), "adamw_eps": 1e-8}
+from ._dtensor import is_dtensor, to_local
 
-
-def _is_dtensor(t) -> bool:
-    return type(t).__name__ == "DTensor"
+# State keys kept as Python ints (a distributed checkpoint may hand them back as tensors).
+_INT_STATE_KEYS = ("step", "captures")
+# Earlier releases kept the Muon family's and RMNP's momentum under torch's key.
+_LEGACY_KEYS = {"momentum_buffer": "momentum"}
 
 
 def _name_of(param: torch.Tensor, names: dict[int, str] | None, index: int) -> str:
@@ -67,14 +76,16 @@ class MatrixOptimizer(torch.optim.Optimizer):
             raise ValueError(f"param group has unknown key(s) {sorted(unknown)}; valid: {sorted(self.defaults)}")
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        self._validate_group(group)
+        self._check_group(group)
+        # State is created here, eagerly and identically on every rank: torch.distributed.checkpoint
+        # loads only into state that exists, and every rank must hold the same keys.
         if group["algorithm"] == "adamw":
-            # Eager, identical on every rank: torch.distributed.checkpoint loads only into state
-            # that exists, and every rank must hold the same keys.
             for p in group["params"]:
                 self._init_adamw_state(p)
+        else:
+            self._init_matrix_state(group)
 
-    def _validate_group(self, group: dict[str, Any]) -> None:
+    def _check_group(self, group: dict[str, Any]) -> None:
         for key in ("lr", "weight_decay"):
             value = group[key]
             if not isinstance(value, torch.Tensor) and (not math.isfinite(value) or value < 0):
@@ -96,10 +107,13 @@ class MatrixOptimizer(torch.optim.Optimizer):
                         f"{_name_of(p, self._param_names, i)} is {p.dim()}-D; {type(self).__name__} "
                         f"updates 2-D matrices only: put it in an 'adamw' group (dobb.param_groups does this)"
                     )
-            self._validate_matrix_group(group)
+            self._check_matrix_group(group)
 
-    def _validate_matrix_group(self, group: dict[str, Any]) -> None:
+    def _check_matrix_group(self, group: dict[str, Any]) -> None:
         """Subclasses check their own hyperparameters here (raise ValueError naming the argument)."""
+
+    def _init_matrix_state(self, group: dict[str, Any]) -> None:
+        """Subclasses create the state of every matrix of ``group`` here."""
 
     def _init_adamw_state(self, p: torch.Tensor) -> dict[str, Any]:
         state = self.state[p]
@@ -116,22 +130,26 @@ class MatrixOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._before_step()
+        self._check_gradients()
         for group in self.param_groups:
             if group["algorithm"] == "adamw":
                 self._adamw_step(group)
-        self._matrix_step_all([g for g in self.param_groups if g["algorithm"] != "adamw"])
+        for group in self.param_groups:
+            if group["algorithm"] != "adamw":
+                active = [p for p in group["params"] if p.grad is not None]
+                if active:
+                    self._matrix_step(group, active)
+        self._after_step()
         return loss
 
-    def _before_step(self) -> None:
-        """Hook run before any update (e.g. checks that must see every gradient first)."""
+    def _check_gradients(self) -> None:
+        """Run before any update: raise here to leave every weight and state untouched."""
 
-    def _matrix_step_all(self, groups: list[dict[str, Any]]) -> None:
-        for group in groups:
-            self._matrix_step(group)
-
-    def _matrix_step(self, group: dict[str, Any]) -> None:
+    def _matrix_step(self, group: dict[str, Any], active: list[torch.Tensor]) -> None:
         raise NotImplementedError
+
+    def _after_step(self) -> None:
+        """Run after every group has been updated."""
 
     def _adamw_step(self, group: dict[str, Any]) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
@@ -148,7 +166,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
             return
         beta1, beta2 = group["adamw_betas"]
         # DTensor parameters go through the single-tensor path, as torch.optim.AdamW does.
-        foreach = not any(_is_dtensor(p) for p in params)
+        foreach = not any(is_dtensor(p) for p in params)
         _torch_adamw(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=foreach, amsgrad=False,
                      beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
                      eps=group["adamw_eps"], maximize=False)
@@ -157,3 +175,56 @@ class MatrixOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             if group["algorithm"] != "adamw":
                 yield from group["params"]
+
+    # ------------------------------------------------------------------ state dict
+    # State tensors that keep their own dtype on load (torch casts floating state to the
+    # parameter's dtype, e.g. a bf16 model would otherwise resume with a bf16 basis).
+    _own_dtype_keys: tuple[str, ...] = ()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = _rename_legacy_keys(state_dict)
+        own = {key: saved_state_by_param(self, state_dict, key) for key in self._own_dtype_keys}
+        layouts = {(p, key): self.state[p][key] for key, saved in own.items() for p in saved
+                   if is_dtensor(self.state[p].get(key))}
+        super().load_state_dict(state_dict)
+        for key, saved in own.items():
+            for p, value in saved.items():
+                value = value.to(device=to_local(p).device, copy=True)
+                mine = layouts.get((p, key))
+                if mine is not None and is_dtensor(value) and tuple(value.placements) != tuple(mine.placements):
+                    value = value.redistribute(mine.device_mesh, mine.placements)  # keep this run's layout
+                self.state[p][key] = value
+        for p in self.iter_matrix_params():
+            st = self.state[p]
+            for key in _INT_STATE_KEYS:
+                if key in st:
+                    st[key] = int(st[key])
+        self._after_load()
+
+    def _after_load(self) -> None:
+        """Run after ``load_state_dict`` (torch has replaced the param group dicts by then)."""
+
+
+def saved_state_by_param(opt: torch.optim.Optimizer, state_dict: dict, key: str) -> dict:
+    """``{param: state_dict value of key}``, mapping saved ids (ints, or the FQNs
+    ``torch.distributed.checkpoint`` passes) to parameters by position, as torch does."""
+    saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+    params = [p for g in opt.param_groups for p in g["params"]]
+    if len(saved_ids) != len(params):
+        return {}  # torch's own load raises the precise error
+    out = {}
+    for i, p in zip(saved_ids, params):
+        value = state_dict["state"].get(i, {}).get(key)
+        if isinstance(value, torch.Tensor):
+            out[p] = value
+    return out
+
+
+def _rename_legacy_keys(state_dict: dict) -> dict:
+    if not any(old in st for st in state_dict["state"].values() for old in _LEGACY_KEYS):
+        return state_dict
+    state = {}
+    for pid, st in state_dict["state"].items():
+        state[pid] = {_LEGACY_KEYS.get(k, k) if k in _LEGACY_KEYS and _LEGACY_KEYS[k] not in st else k: v
+                      for k, v in st.items()}
+    return {**state_dict, "state": state}

@@ -17,7 +17,8 @@ import torch.distributed as dist
 from torch import nn
 
 from . import functional as F
-from .distributed import MatrixLayout, StatReduction, all_reduce_sum_, reduce_stat_async
+from .collectives import StatReduction, all_reduce_sum_, reduce_stat_async
+from .layout import MatrixLayout
 
 
 def in_backward() -> bool:
@@ -30,8 +31,8 @@ class PendingStat:
 
     sums: torch.Tensor
     count: int
+    layout: MatrixLayout
     reduction: StatReduction | None = None
-    layout: MatrixLayout | None = None
 
     def finish(self, group) -> torch.Tensor:
         """The (data-parallel averaged) second moment, shaped like the local block state."""
@@ -41,7 +42,7 @@ class PendingStat:
             mean = self.sums / self.count
             pending = reduce_stat_async(mean, group)
             mean = mean if pending is None else pending.wait()
-        return mean if self.layout is None else self.layout.stat_to_state(mean)
+        return self.layout.stat_to_state(mean)
 
 
 class CaptureHooks:
@@ -64,6 +65,7 @@ class CaptureHooks:
         self.groups = params  # param -> its param group (reads source/capture/stat_dtype live)
         self.layouts = layouts
         self.armed: set[torch.Tensor] = set()
+        self.paused = 0  # > 0 inside Dobb.capture_paused()
         self.pending: dict[torch.Tensor, PendingStat] = {}
         self.handles = [m.register_forward_hook(self._forward_hook) for m in self._module_params]
 
@@ -74,7 +76,7 @@ class CaptureHooks:
 
     # ------------------------------------------------------------------ hooks
     def _forward_hook(self, module: nn.Module, args, output) -> None:
-        if not self.armed or not module.training or not torch.is_grad_enabled() or in_backward():
+        if not self.armed or self.paused or not module.training or not torch.is_grad_enabled() or in_backward():
             return
         for p in self._module_params[module]:
             if p not in self.armed:
@@ -116,9 +118,9 @@ class CaptureHooks:
             # Complete after one micro-batch: start the data-parallel mean now, so it overlaps
             # the rest of forward/backward; step() waits for it.
             mean = sums.div_(max(count, 1))
-            self.pending[p] = PendingStat(mean, 1, reduce_stat_async(mean, layout.stat_group), layout)
+            self.pending[p] = PendingStat(mean, 1, layout, reduce_stat_async(mean, layout.stat_group))
         elif prev is None:
-            self.pending[p] = PendingStat(sums, count, None, layout)
+            self.pending[p] = PendingStat(sums, count, layout)
         else:
             prev.sums.add_(sums)
             prev.count += count

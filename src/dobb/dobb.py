@@ -1,7 +1,7 @@
 """The Dobb optimizer: orchestration of state, capture hooks and the refresh schedule.
 
-The math lives in ``functional`` (pure functions), placement in ``distributed``/``sharding``,
-capture in ``capture``. Per matrix ``W`` (``m x n``) with gradient ``G`` the step is
+The math lives in ``functional`` (pure functions), placement in ``layout``/``sharding`` (chosen by
+``placement.layout_for``), communication in ``collectives``, capture in ``capture``. Per matrix ``W`` (``m x n``) with gradient ``G`` the step is
 
 1. ``M <- mu M + G``; ``U = G + mu M`` (Nesterov) or ``U = M``;
 2. on refresh steps: block statistics ``A_b`` (EMA over captures) and bases
@@ -13,6 +13,7 @@ All equal-size blocks of all matrices of a param group go through one batched ``
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import defaultdict
 from typing import Any
@@ -22,8 +23,11 @@ from torch import nn
 
 from . import functional as F
 from ._base import MatrixOptimizer, _name_of
+from ._dtensor import to_local
 from .capture import CaptureHooks, gram_statistic
-from .distributed import MatrixLayout, all_reduce_sum_, layout_for
+from .collectives import all_reduce_sum_
+from .layout import MatrixLayout
+from .placement import layout_for
 
 _CHOICES = {
     "basis": ("orthogonal_iteration", "eigh"),
@@ -88,7 +92,7 @@ class Dobb(MatrixOptimizer):
         self._install_hooks()
 
     # ------------------------------------------------------------------ set-up
-    def _validate_matrix_group(self, group: dict[str, Any]) -> None:
+    def _check_matrix_group(self, group: dict[str, Any]) -> None:
         for key, options in _CHOICES.items():
             if group[key] not in options:
                 raise ValueError(f"{key} must be one of {options}, got {group[key]!r}")
@@ -111,6 +115,8 @@ class Dobb(MatrixOptimizer):
                 f"source={group['source']!r} captures statistics with hooks: pass model=<the nn.Module> "
                 f"to Dobb(...), or use source='grad_gram'"
             )
+
+    def _init_matrix_state(self, group: dict[str, Any]) -> None:
         cost = defaultdict(int)  # stagger: greedy balance of refresh work over the T offsets
         for i, p in enumerate(group["params"]):
             try:
@@ -158,6 +164,19 @@ class Dobb(MatrixOptimizer):
         if self._hooks is not None:
             self._hooks.remove()
 
+    @contextlib.contextmanager
+    def capture_paused(self):
+        """No statistic is captured by this optimizer inside the block (e.g. an extra forward pass of
+        another optimizer on the same model, a probe batch); what is armed stays armed."""
+        if self._hooks is None:
+            yield
+            return
+        self._hooks.paused += 1
+        try:
+            yield
+        finally:
+            self._hooks.paused -= 1
+
     # ------------------------------------------------------------------ schedule
     def _is_refresh(self, p: torch.Tensor, group: dict) -> bool:
         step = self.state[p]["step"]
@@ -174,13 +193,13 @@ class Dobb(MatrixOptimizer):
         return any(self._is_refresh(p, g) for g in self._dobb_groups() for p in g["params"])
 
     # ------------------------------------------------------------------ the step
-    def _before_step(self) -> None:
+    def _check_gradients(self) -> None:
         if not self.check_finite:
             return
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         if not grads:
             return
-        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        local = [to_local(g) for g in grads]
         if bool(torch.isfinite(torch.stack(torch._foreach_norm(local))).all()):
             return
         for g in self.param_groups:
@@ -191,15 +210,10 @@ class Dobb(MatrixOptimizer):
                         f"no weight or optimizer state was changed (pass check_finite=False to skip this check)"
                     )
 
-    def _matrix_step_all(self, groups: list[dict[str, Any]]) -> None:
-        for group in groups:
-            self._dobb_step(group)
+    def _after_step(self) -> None:
         self._rearm()
 
-    def _dobb_step(self, group: dict[str, Any]) -> None:
-        active = [p for p in group["params"] if p.grad is not None]
-        if not active:
-            return
+    def _matrix_step(self, group: dict[str, Any], active: list[torch.Tensor]) -> None:
         layouts = [self._layouts[p] for p in active]
         states = [self.state[p] for p in active]
         grads = [lay.local(p.grad) for lay, p in zip(layouts, active)]
@@ -295,34 +309,14 @@ class Dobb(MatrixOptimizer):
         views = [it[0].to(dtype).reshape(r, it[3].count, size).transpose(0, 1) for it in items]
         ub = views[0] if len(items) == 1 else torch.cat(views)
         q = items[0][1] if len(items) == 1 else torch.cat([it[1] for it in items])
-        c = torch.bmm(ub, q)
-        if norm == "sign":
-            c.sign_()
-        else:
-            cf = c.to(torch.promote_types(dtype, torch.float32))  # column norms in fp32 at least
-            c = F.normalize_l2(cf, all_reduce_sum_(cf.square().sum(dim=-2), items[0][4].l2_group)).to(dtype)
-        o = torch.bmm(c, q.transpose(1, 2))
+        l2_group = items[0][4].l2_group
+        o = F.block_direction(ub, q, norm, col_sq_sum=lambda sq: all_reduce_sum_(sq, l2_group))
         for ob, (_, _, po, run, _, factor) in zip(o.split(counts), items):
             po[:, run.start : run.stop].view(r, run.count, size).add_(ob.transpose(0, 1), alpha=factor)
 
     # ------------------------------------------------------------------ state dict
-    _OWN_DTYPE_KEYS = ("stat", "basis")
+    # statistics (fp32) and bases (bf16) keep their own precision on load
+    _own_dtype_keys = ("stat", "basis")
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # torch casts every floating state tensor to its parameter's dtype on load; statistics
-        # (fp32) and bases (bf16) keep their own precision, so they are restored separately.
-        own = {pid: {k: st[k] for k in self._OWN_DTYPE_KEYS if k in st} for pid, st in state_dict["state"].items()}
-        super().load_state_dict(state_dict)
-        # saved ids may be ints or names (torch.distributed.checkpoint's set_optimizer_state_dict
-        # passes FQNs): map them as torch does, by position in the param groups
-        saved = [pid for g in state_dict["param_groups"] for pid in g["params"]]
-        params = dict(zip(saved, (p for g in self.param_groups for p in g["params"])))
-        for pid, values in own.items():
-            p = params[pid]
-            for key, value in values.items():
-                self.state[p][key] = value.to(device=p.device).clone()
-        for group in self._dobb_groups():
-            for p in group["params"]:
-                st = self.state[p]
-                st["step"], st["captures"] = int(st["step"]), int(st["captures"])
+    def _after_load(self) -> None:
         self._install_hooks()  # torch replaced the group dicts the hooks read

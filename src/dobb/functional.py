@@ -33,8 +33,8 @@ __all__ = [
     "qr_cholesky",
     "orthogonal_iteration",
     "eigh_basis",
-    "normalize_sign",
     "normalize_l2",
+    "block_direction",
     "direction_input",
     "direction",
     "update_scale",
@@ -199,11 +199,6 @@ def eigh_basis(a: Tensor) -> Tensor:
 
 
 # ----------------------------------------------------------------------------- the direction
-def normalize_sign(c: Tensor, rows: int) -> Tensor:
-    """Dobb's ell-inf normalization: ``sign(C) / sqrt(rows)`` (``rows`` = global row count)."""
-    return torch.sign(c).mul_(1.0 / math.sqrt(rows))
-
-
 def normalize_l2(c: Tensor, col_sq_norms: Tensor | None = None, eps: float = 1e-30) -> Tensor:
     """Dobb-ell2: every coefficient column scaled to unit ell2 norm (zero columns stay zero).
 
@@ -212,6 +207,26 @@ def normalize_l2(c: Tensor, col_sq_norms: Tensor | None = None, eps: float = 1e-
     if col_sq_norms is None:
         col_sq_norms = c.square().sum(dim=-2)
     return c * torch.rsqrt(col_sq_norms.clamp_min(eps)).unsqueeze(-2)
+
+
+def block_direction(ub: Tensor, q: Tensor, norm: str = "sign", col_sq_sum=None) -> Tensor:
+    """Project, normalize, reconstruct a batch of blocks: ``normalize(U_b Q_b) Q_b^T``.
+
+    ``ub`` is ``(batch, rows, s)``, ``q`` the bases ``(batch, s, s)``, both in the compute dtype.
+    Sign normalization is returned unscaled (``sign(C) Q^T``): callers fold ``1/sqrt(rows)`` into
+    the step size, so no update-sized temporary is scaled. ell2 column norms are taken in fp32 at
+    least; ``col_sq_sum`` (optional) sums the squared norms over the ranks holding other rows.
+    """
+    c = torch.bmm(ub, q)
+    if norm == "sign":
+        c.sign_()
+    elif norm == "l2":
+        cf = c.to(torch.promote_types(c.dtype, torch.float32))
+        sq = cf.square().sum(dim=-2)
+        c = normalize_l2(cf, sq if col_sq_sum is None else col_sq_sum(sq)).to(c.dtype)
+    else:
+        raise ValueError(f"norm must be 'sign' or 'l2', got {norm!r}")
+    return torch.bmm(c, q.transpose(1, 2))
 
 
 def direction_input(
@@ -228,15 +243,12 @@ def direction_input(
     ``||O||_F^2 = n`` when no coefficient is zero (Table 9).
     """
     m = u.shape[0]
-    rows = m if rows is None else rows
+    scale = 1.0 / math.sqrt(m if rows is None else rows) if norm == "sign" else 1.0
     out = torch.empty_like(u)
     for run in block_runs(sizes):
         ub = u[:, run.start : run.stop].reshape(m, run.count, run.size).transpose(0, 1)
-        q = block_view(basis, run).to(u.dtype)
-        c = torch.bmm(ub, q)
-        c = normalize_sign(c, rows) if norm == "sign" else normalize_l2(c)
-        o = torch.bmm(c, q.transpose(1, 2))
-        out[:, run.start : run.stop] = o.transpose(0, 1).reshape(m, run.count * run.size)
+        o = block_direction(ub, block_view(basis, run).to(u.dtype), norm)
+        out[:, run.start : run.stop] = o.transpose(0, 1).reshape(m, run.count * run.size) * scale
     return out
 
 

@@ -7,7 +7,7 @@ instead of trusting the derivation. ``PayloadMeter`` is a ``TorchDispatchMode`` 
 all-gathers / reduce-scatters) or a ``_c10d_functional`` op (DTensor redistributions, functional
 collectives), so it sees all of them, including those DTensor issues while dispatching an op
 (the mode steps aside for DTensor operands, as CommDebugMode does). Unlike CommDebugMode it also
-records sizes. Dobb tags its own collectives (``collective_kind``: ``"stat"`` for the data-parallel
+records sizes. Dobb tags its own collectives (``dobb.collectives.collective_kind``: ``"stat"`` for the data-parallel
 statistic mean, ``"norm"`` for ell2 column norms / gradient-Gram sums), so the statistic
 reductions launched by capture hooks during forward/backward can be told apart from FSDP's traffic.
 
@@ -24,8 +24,6 @@ Usage::
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -33,19 +31,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["PayloadMeter", "Collective", "Totals", "collective_kind"]
+from .collectives import current_kind
 
-_KIND: contextvars.ContextVar[str | None] = contextvars.ContextVar("dobb_collective_kind", default=None)
-
-
-@contextlib.contextmanager
-def collective_kind(kind: str):
-    """Tag the collectives issued inside the block (Dobb tags ``"stat"`` and ``"norm"``)."""
-    token = _KIND.set(kind)
-    try:
-        yield
-    finally:
-        _KIND.reset(token)
+__all__ = ["PayloadMeter", "Collective", "Totals"]
 
 
 @dataclass(frozen=True)
@@ -120,7 +108,7 @@ class _CollectiveMode(TorchDispatchMode):
             op, tensors = found
             numel = sum(t.numel() for t in tensors)
             nbytes = sum(t.numel() * t.element_size() for t in tensors)
-            self.meter.records.append(Collective(op, str(func), _KIND.get(), numel, nbytes))
+            self.meter.records.append(Collective(op, str(func), current_kind(), numel, nbytes))
         return out
 
 
@@ -144,9 +132,6 @@ class PayloadMeter:
     def __exit__(self, *exc) -> None:
         self._mode.__exit__(*exc)
         self._mode = None
-
-    def reset(self) -> None:
-        self.records.clear()
 
     @staticmethod
     def _totals(records) -> Totals:
@@ -174,7 +159,3 @@ class PayloadMeter:
 
     def kind(self, kind: str | None) -> Totals:
         return self._totals(r for r in self.records if r.kind == kind)
-
-    def summary(self) -> dict:
-        return {"collectives": self.collectives, "numel": self.numel, "bytes": self.bytes,
-                "by_op": {op: vars(t) for op, t in self.by_op.items()}}

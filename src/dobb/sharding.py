@@ -37,8 +37,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .distributed import MatrixLayout
+from ._dtensor import to_local
 from .functional import block_sizes, identity_blocks
+from .layout import MatrixLayout
 
 __all__ = ["DTensorLayout", "dtensor_layout", "data_parallel_dims", "chunk_sizes", "AxisSplit", "axis_split",
            "gather_full", "local_slice", "rows_are_local", "row_wise", "replicate_like"]
@@ -119,7 +120,7 @@ class DTensorLayout(MatrixLayout):
         return self.s_max
 
     def local(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to_local() if isinstance(t, DTensor) else t
+        return to_local(t)
 
     def new_block_state(self, dtype: torch.dtype, identity: bool, like: torch.Tensor) -> torch.Tensor:
         k_local, device = self.local_blocked_len, self.local(like).device
@@ -306,25 +307,6 @@ class AxisSplit:
     starts: tuple[int, int]
     groups: tuple
     signature: tuple
-
-    @property
-    def sharded_axes(self) -> tuple[int, ...]:
-        """The axes split over more than one rank."""
-        return tuple(a for a in (0, 1) if self.groups[a] is not None)
-
-    @property
-    def sharded_axis(self) -> int | None:
-        """The one axis split over ranks (None: none; ``ValueError`` when both are)."""
-        axes = self.sharded_axes
-        if len(axes) > 1:
-            raise ValueError(f"both axes are sharded (mesh dims {self.mesh_dims}); use sharded_axes")
-        return axes[0] if axes else None
-
-    def group(self, axis: int):
-        return self.groups[axis]
-
-    def local(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to_local() if isinstance(t, DTensor) else t
 
     def all_reduce_sum_(self, t: torch.Tensor, axis: int) -> torch.Tensor:
         """Sum of ``t`` over the ranks holding the other parts of ``axis`` (in place when

@@ -27,6 +27,7 @@ cycle mean = ``(Refresh + (T-1) Non-refresh) / T`` for Dobb.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import statistics
@@ -426,21 +427,18 @@ def _profile_steps(run: _Runner, entry: Entry) -> dict[str, str]:
 
 class _only_armed:
     """All Dobb instances hook the same layers: during one optimizer's capture pass the others'
-    hooks are disarmed, so each optimizer captures (and meters) only its own statistics.
-    (Private access to ``Dobb._hooks.armed`` until the library has a public way to pause capture.)"""
+    capture is paused, so each optimizer captures (and meters) only its own statistics."""
 
     def __init__(self, entry: Entry, entries: list[Entry]):
-        self.others = [e.opt._hooks for e in entries
-                       if e is not entry and isinstance(e.opt, dobb.Dobb) and getattr(e.opt, "_hooks", None)]
+        self.others = [e.opt for e in entries if e is not entry and isinstance(e.opt, dobb.Dobb)]
+        self.stack = contextlib.ExitStack()
 
     def __enter__(self):
-        self.saved = [(hooks, hooks.armed) for hooks in self.others]
-        for hooks in self.others:
-            hooks.armed = set()
+        for opt in self.others:
+            self.stack.enter_context(opt.capture_paused())
 
     def __exit__(self, *exc):
-        for hooks, armed in self.saved:
-            hooks.armed = armed
+        self.stack.close()
 
 
 def _ratio_matrix(live: list[Entry]) -> dict:

@@ -8,17 +8,20 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import traceback
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import dobb.dobb as dobb_module
+from _compare import max_diff  # noqa: F401  (the suite's one comparison helper, re-exported for the workers)
 from dobb import Dobb
 from dobb.meter import PayloadMeter
 
 D, H, OUT, N = 16, 32, 8, 8  # input width, hidden width, outputs, global batch rows
 STEPS, REFRESH, BLOCKS = 4, 2, 4
+SHAPES = {"fc1": (32, 16), "fc2": (16, 32), "head": (8, 16)}  # (m, n) of Net's matrices
 
 VARIANTS = {
     "dobb": dict(norm="sign", side="input", source="activation"),
@@ -150,11 +153,6 @@ def fixed_partitions(sizes: list[list[int]]):
         dobb_module.layout_for = original
 
 
-def max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
-
-
 def state_keys(opt) -> list:
     """Sorted (param index, key) pairs of the optimizer state, for cross-rank comparison."""
     index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
@@ -172,3 +170,33 @@ def per_rank(ranks, key):
     for res in ranks:
         assert not isinstance(res[key], str), res[key]
     return [res[key] for res in ranks]
+
+
+def stat_entries(side):
+    """Table 3's excluded term: ``k^2 / B`` per matrix (k = blocked axis length)."""
+    return sum((n if side == "input" else m) ** 2 // BLOCKS for m, n in SHAPES.values())
+
+
+def checker(results: dict):
+    """``check(key, fn, *args)`` stores ``fn(*args)`` under ``key``, or the traceback of its failure
+    (reported by the test that reads the key, so one failing check does not hide the others)."""
+    def check(key, fn, *args, **kw):
+        try:
+            results[key] = fn(*args, **kw)
+        except Exception:
+            results[key] = traceback.format_exc()
+    return check
+
+
+def run_variant(rank, world, variant, wrap, shard, **kw):
+    """Train ``wrap(Net())`` with Dobb and compare it with the single-process reference."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = wrap(Net())
+    inner = model.module if isinstance(model, DDP) else model
+    opt = make_opt(inner, variant, **kw)
+    log = train(model, opt, data(), shard)
+    stat_diff = max_diff(stats(opt), reference_stats(variant, **kw))
+    return {"diff": max_diff(full_params(inner), reference(variant, **kw)), "log": log, "stat_diff": stat_diff,
+            "placements": [tuple(getattr(s["stat"], "placements", ())) for s in (opt.state[p] for p in opt.param_groups[0]["params"])],
+            "same_keys": same_on_all_ranks(state_keys(opt))}

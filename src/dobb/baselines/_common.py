@@ -15,14 +15,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-
-def is_dtensor(t) -> bool:
-    return type(t).__name__ == "DTensor"
-
-
-def local(t: Tensor) -> Tensor:
-    """The local tensor of a DTensor (a view sharing storage), or ``t`` itself."""
-    return t.to_local() if is_dtensor(t) else t
+from .._dtensor import is_dtensor
+from ..functional import update_scale  # noqa: F401  (the protocol's s, used by every baseline)
 
 
 def upcast(x: Tensor) -> Tensor:
@@ -90,25 +84,6 @@ def apply_protocol(params: Sequence[Tensor], targets: Sequence[Tensor], updates:
             torch._foreach_add_(ts, torch._foreach_mul(us, -lr * s))
         else:
             torch._foreach_add_(ts, us, alpha=-lr * s)
-
-
-def protocol_scale(m: int, n: int, tau: float) -> float:
-    """``s = tau * sqrt(max(m, n))`` (Table 9), the same expression as ``dobb.functional``."""
-    return tau * math.sqrt(max(m, n))
-
-
-def saved_state_by_param(opt: torch.optim.Optimizer, state_dict: dict, key: str) -> dict:
-    """``{param: state_dict value of key}`` using torch's id mapping (groups in order)."""
-    saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-    params = [p for g in opt.param_groups for p in g["params"]]
-    if len(saved_ids) != len(params):
-        return {}  # torch's own load raises the precise error
-    out = {}
-    for i, p in zip(saved_ids, params):
-        value = state_dict["state"].get(i, {}).get(key)
-        if isinstance(value, Tensor):
-            out[p] = value
-    return out
 
 
 # ----------------------------------------------------------------------------- validation

@@ -22,7 +22,7 @@ import torch
 
 from .. import functional as F
 from .._base import _name_of
-from ..distributed import layout_for
+from ..placement import layout_for
 from . import _common as C
 from .muon import MUON_DEFAULTS, _MuonFamily, ns_options
 from .newton_schulz import orthogonalize
@@ -38,7 +38,7 @@ class BlockMuon(_MuonFamily):
         self._layouts = {}
         super().__init__(params, lr=lr, **kwargs)
 
-    def _validate_matrix_group(self, group):
+    def _check_matrix_group(self, group):
         C.check_int(group, "blocks", 1)
         if group["axis"] not in (0, 1) or isinstance(group["axis"], bool):
             raise ValueError(f"axis must be 0 (row blocks) or 1 (column blocks), got {group['axis']!r}")
@@ -48,7 +48,7 @@ class BlockMuon(_MuonFamily):
                 self._layouts[p] = layout_for(p, side, group["blocks"], None)
             except ValueError as exc:
                 raise ValueError(f"{_name_of(p, self._param_names, i)}: {exc}") from None
-        super()._validate_matrix_group(group)
+        super()._check_matrix_group(group)
 
     def _directions(self, group, active, states, params, u):
         axis, blocks, tau = group["axis"], group["blocks"], group["tau"]
@@ -68,7 +68,7 @@ class BlockMuon(_MuonFamily):
 
         targets, updates, scales = [], [], []
         for p, pl, (local_ok, first, sizes) in zip(active, params, plan):
-            block_scales = [C.protocol_scale(*((p.shape[0], b) if axis == 1 else (b, p.shape[1])), tau)
+            block_scales = [C.update_scale(*((p.shape[0], b) if axis == 1 else (b, p.shape[1])), tau)
                             for b in sizes]
             mine = outs[first:first + len(sizes)]
             if local_ok:  # each block is added to its own view of the weight with its own s_b
@@ -79,7 +79,7 @@ class BlockMuon(_MuonFamily):
                     scales.append(sb)
                     start += size
             else:  # fold s_b / s into the full O, keep this rank's shard, add with the matrix's s
-                s = C.protocol_scale(*p.shape, tau)
+                s = C.update_scale(*p.shape, tau)
                 full = torch.cat([o.float() * (sb / s) for o, sb in zip(mine, block_scales)], dim=axis)
                 targets.append(pl)
                 updates.append(C.local_slice(full, p))

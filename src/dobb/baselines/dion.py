@@ -49,6 +49,7 @@ import torch
 from torch import Tensor
 
 from .._base import MatrixOptimizer
+from .._dtensor import is_dtensor, to_local
 from . import _common as C
 from .newton_schulz import column_normalize
 
@@ -135,7 +136,7 @@ class OrientedSplit:
         self.split = split
         self.row_axis = 1 if tall else 0
         self.col_axis = 1 - self.row_axis
-        self.rows_split = split.group(self.row_axis) is not None
+        self.rows_split = split.groups[self.row_axis] is not None
 
     def sum_rows(self, t: Tensor) -> Tensor:
         return self.split.all_reduce_sum_(t, self.row_axis)
@@ -200,6 +201,7 @@ class Dion(MatrixOptimizer):
 
     algorithm = "dion"
     matrix_defaults: dict[str, Any] = dict(rank_fraction=0.25, momentum=0.95, qr="householder", seed=0)
+    _own_dtype_keys = ("Q",)  # Q stays fp32 when a bf16 model resumes
 
     def __init__(self, params, *, lr: float, **kwargs):
         self._n_matrices = 0
@@ -210,7 +212,7 @@ class Dion(MatrixOptimizer):
     def _split_of(self, p: Tensor, index: int):
         if id(p) not in self._splits:
             split = None
-            if C.is_dtensor(p):
+            if is_dtensor(p):
                 from ..sharding import axis_split  # only with DTensors: keeps plain imports light
 
                 try:
@@ -222,11 +224,13 @@ class Dion(MatrixOptimizer):
             self._splits[id(p)] = split
         return self._splits[id(p)]
 
-    def _validate_matrix_group(self, group):
+    def _check_matrix_group(self, group):
         C.check_fraction(group, "rank_fraction")
         C.check_unit_interval(group, "momentum")
         C.check_choice(group, "qr", _QR)
         C.check_int(group, "seed", 0)
+
+    def _init_matrix_state(self, group):
         for p in group["params"]:
             split = self._split_of(p, self._n_matrices)
             state = self.state[p]
@@ -236,7 +240,7 @@ class Dion(MatrixOptimizer):
             r = dion_rank(m, n, group["rank_fraction"])
             dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
             gen = torch.Generator().manual_seed(group["seed"] + self._n_matrices)
-            q0 = column_normalize(torch.randn(max(m, n), r, generator=gen, dtype=dtype)).to(_device_of(p))
+            q0 = column_normalize(torch.randn(max(m, n), r, generator=gen, dtype=dtype)).to(to_local(p).device)
             self._n_matrices += 1
             state["step"] = 0
             state["momentum"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -258,16 +262,13 @@ class Dion(MatrixOptimizer):
             return ("gather",)
         return ("split", split.signature, p.shape[0] > p.shape[1])  # orientation: which axis is P's
 
-    def _matrix_step(self, group):
-        active = [p for p in group["params"] if p.grad is not None]
-        if not active:
-            return
+    def _matrix_step(self, group, active):
         mu, qr = group["momentum"], group["qr"]
         # Batches of one oriented global shape (as a single process forms them, so rcqr draws the
         # same sketches), split into sub-batches of one sharding layout.
         batches: dict[tuple, list[int]] = defaultdict(list)
         for i, p in enumerate(active):
-            q = C.local(self.state[p]["Q"])
+            q = to_local(self.state[p]["Q"])
             batches[(min(p.shape), max(p.shape), q.shape[1], q.dtype, q.device)].append(i)
         outs: list[Tensor | None] = [None] * len(active)
         for (s, _, r, dtype, device), idx in batches.items():
@@ -284,8 +285,8 @@ class Dion(MatrixOptimizer):
                 sk = None if sketch is None else sketch[js]
                 for j, o in zip(js, self._step_batch(ps, mu, qr, dtype, sk)):
                     outs[idx[j]] = o
-        params = [C.local(p) for p in active]
-        scales = [C.protocol_scale(*p.shape, group["tau"]) for p in active]
+        params = [to_local(p) for p in active]
+        scales = [C.update_scale(*p.shape, group["tau"]) for p in active]
         C.apply_protocol(params, params, outs, scales, group["lr"], group["weight_decay"])
         for p in active:
             self.state[p]["step"] += 1
@@ -299,41 +300,20 @@ class Dion(MatrixOptimizer):
         talls = [p.shape[0] > p.shape[1] for p in ps]
         bs = []
         for p, tall in zip(ps, talls):
-            b = C.local(self.state[p]["momentum"]).to(dtype) + C.local(p.grad).to(dtype)
+            b = to_local(self.state[p]["momentum"]).to(dtype) + to_local(p.grad).to(dtype)
             if gather:
                 b = C.gather_full(b, p)
             bs.append(b.mT if tall else b)
-        qs = [C.local(self.state[p]["Q"]) for p in ps]
+        qs = [to_local(self.state[p]["Q"]) for p in ps]
         shards = OrientedSplit(split, talls[0]) if split is not None and not gather else None
         o, m_new, q_new = dion_step(torch.stack(bs), torch.stack(qs), mu, qr, shards=shards, sketch=sketch)
         outs = []
         for j, (p, tall) in enumerate(zip(ps, talls)):
             st = self.state[p]
-            C.local(st["Q"]).copy_(q_new[j])
+            to_local(st["Q"]).copy_(q_new[j])
             mj, oj = (m_new[j].mT, o[j].mT) if tall else (m_new[j], o[j])
             if gather:
                 mj, oj = C.local_slice(mj, p), C.local_slice(oj, p)
-            C.local(st["momentum"]).copy_(mj)
+            to_local(st["momentum"]).copy_(mj)
             outs.append(oj)
         return outs
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # torch casts floating state to the weight's dtype on load (it calls
-        # Optimizer._process_value_according_to_param_policy directly, so overriding that has no
-        # effect): put Q back in the dtype it was saved in, or a bf16 model would resume with bf16 Q.
-        saved = C.saved_state_by_param(self, state_dict, "Q")
-        layout = {p: self.state[p]["Q"] for p in saved if C.is_dtensor(self.state[p].get("Q"))}
-        super().load_state_dict(state_dict)
-        for p, q in saved.items():
-            q = q.to(device=_device_of(p), copy=True)
-            mine = layout.get(p)
-            if mine is not None and C.is_dtensor(q) and tuple(q.placements) != tuple(mine.placements):
-                q = q.redistribute(mine.device_mesh, mine.placements)  # keep this run's Q layout
-            self.state[p]["Q"] = q
-        for p in self.iter_matrix_params():
-            if "step" in self.state[p]:
-                self.state[p]["step"] = int(self.state[p]["step"])
-
-
-def _device_of(p: Tensor) -> torch.device:
-    return C.local(p).device if C.is_dtensor(p) else p.device

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from .._base import MatrixOptimizer
+from .._dtensor import to_local
 from . import _common as C
 from .newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_STEPS, orthogonalize
 
@@ -53,22 +54,21 @@ class Dion2(MatrixOptimizer):
     matrix_defaults: dict[str, Any] = dict(fraction=0.25, momentum=0.95, ns_coefficients=NS_COEFFICIENTS,
                                            ns_steps=NS_STEPS, eps=NS_EPS)
 
-    def _validate_matrix_group(self, group):
+    def _check_matrix_group(self, group):
         C.check_fraction(group, "fraction")
         C.check_unit_interval(group, "momentum")
         C.check_int(group, "ns_steps", 1, 99)
         C.check_positive(group, "eps")
+
+    def _init_matrix_state(self, group):
         for p in group["params"]:
             if "momentum" not in self.state[p]:
                 self.state[p]["momentum"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
-    def _matrix_step(self, group):
-        active = [p for p in group["params"] if p.grad is not None]
-        if not active:
-            return
+    def _matrix_step(self, group, active):
         fulls, batches = [], defaultdict(list)
         for i, p in enumerate(active):
-            b = C.gather_full(C.local(self.state[p]["momentum"]) + C.local(p.grad), p)
+            b = C.gather_full(to_local(self.state[p]["momentum"]) + to_local(p.grad), p)
             fulls.append(b)
             batches[(tuple(b.shape), b.dtype, b.device)].append(i)
         outs: list[Tensor | None] = [None] * len(active)
@@ -79,8 +79,8 @@ class Dion2(MatrixOptimizer):
                                      group["ns_coefficients"], group["ns_steps"], group["eps"])
             for j, i in enumerate(idx):
                 p = active[i]
-                C.local(self.state[p]["momentum"]).copy_(C.local_slice(m_new[j], p))
+                to_local(self.state[p]["momentum"]).copy_(C.local_slice(m_new[j], p))
                 outs[i] = C.local_slice(o[j], p)
-                scales[i] = C.protocol_scale(k, shape[1], group["tau"])
-        params = [C.local(p) for p in active]
+                scales[i] = C.update_scale(k, shape[1], group["tau"])
+        params = [to_local(p) for p in active]
         C.apply_protocol(params, params, outs, scales, group["lr"], group["weight_decay"])

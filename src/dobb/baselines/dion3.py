@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from .._base import MatrixOptimizer
+from .._dtensor import to_local
 from . import _common as C
 from .dion2 import selected_rows
 from .muon import check_ns_options, ns_options
@@ -61,26 +62,25 @@ class Dion3(MatrixOptimizer):
                                            ns_coefficients=NS_COEFFICIENTS, ns_steps=NS_STEPS, eps=NS_EPS,
                                            ns_method="standard", ns_dtype="bfloat16")
 
-    def _validate_matrix_group(self, group):
+    def _check_matrix_group(self, group):
         C.check_fraction(group, "fraction")
         C.check_unit_interval(group, "momentum")
         C.check_int(group, "ns_steps", 1, 99)
         C.check_positive(group, "eps")
         check_ns_options(group)
         check_neuron_options(group)
+
+    def _init_matrix_state(self, group):
         for p in group["params"]:
             state = self.state[p]
             if "momentum" not in state:
                 state["momentum"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["neuron_variance"] = torch.zeros(p.shape[0], dtype=state_dtype(p), device=p.device)
 
-    def _matrix_step(self, group):
-        active = [p for p in group["params"] if p.grad is not None]
-        if not active:
-            return
+    def _matrix_step(self, group, active):
         fulls, batches = [], defaultdict(list)
         for i, p in enumerate(active):
-            b = C.gather_full(C.local(self.state[p]["momentum"]) + C.local(p.grad), p)
+            b = C.gather_full(to_local(self.state[p]["momentum"]) + to_local(p.grad), p)
             fulls.append(b)
             batches[(tuple(b.shape), b.dtype, b.device)].append(i)
         outs: list[Tensor | None] = [None] * len(active)
@@ -93,9 +93,9 @@ class Dion3(MatrixOptimizer):
                                             group["ns_steps"], group["eps"], **ns_options(group))
             for j, i in enumerate(idx):
                 st = self.state[active[i]]
-                C.local(st["momentum"]).copy_(C.local_slice(m_new[j], active[i]))
+                to_local(st["momentum"]).copy_(C.local_slice(m_new[j], active[i]))
                 st["neuron_variance"].copy_(v_new[j])
                 outs[i] = C.local_slice(o[j], active[i])
-                scales[i] = C.protocol_scale(k, shape[1], group["tau"])
-        params = [C.local(p) for p in active]
+                scales[i] = C.update_scale(k, shape[1], group["tau"])
+        params = [to_local(p) for p in active]
         C.apply_protocol(params, params, outs, scales, group["lr"], group["weight_decay"])

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from .._base import MatrixOptimizer
+from .._dtensor import to_local
 from . import _common as C
 from .newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_METHODS, NS_STEPS, orthogonalize
 
@@ -49,7 +50,7 @@ class _MuonFamily(MatrixOptimizer):
 
     _uses_step = False  # whether the state carries a step counter (schedules)
 
-    def _validate_matrix_group(self, group: dict[str, Any]) -> None:
+    def _check_matrix_group(self, group: dict[str, Any]) -> None:
         C.check_unit_interval(group, "momentum")
         C.check_bool(group, "nesterov")
         C.check_int(group, "ns_steps", 1, 99)
@@ -59,25 +60,23 @@ class _MuonFamily(MatrixOptimizer):
         if not (isinstance(coeffs, (tuple, list)) and len(coeffs) == 3
                 and all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in coeffs)):
             raise ValueError(f"ns_coefficients must be three numbers (a, b, c), got {coeffs!r}")
+
+    def _init_matrix_state(self, group: dict[str, Any]) -> None:
         for p in group["params"]:
-            # Created eagerly and identically on every rank: one key set for distributed checkpoints.
             state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if "momentum" not in state:
+                state["momentum"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 if self._uses_step:
                     state["step"] = 0
 
-    def _matrix_step(self, group: dict[str, Any]) -> None:
-        active = [p for p in group["params"] if p.grad is not None]
-        if not active:
-            return
+    def _matrix_step(self, group: dict[str, Any], active: list[Tensor]) -> None:
         states = [self.state[p] for p in active]
-        grads = [C.local(p.grad) for p in active]
-        bufs = [C.local(s["momentum_buffer"]) for s in states]
+        grads = [to_local(p.grad) for p in active]
+        bufs = [to_local(s["momentum"]) for s in states]
         mu = group["momentum"]
         torch._foreach_lerp_(bufs, grads, 1 - mu)
         u = torch._foreach_lerp(grads, bufs, mu) if group["nesterov"] else bufs
-        params = [C.local(p) for p in active]
+        params = [to_local(p) for p in active]
         targets, updates, scales = self._directions(group, active, states, params, u)
         C.apply_protocol(params, targets, updates, scales, group["lr"], group["weight_decay"])
         if self._uses_step:
@@ -96,13 +95,6 @@ class _MuonFamily(MatrixOptimizer):
         """Returns ``(targets, updates, scales)`` for ``apply_protocol``."""
         raise NotImplementedError
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
-        if self._uses_step:
-            for p in self.iter_matrix_params():
-                if "step" in self.state[p]:
-                    self.state[p]["step"] = int(self.state[p]["step"])
-
 
 class Muon(_MuonFamily):
     """Muon (momentum orthogonalized by Newton–Schulz) for hidden matrices, AdamW for the rest.
@@ -120,5 +112,5 @@ class Muon(_MuonFamily):
 
     def _directions(self, group, active, states, params, u):
         outs = self._orthogonalize(group, active, u)
-        scales = [C.protocol_scale(*p.shape, group["tau"]) for p in active]
+        scales = [C.update_scale(*p.shape, group["tau"]) for p in active]
         return params, outs, scales

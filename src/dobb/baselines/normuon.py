@@ -56,12 +56,15 @@ class NorMuon(_MuonFamily):
     algorithm = "normuon"
     matrix_defaults = dict(NORMUON_DEFAULTS)
 
-    def _validate_matrix_group(self, group):
+    def _check_matrix_group(self, group):
         check_neuron_options(group)
+        super()._check_matrix_group(group)
+
+    def _init_matrix_state(self, group):
+        super()._init_matrix_state(group)
         for p in group["params"]:
             if "neuron_variance" not in self.state[p]:
                 self.state[p]["neuron_variance"] = torch.zeros(p.shape[0], dtype=state_dtype(p), device=p.device)
-        super()._validate_matrix_group(group)
 
     def _directions(self, group, active, states, params, u):
         full = [C.gather_full(t, p) for t, p in zip(u, active)]
@@ -72,5 +75,5 @@ class NorMuon(_MuonFamily):
             o_new, v_new = normuon_normalize(o.unsqueeze(0), v.unsqueeze(0), group["beta2"], group["neuron_eps"])
             v.copy_(v_new[0])
             updates.append(C.local_slice(o_new[0], p))
-        scales = [C.protocol_scale(*p.shape, group["tau"]) for p in active]
+        scales = [C.update_scale(*p.shape, group["tau"]) for p in active]
         return params, updates, scales

@@ -26,9 +26,9 @@ class PeriodicRowMuon(_MuonFamily):
     matrix_defaults = dict(MUON_DEFAULTS, period=3)
     _uses_step = True
 
-    def _validate_matrix_group(self, group):
+    def _check_matrix_group(self, group):
         C.check_int(group, "period", 1)
-        super()._validate_matrix_group(group)
+        super()._check_matrix_group(group)
 
     def _directions(self, group, active, states, params, u):
         full_idx = [i for i, s in enumerate(states) if s["step"] % group["period"] == 0]
@@ -40,7 +40,7 @@ class PeriodicRowMuon(_MuonFamily):
         for i, p in enumerate(active):
             if outs[i] is None:
                 outs[i] = self._row_direction(u[i], p)
-        scales = [C.protocol_scale(*p.shape, group["tau"]) for p in active]
+        scales = [C.update_scale(*p.shape, group["tau"]) for p in active]
         return params, outs, scales
 
     @staticmethod

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from .._base import MatrixOptimizer
+from .._dtensor import to_local
 from . import _common as C
 from .newton_schulz import row_normalize
 
@@ -23,24 +24,23 @@ class RMNP(MatrixOptimizer):
     algorithm = "rmnp"
     matrix_defaults: dict[str, Any] = dict(momentum=0.95, nesterov=False)
 
-    def _validate_matrix_group(self, group):
+    def _check_matrix_group(self, group):
         C.check_unit_interval(group, "momentum")
         C.check_bool(group, "nesterov")
-        for p in group["params"]:
-            if "momentum_buffer" not in self.state[p]:
-                self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
-    def _matrix_step(self, group):
-        active = [p for p in group["params"] if p.grad is not None]
-        if not active:
-            return
-        grads = [C.local(p.grad) for p in active]
-        bufs = [C.local(self.state[p]["momentum_buffer"]) for p in active]
+    def _init_matrix_state(self, group):
+        for p in group["params"]:
+            if "momentum" not in self.state[p]:
+                self.state[p]["momentum"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def _matrix_step(self, group, active):
+        grads = [to_local(p.grad) for p in active]
+        bufs = [to_local(self.state[p]["momentum"]) for p in active]
         mu = group["momentum"]
         torch._foreach_mul_(bufs, mu)
         torch._foreach_add_(bufs, grads)
         u = torch._foreach_add(grads, bufs, alpha=mu) if group["nesterov"] else bufs
         outs = [C.row_wise(lambda x: row_normalize(C.upcast(x)), ut, p) for ut, p in zip(u, active)]
-        params = [C.local(p) for p in active]
-        scales = [C.protocol_scale(*p.shape, group["tau"]) for p in active]
+        params = [to_local(p) for p in active]
+        scales = [C.update_scale(*p.shape, group["tau"]) for p in active]
         C.apply_protocol(params, params, outs, scales, group["lr"], group["weight_decay"])

@@ -1,21 +1,20 @@
-"""Everything that knows about placement: process groups, DTensor layouts, block/shard alignment.
+"""Where a matrix's blocks are: ``MatrixLayout`` (plain tensors; DTensor layouts extend it in
+``sharding``) and the captured-feature checks that go with it.
 
-The optimizers ask this module for a ``MatrixLayout`` per matrix parameter and then work on local
-tensors only (``layout.local(t)``); the math in ``functional`` never sees a DTensor.
-
-This file holds the single-process / data-parallel (plain tensor) layout; sharded layouts
-(DTensor: FSDP2, tensor parallel) extend ``MatrixLayout`` in ``sharding``. Dobb's own collectives
-are tagged (``meter.collective_kind``) so a ``PayloadMeter`` can report them separately.
+The optimizers ask ``placement.layout_for`` for a layout per matrix parameter and then work on
+local tensors only (``layout.local(t)``); the math in ``functional`` never sees a DTensor.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from ._dtensor import is_dtensor
 from .functional import block_sizes, identity_blocks
-from .meter import collective_kind
+
+__all__ = ["MatrixLayout", "plain_features", "plain_layout"]
 
 
 @dataclass
@@ -37,7 +36,6 @@ class MatrixLayout:
     # Group of ranks holding other rows of the same columns (input side) whose column norms must be
     # summed for ell2 normalization, or None when rows are not sharded.
     l2_group: object | None = None
-    extra: dict = field(default_factory=dict)
     # Block sizes of the whole axis, identical on every rank (schedules derived from block sizes,
     # e.g. ``stagger``, must agree across ranks or their collectives would not match); None -> local.
     global_sizes: list[int] | None = None
@@ -126,7 +124,7 @@ class MatrixLayout:
 def plain_features(x: torch.Tensor) -> torch.Tensor:
     """Captured features as a plain tensor: a DTensor input (tensor parallel layers see their input
     as a DTensor inside forward hooks) is replaced by its local shard, which holds whole rows."""
-    if type(x).__name__ != "DTensor":
+    if not is_dtensor(x):
         return x
     for pl in x.placements:
         if pl.is_partial() or (pl.is_shard() and pl.dim % x.dim() != x.dim() - 1):
@@ -144,45 +142,10 @@ def default_stat_group(param: torch.Tensor):
     return None
 
 
-def layout_for(param: torch.Tensor, side: str, blocks: int, stat_group="default") -> MatrixLayout:
-    """Choose the layout of a matrix parameter and validate its block partition."""
-    if type(param).__name__ == "DTensor":
-        from .sharding import dtensor_layout  # sharded layouts live beside this module
-
-        return dtensor_layout(param, side, blocks, stat_group)
+def plain_layout(param: torch.Tensor, side: str, blocks: int, stat_group="default") -> MatrixLayout:
+    """The layout of a plain (unsharded) matrix parameter; validates its block partition."""
     m, n = param.shape
     axis = 1 if side == "input" else 0
     sizes = block_sizes(param.shape[axis], blocks)
     group = default_stat_group(param) if stat_group == "default" else stat_group
     return MatrixLayout((m, n), (m, n), axis, sizes, 0, group, None)
-
-
-class StatReduction:
-    """An in-flight mean of a captured statistic over the data-parallel group."""
-
-    def __init__(self, tensor: torch.Tensor, group):
-        self.tensor = tensor
-        self.group = group
-        self.size = dist.get_world_size(group)
-        with collective_kind("stat"):
-            self.work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
-
-    def wait(self) -> torch.Tensor:
-        self.work.wait()
-        return self.tensor.div_(self.size)
-
-
-def reduce_stat_async(tensor: torch.Tensor, group) -> StatReduction | None:
-    """Launch the data-parallel mean of a statistic (Dobb's only communication); None if no group."""
-    if group is None or tensor.numel() == 0:  # every rank of the group holds the same (empty) span
-        return None
-    return StatReduction(tensor, group)
-
-
-def all_reduce_sum_(tensor: torch.Tensor, group) -> torch.Tensor:
-    """Sum over ``group`` (ell2 column norms, gradient-Gram partial sums); no-op without a group."""
-    if group is not None:
-        with collective_kind("norm"):
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-    return tensor
-

@@ -1,0 +1,23 @@
+"""``layout_for``: the layout of any matrix parameter, plain (``layout``) or DTensor (``sharding``).
+
+Why a module of its own: ``sharding`` extends ``layout``, so the dispatch between them sits above
+both, and ``sharding`` (which imports ``torch.distributed.tensor``, seconds on first use) is loaded
+only when a DTensor is actually present.
+"""
+from __future__ import annotations
+
+import torch
+
+from ._dtensor import is_dtensor
+from .layout import MatrixLayout, plain_layout
+
+__all__ = ["layout_for"]
+
+
+def layout_for(param: torch.Tensor, side: str, blocks: int, stat_group="default") -> MatrixLayout:
+    """Choose the layout of a matrix parameter and validate its block partition."""
+    if is_dtensor(param):
+        from .sharding import dtensor_layout
+
+        return dtensor_layout(param, side, blocks, stat_group)
+    return plain_layout(param, side, blocks, stat_group)

@@ -1,0 +1,5 @@
+"""Makes ``tests/`` importable (``_compare``) from every test directory and from spawned ranks."""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -1,0 +1,45 @@
+"""Every baseline on a weight sharded along dim 0 or dim 1 (FSDP-style ``Shard``, uneven 7 + 6 rows)
+on 2 gloo ranks against the same optimizer on the plain tensor in one process."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+from _common import max_diff
+from _spawn import spawn
+from dobb.baselines import RMNP, BlockMuon, Dion, Dion2, Muon, PeriodicRowMuon
+
+pytestmark = pytest.mark.slow
+CASES = [(cls, {}) for cls in (Muon, Dion, RMNP, PeriodicRowMuon, BlockMuon, Dion2)] + [(BlockMuon, {"axis": 0, "blocks": 2})]
+
+
+def worker(rank, world):
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for cls, kw in CASES:
+        for pl in (Shard(0), Shard(1)):
+            torch.manual_seed(0)
+            w = torch.randn(13, 20)
+            grads = [torch.randn(13, 20) for _ in range(3)]
+            a, b = nn.Parameter(w.clone()), nn.Parameter(distribute_tensor(w.clone(), mesh, [pl]))
+            oa, ob = cls([a], lr=0.1, weight_decay=0.1, **kw), cls([b], lr=0.1, weight_decay=0.1, **kw)
+            for g in grads:
+                a.grad, b.grad = g.clone(), distribute_tensor(g.clone(), mesh, [pl])
+                oa.step()
+                ob.step()
+            out[f"{cls.__name__}{kw}/{pl}"] = max_diff(a.detach(), b.detach())
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return spawn(worker, 2)
+
+
+def test_sharded_baselines_match_single_process(ranks):
+    for res in ranks:
+        assert len(res) == 2 * len(CASES)
+        bad = {k: v for k, v in res.items() if not v <= 1e-5}
+        assert not bad, bad

@@ -1,0 +1,35 @@
+"""dobb.param_groups: which parameters go to the matrix optimizer and which to AdamW."""
+import torch
+from torch import nn
+
+import dobb
+
+
+def test_param_groups_rule():
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = nn.Embedding(50, 8)
+            self.fc = nn.Linear(8, 16)
+            self.proj = nn.Linear(16, 8)
+            self.ln = nn.LayerNorm(8)
+            self.lm_head = nn.Linear(8, 50, bias=False)
+            self.lm_head.weight = self.wte.weight  # tied head
+            self.scale = nn.Parameter(torch.ones(()))
+
+    groups = dobb.param_groups(Tiny())
+    matrix = [n for n, _ in groups[0]["params"]]
+    other = [n for n, _ in groups[1]["params"]]
+    assert groups[0]["algorithm"] == "dobb" and groups[1]["algorithm"] == "adamw"
+    assert matrix == ["fc.weight", "proj.weight"]
+    assert set(other) == {"wte.weight", "fc.bias", "proj.bias", "ln.weight", "ln.bias", "scale"}
+
+
+def test_param_groups_keep_hidden_layers_of_vocabulary_or_context_width():
+    """A byte-level model of width 256 has hidden Linears with out_features == vocab == 256 and a
+    position table whose size equals some widths: only the last, vocabulary-sized Linear is the head."""
+    model = nn.Sequential(nn.Embedding(256, 64), nn.Embedding(64, 64), nn.Linear(64, 256), nn.Linear(256, 64),
+                          nn.Linear(64, 256))
+    groups = dobb.param_groups(model)
+    assert [n for n, _ in groups[0]["params"]] == ["2.weight", "3.weight"]
+    assert "4.weight" in [n for n, _ in groups[1]["params"]]

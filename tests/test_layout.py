@@ -1,0 +1,38 @@
+"""dobb.layout / dobb.placement on plain tensors: block partition, feature restriction, block state."""
+import pytest
+import torch
+
+from dobb.layout import MatrixLayout, plain_layout
+from dobb.placement import layout_for
+
+
+@pytest.mark.parametrize("side,axis", [("input", 1), ("output", 0)])
+def test_plain_layout_blocks_the_chosen_axis(side, axis):
+    w = torch.zeros(6, 10)
+    lay = layout_for(w, side, 3, stat_group=None)
+    assert type(lay) is MatrixLayout and lay.blocked_axis == axis
+    k = w.shape[axis]
+    assert lay.local_sizes == [k // 3 + (i < k % 3) for i in range(3)]
+    assert lay.rows == w.shape[1 - axis] and lay.state_cols == max(lay.local_sizes)
+
+
+def test_local_features_accept_full_or_local_axis_and_name_a_wrong_one():
+    lay = MatrixLayout((4, 10), (4, 6), 1, [3, 3], local_start=4)
+    x = torch.arange(20.0).reshape(2, 10)
+    assert torch.equal(lay.local_features(x), x[:, 4:10])  # the full axis is cut to the local blocks
+    assert torch.equal(lay.local_features(x[:, :6]), x[:, :6])  # already local (row-wise TP)
+    with pytest.raises(ValueError, match="last dimension 7"):
+        lay.local_features(torch.zeros(2, 7))
+
+
+def test_block_state_is_row_stacked_identity_or_zeros():
+    lay = plain_layout(torch.zeros(3, 5), "input", 2, stat_group=None)  # blocks 3, 2
+    eye = lay.new_block_state(torch.float64, identity=True, like=torch.zeros(1))
+    expected = torch.zeros(5, 3, dtype=torch.float64)
+    expected[:3, :3] = torch.eye(3)
+    expected[3:, :2] = torch.eye(2)
+    assert torch.equal(eye, expected)
+    assert torch.equal(lay.new_block_state(torch.float32, identity=False, like=torch.zeros(1)), torch.zeros(5, 3))
+    # a statistic of a narrower span is zero-padded to the state's columns
+    assert lay.stat_to_state(torch.ones(5, 2)).shape == (5, 3)
+
