@@ -297,7 +297,7 @@ def cmd_microbatch(args) -> int:
     if args.record:
         Path(args.record).parent.mkdir(parents=True, exist_ok=True)
         Path(args.record).write_text(json.dumps(record, separators=(",", ":")) + "\n")
-    print(microbatch_table(runs))
+    print(microbatch_table(runs) + "\n\n" + twin_table(runs))
     return 0
 
 
@@ -321,6 +321,33 @@ def microbatch_table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def twin_table(runs: list[dict], thresholds=(1e-3, 1e-2, 1e-1)) -> str:
+    """Each split run against the one-micro-batch run of the same optimizer and seed: the first step
+    at which their training losses (same batches) differ by more than each threshold, and the
+    final validation-loss difference. ``capture="all"`` twins differ only by rounding."""
+    by = {(r["label"], r["micro_batches"], r["capture"], r["seed"]): r for r in runs}
+    head = " | ".join(f"first step with abs(Δ train loss) > {t:g}" for t in thresholds)
+    lines = [f"| optimizer | M | capture | seed | {head} | Δ final val loss |", "|---|---|---|---|" + "---|" * (len(thresholds) + 1)]
+    for (label, m, cap, seed), r in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][1], str(kv[0][2]), kv[0][3])):
+        base = by.get((label, 1, "first" if cap else None, seed))
+        if m == 1 or base is None:
+            continue
+        diffs = [abs(a - b) for a, b in zip(base["train_losses"], r["train_losses"])]
+        firsts = [next((str(i + 1) for i, d in enumerate(diffs) if d > t), "never") for t in thresholds]
+        lines.append(f"| {label} | {m} | {cap or '-'} | {seed} | " + " | ".join(firsts)
+                     + f" | {r['final_val_loss'] - base['final_val_loss']:+.4f} |")
+    return "\n".join(lines)
+
+
+def cmd_render(args) -> int:
+    import json
+    from pathlib import Path
+
+    record = json.loads(Path(args.record).read_text())
+    print(microbatch_table(record["runs"]) + "\n\n" + twin_table(record["runs"]))
+    return 0
+
+
 def add_parsers(sub) -> None:
     p = sub.add_parser("microbatch", help="micro-batch split x capture grid with per-refresh diagnostics")
     p.add_argument("--optimizer", action="append", help="NAME[:k=v...] spec, repeatable (default dobb:blocks=16)")
@@ -334,6 +361,9 @@ def add_parsers(sub) -> None:
     p.add_argument("--out", default="bench-out/microbatch")
     p.add_argument("--record", help="write the compact JSON record here")
     p.set_defaults(func=cmd_microbatch)
+    p = sub.add_parser("microbatch-table", help="the tables of a microbatch record (docs/microbatch.md)")
+    p.add_argument("record")
+    p.set_defaults(func=cmd_render)
 
 
 if __name__ == "__main__":  # python -m dobb_bench.diagnostics microbatch ...: imports only this command
