@@ -38,6 +38,7 @@ def build_parser(modules=None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, modules=None) -> int:
     parser = build_parser(modules)
     args = parser.parse_args(argv)
+    args.argv = ["dobb-bench", *(sys.argv[1:] if argv is None else argv)]  # for run records' provenance
     try:
         return int(args.func(args) or 0)
     except (CliError, ValueError, FileNotFoundError) as exc:

@@ -182,7 +182,7 @@ def _run_one(spec: OptimizerSpec, lr: float, model_cfg, train_cfg, corpus, run_d
              prov: dict | None = None) -> dict:
     meta = {"run": spec.label, "optimizer": spec.name, "hparams": {k: str(v) for k, v in spec.hparams.items()},
             "lr": lr, "weight_decay": train_cfg.weight_decay,
-            "provenance": prov or provenance()}  # the parent's command line, not a spawned child's
+            "provenance": prov}  # the parent's command line, not a spawned child's
     factory = functools.partial(build_optimizer, spec.name, spec.hparams, lr, train_cfg.weight_decay)
     return run_training(model_cfg, replace(train_cfg, lr=lr), corpus, factory, out_dir=run_dir, meta=meta,
                         progress=progress, resume=resume, env=env, keep_checkpoint=keep_checkpoint,
@@ -229,7 +229,7 @@ def run_many(jobs: list[tuple[OptimizerSpec, float]], args, model_cfg, train_cfg
         raise CliError(f"--jobs must be a positive integer, got {args.jobs}")
     n_jobs = args.jobs if isolate and hasattr(args, "jobs") else 1
     progress, resume = not args.no_progress and n_jobs == 1, not args.no_resume
-    prov = provenance()
+    prov = provenance(getattr(args, "argv", None))
     several = len(jobs) > len({j[0].label for j in jobs})
     todo, finals = [], [None] * len(jobs)
     for i, (spec, lr) in enumerate(jobs):
@@ -328,7 +328,8 @@ def cmd_train(args) -> int:
     out = _out(args, "train")
     env = setup_dist(train_cfg.dist, train_cfg.device)
     final = _run_one(spec, train_cfg.lr, model_cfg, train_cfg, corpus, out, progress=not args.no_progress,
-                     resume=not args.no_resume, env=env, stop_after=args.stop_after)
+                     resume=not args.no_resume, env=env, stop_after=args.stop_after,
+                     prov=provenance(getattr(args, "argv", None)))
     final.pop("evals", None)
     if final["type"] == "interrupted":
         if env.rank == 0:
