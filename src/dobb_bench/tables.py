@@ -180,8 +180,62 @@ TABLES = {
 }
 
 
+# ----- plots from records ---------------------------------------------------------------------------
+LAYOUTS = (("output", "FSDP: output axis (rows) sharded over 4 ranks"),
+           ("input", "input axis (columns) sharded over 4 ranks, B a multiple of 4"))
+
+
+def plot_study(study: str, out_dir=None) -> list[str]:
+    """Mean validation curves and loss vs payload (one panel per layout) for a study's records."""
+    from .payload import relative_payload
+    from .report import _pyplot, _typed
+
+    recs = R.load(study)
+    out_dir = R.RECORDS.parent if out_dir is None else out_dir
+    plt = _pyplot()
+    by = _group(recs, lambda r: r["run"])
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, runs in by.items():
+        steps = sorted({p[0] for r in runs for p in r["curve"]})
+        mean = [statistics.fmean([v for r in runs for s2, v in r["curve"] if s2 == s and v is not None] or [math.nan])
+                for s in steps]
+        ax.plot(steps, mean, marker=".", label=f"{label} ({len(runs)} seed(s))")
+    ax.set_ylim(None, 3.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("validation loss, mean over seeds (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    curves = out_dir / f"{study}_val_loss.png"
+    fig.savefig(curves, dpi=110)
+    plt.close(fig)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
+    for ax, (sharded, title) in zip(axes, LAYOUTS):
+        for label, runs in by.items():
+            r0 = runs[0]
+            d = r0["model"]["width"]
+            shapes = [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d)] * r0["model"]["layers"]
+            x = relative_payload(r0["optimizer"], _typed(r0.get("hparams", {})), shapes, sharded=sharded, shards=4)
+            m, sd, n = stats([_loss(r) for r in runs])
+            ax.errorbar([x], [m], yerr=[sd or 0], fmt="o", capsize=3)
+            ax.annotate(label, (x, m), fontsize=7, xytext=(4, 3), textcoords="offset points")
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("optimizer-specific cross-shard payload / Muon's")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("final validation loss, mean ± std over seeds")
+    fig.tight_layout()
+    payload = out_dir / f"{study}_payload_vs_loss.png"
+    fig.savefig(payload, dpi=110)
+    plt.close(fig)
+    return [str(curves), str(payload)]
+
+
 # ----- the `report` subcommand --------------------------------------------------------------------
 def cmd_report(args) -> int:
+    if args.plots:
+        for study in args.plots.split(","):
+            print("report: wrote " + ", ".join(plot_study(study)))
+        return 0
     if args.collect:
         new = R.collect(args.collect, args.study)
         print(f"report: {len(new)} record(s) from {args.collect} -> {R.RECORDS / (args.study + '.jsonl')}")
@@ -201,6 +255,7 @@ def add_report_parser(sub) -> None:
     p.add_argument("--check", action="store_true", help="only compare; exit 1 if a table differs")
     p.add_argument("--collect", metavar="RUN_DIR", help="add a compare/sweep output folder's runs to the records")
     p.add_argument("--study", help="records file to collect into (docs/results/records/STUDY.jsonl)")
+    p.add_argument("--plots", metavar="STUDY[,STUDY]", help="write curves and payload plots to docs/results/")
     p.set_defaults(func=lambda a: (_need_study(a), cmd_report(a))[1])
 
 
