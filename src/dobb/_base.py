@@ -27,6 +27,8 @@ from torch.optim.adamw import adamw as _torch_adamw
 
 from ._dtensor import is_dtensor, to_local
 
+_BUILDER_KEYS = frozenset({"params", "param_names", "initial_lr", "fused", "foreach"})
+
 # State keys kept as Python ints (a distributed checkpoint may hand them back as tensors).
 _INT_STATE_KEYS = ("step", "captures")
 # Earlier releases kept the Muon family's and RMNP's momentum under torch's key.
@@ -71,7 +73,9 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 self._param_names[id(p)] = name
             params = [p for _, p in params]
         param_group["params"] = params
-        unknown = set(param_group) - set(self.defaults) - {"params", "param_names", "initial_lr"}
+        # Keys that builders add to every group (torch schedulers: initial_lr; torchtitan: param_names,
+        # fused, foreach) are accepted; the AdamW part always runs torch's foreach kernel.
+        unknown = set(param_group) - set(self.defaults) - _BUILDER_KEYS
         if unknown:
             raise ValueError(f"param group has unknown key(s) {sorted(unknown)}; valid: {sorted(self.defaults)}")
         super().add_param_group(param_group)
@@ -130,17 +134,26 @@ class MatrixOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._check_gradients()
-        for group in self.param_groups:
-            if group["algorithm"] == "adamw":
-                self._adamw_step(group)
-        for group in self.param_groups:
-            if group["algorithm"] != "adamw":
-                active = [p for p in group["params"] if p.grad is not None]
-                if active:
-                    self._matrix_step(group, active)
-        self._after_step()
+        # A step called inside an autocast region (a whole loop under autocast) must not run its
+        # statistics, QR, eigh or projections in bf16: the update is computed in the state dtypes.
+        with torch.autocast(device_type=self._device_type(), enabled=False):
+            self._check_gradients()
+            for group in self.param_groups:
+                if group["algorithm"] == "adamw":
+                    self._adamw_step(group)
+            for group in self.param_groups:
+                if group["algorithm"] != "adamw":
+                    active = [p for p in group["params"] if p.grad is not None]
+                    if active:
+                        self._matrix_step(group, active)
+            self._after_step()
         return loss
+
+    def _device_type(self) -> str:
+        for group in self.param_groups:
+            for p in group["params"]:
+                return p.device.type
+        return "cpu"
 
     def _check_gradients(self) -> None:
         """Run before any update: raise here to leave every weight and state untouched."""
@@ -169,7 +182,10 @@ class MatrixOptimizer(torch.optim.Optimizer):
         foreach = not any(is_dtensor(p) for p in params)
         _torch_adamw(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=foreach, amsgrad=False,
                      beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
-                     eps=group["adamw_eps"], maximize=False)
+                     eps=group["adamw_eps"], maximize=False,
+                     # compiled (torch.compile(opt.step)): bias corrections as tensors, as Dynamo
+                     # makes torch.optim.AdamW do; eager: torch's default host-side path
+                     capturable=torch.compiler.is_compiling())
 
     def iter_matrix_params(self) -> Iterable[torch.Tensor]:
         for group in self.param_groups:

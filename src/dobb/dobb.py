@@ -179,8 +179,11 @@ class Dobb(MatrixOptimizer):
 
     # ------------------------------------------------------------------ schedule
     def _is_refresh(self, p: torch.Tensor, group: dict) -> bool:
-        step = self.state[p]["step"]
-        return step == 0 or (step - self._offsets.get(p, 0)) % group["refresh_every"] == 0
+        # Until a first statistic exists every step is due (a zero-lr step or a forward pass that
+        # skipped the layer must not leave the identity basis in place for a whole period).
+        state = self.state[p]
+        step = state["step"]
+        return step == 0 or state["captures"] == 0 or (step - self._offsets.get(p, 0)) % group["refresh_every"] == 0
 
     def _rearm(self) -> None:
         if self._hooks is None:
@@ -225,7 +228,10 @@ class Dobb(MatrixOptimizer):
         torch._foreach_lerp_(moms, grads, 1.0 - mu)
         u = torch._foreach_lerp(grads, moms, mu) if group["nesterov"] else moms
 
-        refresh = [i for i, p in enumerate(active) if self._is_refresh(p, group)]
+        # A zero-lr step (torchtitan's state-creation step, a warmup that starts at 0) changes no
+        # weight, so it takes no statistic either; the next step then refreshes as a first step would.
+        zero_lr = not isinstance(group["lr"], torch.Tensor) and group["lr"] == 0
+        refresh = [] if zero_lr else [i for i, p in enumerate(active) if self._is_refresh(p, group)]
         if refresh:
             self._refresh(group, [active[i] for i in refresh], [grads[i] for i in refresh])
 

@@ -129,13 +129,16 @@ def second_moment_blocks(x: Tensor, sizes: Sequence[int], dtype=torch.float32) -
 
     Returns the row-stacked ``(k, s_max)`` sums and the number of rows ``N``; the second moment is
     ``sums / N``. Only the diagonal blocks are formed: ``k^2 / B`` work per row, not ``k^2``.
+    Computed in ``dtype`` even inside an autocast region (capture hooks run in the model's
+    forward, where autocast would turn the ``bmm`` into a bf16 product).
     """
     k = sum(sizes)
     x = x.reshape(-1, k).to(dtype)
     out = x.new_zeros(k, max(sizes))
-    for run in block_runs(sizes):
-        xs = x[:, run.start : run.stop].reshape(-1, run.count, run.size).transpose(0, 1)
-        block_view(out, run).copy_(torch.bmm(xs.transpose(1, 2), xs))
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        for run in block_runs(sizes):
+            xs = x[:, run.start : run.stop].reshape(-1, run.count, run.size).transpose(0, 1)
+            block_view(out, run).copy_(torch.bmm(xs.transpose(1, 2), xs))
     return out, x.shape[0]
 
 
