@@ -257,3 +257,27 @@ def test_peers_train_and_resume_bitwise(name):
     run(model2, opt2, 20)
     for a, b in zip(model.parameters(), model2.parameters()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["normuon", "dion3"])
+def test_bf16_resume_keeps_neuron_variance_fp32(name):
+    """torch casts floating state to the parameter's dtype on load; the row moments must stay fp32
+    (in bf16 the EMA of small squares loses most of its digits)."""
+    import io
+
+    import dobb
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8)).to(torch.bfloat16)
+    opt = dobb.build_optimizer(name, model, lr=0.01)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    opt2 = dobb.build_optimizer(name, model, lr=0.01)
+    opt2.load_state_dict(torch.load(buf, weights_only=True))
+    mats = [p for p in opt2.iter_matrix_params()]
+    assert mats and all(opt2.state[p]["neuron_variance"].dtype == torch.float32 for p in mats)
+    assert all(torch.equal(opt2.state[p]["neuron_variance"], opt.state[q]["neuron_variance"])
+               for p, q in zip(mats, opt.iter_matrix_params()))

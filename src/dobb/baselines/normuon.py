@@ -55,6 +55,7 @@ class NorMuon(_MuonFamily):
 
     algorithm = "normuon"
     matrix_defaults = dict(NORMUON_DEFAULTS)
+    _own_dtype_keys = ("neuron_variance",)  # stays fp32 when a bf16 model resumes
 
     def _check_matrix_group(self, group):
         check_neuron_options(group)
