@@ -281,3 +281,25 @@ def test_bf16_resume_keeps_neuron_variance_fp32(name):
     assert mats and all(opt2.state[p]["neuron_variance"].dtype == torch.float32 for p in mats)
     assert all(torch.equal(opt2.state[p]["neuron_variance"], opt.state[q]["neuron_variance"])
                for p, q in zip(mats, opt.iter_matrix_params()))
+
+
+def test_payload_rows_of_the_peers():
+    """Derived per-step payload (dobb-bench payload): owner compute twice Muon's dense count, owner
+    placement nothing in the step and 2 mn in forward/backward, NorMuon as Muon, Dion3 as Dion2."""
+    P = pytest.importorskip("dobb_bench.payload")
+
+    m, n = 24, 8
+    assert P.payload_entries("owner-muon", m, n) == 2 * P.payload_entries("muon", m, n) == 2 * m * n
+    assert P.payload_entries("owner-placement", m, n) == 0
+    assert P.forward_backward_entries("owner-placement", m, n) == 2 * m * n
+    assert P.forward_backward_entries("owner-placement", m, n, shards=1) == 0
+    assert P.payload_entries("normuon", m, n) == m * n
+    k = round(dion3_fraction() * m)
+    assert P.payload_entries("dion3", m, n) == P.payload_entries("dion2", m, n) == k * n
+    assert P.derived_state_bytes("normuon", m, n) == m * n * 4 + m * 4
+
+
+def dion3_fraction():
+    from dobb.baselines import Dion3
+
+    return Dion3.matrix_defaults["fraction"]

@@ -24,7 +24,19 @@ pr-muon (K)         ``mn / K``                          ``(mn + (K-1) m) / K``
 block-muon, axis 0  0 (row blocks within shards)        ``mn`` (every block spans shards)
 block-muon, axis 1  ``mn`` (every block spans shards)   0 (column blocks within shards)
 dion2 (fraction a)  ``k n``, ``k = round(a m)`` rows    ``k n``
+dion3 (fraction a)  ``k n`` (as dion2)                  ``k n``
+normuon             ``mn`` (as muon)                    ``mn``
+owner-muon          ``2 mn`` (shards to owner, back)    ``2 mn``
+owner-placement     0 (whole matrix on its owner)       0
 ==================  ==================================  ==================================
+
+Owner compute (``owner-muon``, the ``dion`` package's megabatching) moves each matrix's shards to
+one owner rank and the result back: twice Muon's logical count, but NS5 runs once per matrix
+instead of on every rank. Owner *placement* (DMuon, MatrixFSDP) keeps each whole matrix on one
+rank, so the step exchanges nothing; the matrix moves in forward and backward instead (weight
+broadcast from the owner, gradient reduced to it), which ``forward_backward_entries`` reports:
+``2 mn`` per step, the same leading count as FSDP2's own all-gather and reduce-scatter that every
+sharded optimizer pays.
 
 Rows adamw to dobb-g-l2 are the paper's (Table 3, Table 7); the others are derived the same way by us: the
 minimum a method must exchange, whatever an implementation does (this package's reference
@@ -45,6 +57,7 @@ import math
 from typing import Iterable, Sequence
 
 import dobb
+from dobb.baselines import Dion3, NorMuon, OwnerMuon
 from dobb.baselines.dion import dion_rank
 
 __all__ = [
@@ -55,14 +68,18 @@ __all__ = [
     "relative_payload",
     "dp_stat_entries",
     "derived_state_bytes",
+    "forward_backward_entries",
 ]
 
 PAYLOAD_NAMES = ("adamw", "muon", "dion", "rmnp", "pr-muon", "block-muon", "dion2",
-                 "dobb", "dobb-l2", "dobb-g", "dobb-g-l2")
+                 "dobb", "dobb-l2", "dobb-g", "dobb-g-l2", "owner-muon", "owner-placement", "normuon", "dion3")
+# Names that are a placement of an optimizer, not an optimizer of their own (no build_optimizer name).
+PLACEMENT_NAMES = ("owner-placement",)
 _ALIASES = {"torch-adamw": "adamw", "torch-muon": "muon", "dobb-ell2": "dobb-l2", "dobb-g-ell2": "dobb-g-l2"}
 _CLASSES = {"muon": dobb.Muon, "dion": dobb.Dion, "rmnp": dobb.RMNP, "pr-muon": dobb.PeriodicRowMuon,
             "block-muon": dobb.BlockMuon, "dion2": dobb.Dion2, "dobb": dobb.Dobb, "dobb-l2": dobb.Dobb,
-            "dobb-g": dobb.Dobb, "dobb-g-l2": dobb.Dobb}
+            "dobb-g": dobb.Dobb, "dobb-g-l2": dobb.Dobb, "owner-muon": OwnerMuon, "owner-placement": dobb.Muon,
+            "normuon": NorMuon, "dion3": Dion3}
 # dobb.build_optimizer's presets of the Dobb variants (tests/bench/test_payload.py checks them
 # against the optimizers it builds)
 _VARIANTS = {"dobb-l2": {"norm": "l2"}, "dobb-g": {"side": "output", "source": "output_grad"},
@@ -148,8 +165,12 @@ def payload_entries(name: str, m: int, n: int, hparams: dict | None = None, *, s
         raise ValueError(f"matrix shape must be positive, got {(m, n)}")
     if shards == 1 or key == "adamw":
         return 0.0
-    if key == "muon":
+    if key in ("muon", "normuon"):
         return float(m * n)
+    if key == "owner-muon":
+        return float(2 * m * n)
+    if key == "owner-placement":
+        return 0.0
     if key == "dion":
         return float(dion_rank(m, n, _fraction(hp, "rank_fraction")) * (m + n))
     if key == "rmnp":
@@ -160,7 +181,7 @@ def payload_entries(name: str, m: int, n: int, hparams: dict | None = None, *, s
             raise ValueError(f"period must be >= 1, got {period}")
         cheap = m if sharded == "input" else 0
         return (m * n + (period - 1) * cheap) / period
-    if key == "dion2":
+    if key in ("dion2", "dion3"):
         return float(max(1, round(_fraction(hp, "fraction") * m)) * n)  # k selected rows (dobb.baselines.dion2)
     if key == "block-muon":
         axis = int(hp["axis"])  # 1: column blocks (input axis), 0: row blocks (output axis)
@@ -181,6 +202,14 @@ def payload_entries(name: str, m: int, n: int, hparams: dict | None = None, *, s
         # G^T G (G G^T) blocks sum over the sharded axis: the statistic itself crosses shards
         total += _stat_size(size, _blocks(hp)) / int(hp["refresh_every"])
     return float(total)
+
+
+def forward_backward_entries(name: str, m: int, n: int, *, shards: int = 4) -> float:
+    """Leading entries one ``m x n`` weight moves in forward + backward under sharding: ``2 mn``
+    (FSDP2's all-gather and reduce-scatter for every optimizer; owner placement's broadcast from
+    and reduction to the owner), 0 on one device."""
+    canonical_name(name)
+    return 0.0 if int(shards) <= 1 else float(2 * m * n)
 
 
 def _stat_size(size: int, blocks: int) -> int:
@@ -238,8 +267,10 @@ def derived_state_bytes(name: str, m: int, n: int, hparams: dict | None = None, 
     mn = m * n * param_bytes / (out_shards * in_shards)
     if key == "adamw":
         return 2 * mn
-    if key in ("muon", "rmnp", "pr-muon", "block-muon", "dion2"):
+    if key in ("muon", "rmnp", "pr-muon", "block-muon", "dion2", "owner-muon", "owner-placement"):
         return mn
+    if key in ("normuon", "dion3"):
+        return mn + m * 4  # + the fp32 row second moments, whole on every rank
     if key == "dion":
         return mn + max(m, n) * dion_rank(m, n, _fraction(hp, "rank_fraction")) * 4
     side = hp["side"]
