@@ -91,7 +91,8 @@ def setting_line(recs: list[dict]) -> str:
     revs = sorted({(x.get("provenance") or {}).get("git_rev", "?")[:7] for x in recs})
     steps = sorted({x.get("steps") for x in recs})
     return (f"\nSetting: {m.get('layers')} layers, width {m.get('width')}, context {m.get('seq_len')}, "
-            f"corpus `{c.get('name')}`; {'/'.join(map(str, steps))} steps x {t.get('batch_size')} sequences, "
+            f"corpus `{c.get('name')}`; {'/'.join(map(str, steps))} steps x {t.get('batch_size')} sequences x "
+            f"{t.get('seq_len') or m.get('seq_len')} tokens, "
             f"{t.get('micro_batches')} micro-batch(es), weight decay {t.get('weight_decay')}, "
             f"{t.get('schedule')} schedule; {len(recs)} runs at revision(s) {', '.join(revs)} "
             f"on {(p.get('machine') or {}).get('cpu')}, torch {p.get('torch')}.\n")
@@ -170,8 +171,18 @@ def _study(name, fn, where=None):
     return gen
 
 
+SHARED_LR = 5e-3 * 2 ** -0.5  # AdamW's best point of its own grid (table lr-grid)
+HEADLINE_ORDER = ["AdamW", "Muon", "Dobb B=1", "Dobb B=4", "Dobb B=16", "Block Muon B=16", "Dion rho=1/16"]
+
+
+def _headline():
+    """Headline rows; AdamW's seed-0 run at the shared lr is the lr grid's (same setting)."""
+    recs = R.load("headline") + [r for r in R.load("lr-grid") if abs(r["lr"] - SHARED_LR) < 1e-12]
+    return seeds_table(recs, HEADLINE_ORDER), recs
+
+
 TABLES = {
-    "headline": _study("headline", seeds_table),
+    "headline": lambda: _headline(),
     "lr-grid": _study("lr-grid", lr_grid_table),
     "block-width": _study("block-width", width_table),
     "horizon": _study("horizon", horizon_table),
