@@ -84,17 +84,22 @@ def _measure_label(spec: str) -> str:
     return {"adamw": "torch-adamw"}.get(name.strip().lower(), name.strip().lower()) + (":" + rest if rest else "")
 
 
-def measure_fsdp_payload(specs: list[str], preset_name: str, layers: str, fs: int, fused_qkv: bool = False) -> dict:
-    """A small FSDP2 run (gloo, ``fs`` CPU processes): metered collectives/bytes per optimizer."""
+def run_spawned(cfg: dict, world: int) -> dict:
+    """``run_timing(TimingConfig(**cfg))`` on ``world`` spawned gloo CPU processes; rank 0's result."""
     import torch.multiprocessing as mp
 
-    names = [_measure_label(spec) for spec in specs]
-    cfg = dict(preset=preset_name, layers=layers, fused_qkv=fused_qkv, optimizers=tuple(names), repeats=1,
-               warmup=1, fs=fs, meter=True, log=False, threads=1, blocks=fs, refresh_every=3)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "result.json")
-        mp.spawn(_measure_worker, args=(fs, _free_port(), cfg, path), nprocs=fs, join=True)
+        mp.spawn(_measure_worker, args=(world, _free_port(), cfg, path), nprocs=world, join=True)
         return json.loads(Path(path).read_text())
+
+
+def measure_fsdp_payload(specs: list[str], preset_name: str, layers: str, fs: int, fused_qkv: bool = False) -> dict:
+    """A small FSDP2 run (gloo, ``fs`` CPU processes): metered collectives/bytes per optimizer."""
+    names = [_measure_label(spec) for spec in specs]
+    return run_spawned(dict(preset=preset_name, layers=layers, fused_qkv=fused_qkv, optimizers=tuple(names),
+                            repeats=1, warmup=1, fs=fs, meter=True, log=False, threads=1, blocks=fs,
+                            refresh_every=3), fs)
 
 
 def cmd_payload(args) -> int:
@@ -127,11 +132,12 @@ def _measured_markdown(mtable: dict, measured: dict, args, mshapes) -> str:
     lines = [f"Measured with the payload meter: GPT-2 {args.measure_preset} layers {args.measure_layers} "
              f"({len(mshapes)} matrices), FSDP2 FS={args.measure_fs} on CPU (gloo), rank 0, one optimizer.step() "
              "(PR-Muon: a full step); Dobb: a refresh step (T and B from the spec, else T = 3, B = FS) and the next "
-             "step, plus its capture pass's statistic mean (tagged 'stat'). Derived bytes = entries x 4 (fp32); "
-             "the meter counts each collective's logical tensor (constant collective factors omitted, as in "
-             "Table 3).", "",
+             "step; its statistic mean (tagged 'stat') counts in the capture pass or the refresh step, wherever the "
+             "library takes it. Derived bytes = entries x 4 (fp32); the meter counts each collective's logical "
+             "tensor (constant collective factors omitted, as in Table 3).", "",
              "| optimizer | derived entries (all matrices) | derived bytes | measured collectives | measured bytes "
-             "| next-step bytes | derived stat bytes per refresh | capture stat bytes | implementation note |",
+             "| next-step bytes | derived stat bytes per refresh | measured stat bytes per refresh "
+             "| implementation note |",
              "|---|---|---|---|---|---|---|---|---|"]
     by_label = {s["label"]: s for s in measured["summaries"]}
     for row in mtable["rows"]:
@@ -145,9 +151,10 @@ def _measured_markdown(mtable: dict, measured: dict, args, mshapes) -> str:
             continue
         mt = s.get("metered") or {}
         st, nx, cap = mt.get("step", {}), mt.get("next_step", {}), mt.get("capture_stat", {})
-        note = "gathers whole matrices" if st.get("bytes") and st["bytes"] > 2 * total * 4 else ""
+        stat_measured = cap.get("bytes", 0) + st.get("stat_bytes", 0) if cap or st.get("stat_bytes") else "–"
+        note = "gathers whole matrices" if st.get("bytes") and st["bytes"] > 2 * total * 4 + stat else ""
         lines.append(f"| {row['optimizer']} | {total:.4g} | {total * 4:.4g} | {st.get('collectives', '–')} | "
-                     f"{st.get('bytes', '–')} | {nx.get('bytes', '–')} | {stat:.4g} | {cap.get('bytes', '–')} | {note} |")
+                     f"{st.get('bytes', '–')} | {nx.get('bytes', '–')} | {stat:.4g} | {stat_measured} | {note} |")
     return "\n".join(lines) + "\n"
 
 

@@ -449,7 +449,8 @@ def _ratio_matrix(live: list[Entry]) -> dict:
 
 def _meter_steps(run: _Runner, entry: Entry) -> dict:
     """Meter one step (a refresh step for Dobb, with its capture pass metered separately) and,
-    for Dobb, the following non-refresh step. Not timed."""
+    for Dobb, the following non-refresh step. Not timed. ``stat_bytes``: Dobb's statistic mean
+    (tagged ``"stat"``), in the capture pass or in the step, wherever the library takes it."""
     opt, out = entry.opt, {}
     for which in ("step", "next_step") if entry.is_dobb else ("step",):
         refresh = is_refresh(opt)
@@ -463,5 +464,5 @@ def _meter_steps(run: _Runner, entry: Entry) -> dict:
         with PayloadMeter() as m:
             opt.step()
         out[which] = {"refresh": refresh, "collectives": m.collectives, "bytes": m.bytes,
-                      "by_op": {k: vars(v) for k, v in m.by_op.items()}}
+                      "stat_bytes": m.kind("stat").bytes, "by_op": {k: vars(v) for k, v in m.by_op.items()}}
     return out

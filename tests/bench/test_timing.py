@@ -123,12 +123,36 @@ def test_payload_command_prints_figure1_ratio(capsys, tmp_path):
 def test_fsdp2_meter_matches_derived_payload():
     """Two gloo ranks, FSDP2 FS=2: Dobb's step moves nothing, Dobb-ell2's moves its n column norms."""
     result = payload_command.measure_fsdp_payload(["adamw", "dobb", "dobb-l2"], "tiny", "1", 2, fused_qkv=True)
-    by = {s["label"]: s for s in result["summaries"]}
-    assert by["torch-adamw"]["metered"]["step"]["bytes"] == 0
-    assert by["dobb"]["metered"]["step"]["bytes"] == 0 and by["dobb"]["metered"]["next_step"]["bytes"] == 0
+    by = {s["label"]: s["metered"] for s in result["summaries"]}
+    assert by["torch-adamw"]["step"]["bytes"] == 0
     shapes = matrix_shapes("tiny", "1", fused_qkv=True)  # the measured bank has the derived table's matrices
-    n_total = sum(n for _, (m, n) in shapes)
-    assert by["dobb-l2"]["metered"]["step"]["bytes"] == 4 * n_total
-    # the data-parallel statistic mean (n^2/B per matrix, fp32) runs in the capture pass, tagged "stat"
+    # Dobb's refresh moves only its statistic mean (n^2/B per matrix, fp32, tagged "stat"; at most a
+    # row count per matrix besides), in the capture pass or the step; a non-refresh step moves nothing
     stat = sum(n * n // 2 for _, (m, n) in shapes) * 4
-    assert by["dobb"]["metered"]["capture_stat"]["bytes"] == stat
+    dobb = by["dobb"]
+    refresh = dobb["capture_stat"]["bytes"] + dobb["step"]["bytes"]
+    assert dobb["step"]["refresh"] and stat <= refresh <= stat + 8 * len(shapes)
+    assert dobb["capture_stat"]["bytes"] + dobb["step"]["stat_bytes"] == refresh
+    assert not dobb["next_step"]["refresh"] and dobb["next_step"]["bytes"] == 0
+    # Dobb-l2 (Table 7, output axis sharded): its n column norms in every step
+    n_total = sum(n for _, (m, n) in shapes)
+    assert by["dobb-l2"]["next_step"]["bytes"] == 4 * n_total
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_data_parallel_timing_averages_statistics_over_the_world(world):
+    """Plain replicated tensors (--dp N): Dobb is given the world as its statistic group; a refresh
+    (capture pass + step) averages the n^2/B statistic entries per matrix (plus at most a row count
+    per matrix, wherever the library takes the mean) and a non-refresh step communicates nothing."""
+    cfg = dict(preset="tiny", layers="1", optimizers=("dobb",), dp=world, repeats=1, warmup=1, meter=True,
+               log=False, blocks=2, refresh_every=3)
+    by = {s["label"]: s for s in payload_command.run_spawned(cfg, world)["summaries"]}
+    assert "skipped" not in by["dobb"]
+    metered = by["dobb"]["metered"]
+    shapes = matrix_shapes("tiny", "1")
+    stat = sum(n * n // 2 for _, (m, n) in shapes) * 4
+    refresh_bytes = metered["capture_stat"]["bytes"] + metered["step"]["bytes"]
+    assert metered["step"]["refresh"] and stat <= refresh_bytes <= stat + 8 * len(shapes)
+    assert not metered["next_step"]["refresh"] and metered["next_step"]["bytes"] == 0
+    assert len(by["dobb"]["per_rank"]) == world
