@@ -232,10 +232,22 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def header(record: dict) -> str:
+    """The table with the line that says how to read it (what docs/controlled.md shows)."""
+    first = next(iter(record["problems"].values()))
+    return (f"Suboptimality L(W_N) - L* after {record['settings']['steps']} steps, x1e-3, mean over seeds "
+            f"{record['settings']['seeds']} (L(0) - L* = {first['initial_suboptimality']:g}, L* = "
+            f"{first['optimum_loss']:g}); lr chosen per optimizer and problem on seed {record['settings']['lr_selection_seed']}; "
+            f"* = that lr is at the grid's edge; xk = ratio to Dobb B=1.\n\n" + table(record))
+
+
 def cmd_controlled(args) -> int:
     from .cli import CliError
     from .provenance import provenance
 
+    if args.render:
+        print(header(json.loads(Path(args.render).read_text())))
+        return 0
     kinds = [k.strip() for k in args.problems.split(",") if k.strip()]
     bad = [k for k in kinds if k not in KINDS]
     if bad or not kinds:
@@ -255,9 +267,7 @@ def cmd_controlled(args) -> int:
     # CPU time is what the run costs on one free core; wall time also counts other jobs' share
     record = {"kind": "controlled", "provenance": provenance(), "wall_s": round(wall, 1), "cpu_s": round(cpu, 1),
               "load_avg_1min": round(os.getloadavg()[0], 2), **result}
-    text = table(result)
-    print("\nsuboptimality L(W_N) - L* (x1e-3; L(0) - L* = %g; * = best lr at the grid's edge; "
-          "xk = Dobb's ratio to Dobb B=1)\n" % result["problems"][kinds[0]]["initial_suboptimality"] + text)
+    print("\n" + header(record))
     print(f"\n{wall:.0f} s wall, {cpu:.0f} s CPU")
     if args.record:
         Path(args.record).parent.mkdir(parents=True, exist_ok=True)
@@ -277,4 +287,5 @@ def add_parsers(sub) -> None:
     p.add_argument("--seeds", default="0,1", help="data seeds; the lr is chosen on the first")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--record", help="write the JSON record here (e.g. docs/results/controlled/default.json)")
+    p.add_argument("--render", metavar="RECORD", help="only print the tables of an existing record")
     p.set_defaults(func=cmd_controlled)

@@ -144,3 +144,15 @@ def test_microbatch_cli_rejects_bad_input(capsys):
     assert cli.main(["microbatch", "--optimizer", "dobb:blocks=0"]) == 2
     err = capsys.readouterr().err
     assert err.count("error:") == 3
+
+
+def test_twin_table_finds_the_first_diverging_step():
+    from dobb_bench.diagnostics import twin_table
+
+    base = {"label": "Dobb B=16", "micro_batches": 1, "capture": "first", "seed": 0,
+            "train_losses": [3.0, 2.9, 2.8, 2.7, 2.6], "final_val_loss": 2.6}
+    twin = dict(base, micro_batches=2, capture="all", train_losses=[3.0, 2.9, 2.8005, 2.72, 2.4],
+                final_val_loss=2.45)
+    other_seed = dict(twin, seed=1)  # no one-micro-batch run with seed 1: not listed
+    row = [x for x in twin_table([base, twin, other_seed]).splitlines() if x.startswith("| Dobb")]
+    assert row == ["| Dobb B=16 | 2 | all | 0 | 4 | 4 | 5 | -0.1500 |"]
