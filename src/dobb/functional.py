@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 from torch import Tensor
@@ -38,6 +39,8 @@ __all__ = [
     "direction_input",
     "direction",
     "update_scale",
+    "matmul_dtype",
+    "block_coefficients",
 ]
 
 
@@ -98,6 +101,12 @@ class BlockRun:
 
 def block_runs(sizes: Sequence[int]) -> list[BlockRun]:
     """Group consecutive equal-size blocks, so each run is processed as one batch."""
+    return list(_block_runs(tuple(sizes)))
+
+
+@lru_cache(maxsize=4096)
+def _block_runs(sizes: tuple[int, ...]) -> tuple[BlockRun, ...]:
+    # cached: the optimizer asks for every matrix's runs on every step
     runs: list[BlockRun] = []
     start = 0
     for s in sizes:
@@ -107,7 +116,7 @@ def block_runs(sizes: Sequence[int]) -> list[BlockRun]:
         else:
             runs.append(BlockRun(start, 1, s))
         start += s
-    return runs
+    return tuple(runs)
 
 
 def block_view(stacked: Tensor, run: BlockRun) -> Tensor:
@@ -220,6 +229,12 @@ def block_direction(ub: Tensor, q: Tensor, norm: str = "sign", col_sq_sum=None) 
     the step size, so no update-sized temporary is scaled. ell2 column norms are taken in fp32 at
     least; ``col_sq_sum`` (optional) sums the squared norms over the ranks holding other rows.
     """
+    return torch.bmm(block_coefficients(ub, q, norm, col_sq_sum), q.transpose(1, 2))
+
+
+def block_coefficients(ub: Tensor, q: Tensor, norm: str = "sign", col_sq_sum=None) -> Tensor:
+    """The normalized coefficients ``normalize(U_b Q_b)`` of ``block_direction`` (same arguments),
+    for callers that fuse the reconstruction ``C_b Q_b^T`` into their update (``baddbmm``)."""
     c = torch.bmm(ub, q)
     if norm == "sign":
         c.sign_()
@@ -229,7 +244,7 @@ def block_direction(ub: Tensor, q: Tensor, norm: str = "sign", col_sq_sum=None) 
         c = normalize_l2(cf, sq if col_sq_sum is None else col_sq_sum(sq)).to(c.dtype)
     else:
         raise ValueError(f"norm must be 'sign' or 'l2', got {norm!r}")
-    return torch.bmm(c, q.transpose(1, 2))
+    return c
 
 
 def direction_input(
@@ -268,3 +283,26 @@ def direction(u: Tensor, basis: Tensor, sizes: Sequence[int], norm: str = "sign"
 def update_scale(m: int, n: int, tau: float = 0.2) -> float:
     """The shared update-scale protocol's ``s = tau * sqrt(max(m, n))`` (Table 9)."""
     return tau * math.sqrt(max(m, n))
+
+
+@lru_cache(maxsize=None)
+def _cpu_native(dtype: torch.dtype) -> bool:
+    try:
+        if dtype == torch.bfloat16:
+            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        if dtype == torch.float16:
+            return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def matmul_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype the projection products run in: the basis dtype, except on a CPU that has no
+    native instructions for it (no AVX512-BF16/AMX), where torch falls back to a scalar loop 20-50x
+    slower than fp32 (measured: ``docs/timing.md``). fp32 products of the same (bf16-stored) basis
+    are then faster and at least as accurate; the stored basis, and so Table 18's memory, is unchanged.
+    """
+    if dtype.itemsize < 4 and torch.device(device).type == "cpu" and not _cpu_native(dtype):
+        return torch.float32
+    return dtype
