@@ -18,6 +18,7 @@ and may override ``_check_gradients()`` (before any update), ``_after_step()`` a
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -57,7 +58,10 @@ class MatrixOptimizer(torch.optim.Optimizer):
         defaults.update(hparams)
         defaults.update(lr=lr, weight_decay=weight_decay, tau=tau, adamw_betas=adamw_betas,
                         adamw_eps=adamw_eps, algorithm=self.algorithm)
+        # Per group: the weights are stored (in, out), as Hugging Face's Conv1D does (see _logical).
+        defaults.setdefault("transposed", False)
         self._param_names: dict[int, str] = dict(param_names or {})
+        self._views: dict[torch.Tensor, torch.Tensor] = {}
         super().__init__(params, defaults)
 
     # ------------------------------------------------------------------ validation
@@ -87,7 +91,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 self._init_adamw_state(p)
         else:
-            self._init_matrix_state(group)
+            with self._logical(group) as logical:
+                self._init_matrix_state(logical)
 
     def _check_group(self, group: dict[str, Any]) -> None:
         for key in ("lr", "weight_decay"):
@@ -111,7 +116,10 @@ class MatrixOptimizer(torch.optim.Optimizer):
                         f"{_name_of(p, self._param_names, i)} is {p.dim()}-D; {type(self).__name__} "
                         f"updates 2-D matrices only: put it in an 'adamw' group (dobb.param_groups does this)"
                     )
-            self._check_matrix_group(group)
+            if not isinstance(group["transposed"], bool):
+                raise ValueError(f"transposed must be True or False, got {group['transposed']!r}")
+            with self._logical(group) as logical:
+                self._check_matrix_group(logical)
 
     def _check_matrix_group(self, group: dict[str, Any]) -> None:
         """Subclasses check their own hyperparameters here (raise ValueError naming the argument)."""
@@ -145,9 +153,46 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 if group["algorithm"] != "adamw":
                     active = [p for p in group["params"] if p.grad is not None]
                     if active:
-                        self._matrix_step(group, active)
+                        with self._logical(group) as logical:
+                            self._matrix_step(logical, [self._views.get(p, p) for p in active])
             self._after_step()
         return loss
+
+    # Whether the subclass handles transposed=True groups itself (Dobb flips its layout's axis).
+    _native_transposed = False
+
+    @contextlib.contextmanager
+    def _logical(self, group: dict[str, Any]):
+        """The group as the matrix update sees it.
+
+        A ``transposed=True`` group holds weights stored ``(in, out)`` (Hugging Face ``Conv1D``):
+        the matrix is their transpose. Unless the subclass handles that itself, it is given a copy
+        of the group whose params are transposed views of the weights (kept, one per weight, so
+        everything keyed by parameter stays keyed), each with its gradient's transposed view and,
+        for the duration, the weight's state (created through the view, so shaped like the
+        matrix). In-place updates of a view update the weight. State rests under the weight, so
+        checkpoints map it by parameter as usual.
+        """
+        if not group.get("transposed") or self._native_transposed:
+            yield group
+            return
+        params = group["params"]
+        views = []
+        for p in params:
+            v = self._views.get(p)
+            if v is None:
+                v = self._views[p] = p.detach().t()
+            v.grad = None if p.grad is None else p.grad.t()
+            if p in self.state:
+                self.state[v] = self.state.pop(p)
+            views.append(v)
+        try:
+            yield dict(group, params=views)
+        finally:
+            for p, v in zip(params, views):
+                v.grad = None
+                if v in self.state:
+                    self.state[p] = self.state.pop(v)
 
     def _device_type(self) -> str:
         for group in self.param_groups:

@@ -39,6 +39,7 @@ _CHOICES = {
     "init_basis": ("eigh", "identity"),
 }
 _HOOK_SOURCES = ("activation", "output_grad")
+_FLIP = {"input": "output", "output": "input"}
 
 
 class Dobb(MatrixOptimizer):
@@ -68,9 +69,12 @@ class Dobb(MatrixOptimizer):
             before any state changes (costs one host synchronisation per step; set False to skip).
         stat_group: process group over which statistics are averaged; ``"default"`` picks the
             data-parallel ranks from the parameter's layout.
+        transposed: the group's weights are stored ``(in, out)`` (Hugging Face ``Conv1D``;
+            ``dobb.param_groups`` sets it): blocks, statistics and sharding follow the input axis.
     """
 
     algorithm = "dobb"
+    _native_transposed = True  # transposed groups flip the layout's blocked axis (see _init_matrix_state)
     matrix_defaults: dict[str, Any] = dict(
         blocks=1, refresh_every=9, basis="orthogonal_iteration", ortho_steps=1, qr="householder",
         norm="sign", side="input", source="activation", capture="first", stat_decay=0.9,
@@ -120,7 +124,10 @@ class Dobb(MatrixOptimizer):
         cost = defaultdict(int)  # stagger: greedy balance of refresh work over the T offsets
         for i, p in enumerate(group["params"]):
             try:
-                layout = layout_for(p, group["side"], group["blocks"], self._stat_group)
+                # a transposed weight, stored (in, out): its input axis is dim 0, so the "input" side
+                # blocks dim 0 (what "output" blocks on an (out, in) weight) and vice versa
+                side = _FLIP[group["side"]] if group["transposed"] else group["side"]
+                layout = layout_for(p, side, group["blocks"], self._stat_group)
             except ValueError as exc:
                 raise ValueError(f"{_name_of(p, self._param_names, i)}: {exc}") from None
             self._layouts[p] = layout

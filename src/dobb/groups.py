@@ -1,16 +1,22 @@
 """Default split of a model's parameters between a matrix optimizer and AdamW.
 
 The rule (Muon/Dion convention):
-- matrix optimizer: the ``weight`` of every ``nn.Linear`` that is a hidden layer;
+- matrix optimizer: the ``weight`` of every hidden linear layer: ``nn.Linear`` (stored
+  ``(out, in)``) and the layers that store it transposed, ``(in, out)``: Hugging Face's ``Conv1D``
+  (GPT-2's ``c_attn``, ``c_proj``, ``c_fc``) and any module that declares
+  ``dobb_transposed = True`` (an attribute of the class or the instance). Transposed weights get a
+  group of their own with ``transposed=True``, which every optimizer of this package follows;
 - AdamW: everything else — embeddings (``nn.Embedding``), the output head, norms, biases, scalars,
-  and 2-D parameters of other module types (e.g. Hugging Face ``Conv1D``, stored transposed).
+  and parameters of other module types. ``nn.Conv2d`` weights ``(out, in, kh, kw)`` go to AdamW
+  too: the statistic that describes them is the second moment of unfolded input patches
+  (``in*kh*kw`` wide), which the capture hooks do not form, and the matrix optimizers update 2-D
+  weights only.
 
-An ``nn.Linear`` is the output head when its weight *is* an embedding's weight (tied head), when
-its name is one of ``head_names`` (last dotted component), or when it is the model's last
-``nn.Linear`` and projects onto the largest embedding's vocabulary (``out_features ==
-num_embeddings``). Only the last Linear is tested for that: hidden layers can have the vocabulary's
-width (a byte-level model of width 256), and position tables have the context's. Override with
-``is_matrix``.
+A linear layer is the output head when its weight *is* an embedding's weight (tied head), when
+its name is one of ``head_names`` (last dotted component), or when it is the model's last linear
+layer and projects onto the largest embedding's vocabulary (``out_features == num_embeddings``).
+Only the last one is tested for that: hidden layers can have the vocabulary's width (a byte-level
+model of width 256), and position tables have the context's. Override with ``is_matrix``.
 """
 from __future__ import annotations
 
@@ -21,21 +27,43 @@ from torch import nn
 DEFAULT_HEAD_NAMES = ("head", "lm_head", "output", "classifier", "out_proj_vocab")
 
 
+def is_transposed_layer(module: nn.Module) -> bool:
+    """Whether ``module.weight`` is stored ``(in, out)``: Hugging Face ``Conv1D`` or a declared layer."""
+    if getattr(module, "dobb_transposed", False):
+        return True
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
+
+
+def _is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or is_transposed_layer(module)
+
+
+def _out_features(module: nn.Module) -> int:
+    w = module.weight
+    return w.shape[1] if is_transposed_layer(module) else w.shape[0]
+
+
+def transposed_parameters(model: nn.Module) -> set[int]:
+    """``id``s of the weights of ``model``'s transposed layers (see ``is_transposed_layer``)."""
+    return {id(m.weight) for m in model.modules()
+            if is_transposed_layer(m) and isinstance(getattr(m, "weight", None), nn.Parameter)}
+
+
 def split_parameters(model: nn.Module, *, head_names=DEFAULT_HEAD_NAMES,
                      is_matrix: Callable[[str, nn.Module, nn.Parameter], bool] | None = None):
     """Returns ``(matrix, other)``: lists of ``(name, parameter)``; shared parameters appear once."""
     embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
     embedding_weights = {id(m.weight) for m in embeddings}
     vocab = max((m.num_embeddings for m in embeddings), default=None)
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    linears = [m for m in model.modules() if _is_linear(m)]
     last_linear = linears[-1] if linears else None
 
     def default_is_matrix(name: str, module: nn.Module, p: nn.Parameter) -> bool:
-        if not isinstance(module, nn.Linear) or p is not module.weight or p.dim() != 2:
+        if not _is_linear(module) or p is not module.weight or p.dim() != 2:
             return False
         if id(p) in embedding_weights or name.rsplit(".", 1)[0].rsplit(".", 1)[-1] in head_names:
             return False
-        return not (module is last_linear and module.out_features == vocab)
+        return not (module is last_linear and _out_features(module) == vocab)
 
     decide = is_matrix or default_is_matrix
     matrix, other, seen = [], [], set()
@@ -52,15 +80,21 @@ def split_parameters(model: nn.Module, *, head_names=DEFAULT_HEAD_NAMES,
 def param_groups(model: nn.Module, algorithm: str = "dobb", *, head_names=DEFAULT_HEAD_NAMES,
                  is_matrix: Callable[[str, nn.Module, nn.Parameter], bool] | None = None,
                  **matrix_overrides):
-    """Param groups for any optimizer of this package: ``[{matrix group}, {"algorithm": "adamw"}]``.
+    """Param groups for any optimizer of this package: ``[{matrix group}, {"algorithm": "adamw"}]``,
+    with a second matrix group (``transposed=True``) when the model has transposed layers.
 
     Parameters are given as ``(name, tensor)`` pairs so errors can name them. Extra keyword
-    arguments become per-group overrides of the matrix group (e.g. ``blocks=4``).
+    arguments become per-group overrides of the matrix groups (e.g. ``blocks=4``).
     """
     matrix, other = split_parameters(model, head_names=head_names, is_matrix=is_matrix)
+    transposed = transposed_parameters(model)
     groups = []
-    if matrix:
-        groups.append({"params": matrix, "algorithm": algorithm, **matrix_overrides})
+    plain = [np for np in matrix if id(np[1]) not in transposed]
+    flipped = [np for np in matrix if id(np[1]) in transposed]
+    if plain:
+        groups.append({"params": plain, "algorithm": algorithm, **matrix_overrides})
+    if flipped:
+        groups.append({"params": flipped, "algorithm": algorithm, **matrix_overrides, "transposed": True})
     if other:
         groups.append({"params": other, "algorithm": "adamw"})
     if not groups:

@@ -49,8 +49,7 @@ def _losses(trainer):
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
-@pytest.mark.parametrize("arch", [pytest.param("gpt2", marks=pytest.mark.xfail(
-    reason="Conv1D (transposed) weights are not Dobb matrices yet", strict=True)), "llama"])
+@pytest.mark.parametrize("arch", sorted(MODELS))
 def test_trainer_trains_and_resumes_exactly(arch, tmp_path):
     model = MODELS[arch]()
     trainer = DobbTrainer(model=model, args=_args(tmp_path / "a", 30, save_steps=15), train_dataset=_dataset(),
@@ -60,7 +59,7 @@ def test_trainer_trains_and_resumes_exactly(arch, tmp_path):
     opt = getattr(opt, "optimizer", opt)  # accelerate's wrapper
     assert isinstance(opt, dobb.Dobb)
     matrices = [p for g in opt.param_groups if g["algorithm"] == "dobb" for p in g["params"]]
-    assert len(matrices) >= 8  # the hidden projections of both blocks reach Dobb
+    assert len(matrices) >= 8  # the hidden projections of both blocks reach Dobb (GPT-2's Conv1D too)
     # statistics were captured through the Trainer's forward passes: ceil(30 / 4) refreshes
     assert all(opt.state[p]["captures"] == 8 for p in matrices)
     losses = _losses(trainer)

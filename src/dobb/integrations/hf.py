@@ -26,7 +26,8 @@ from transformers import Trainer
 
 from ..factory import _MATRIX, OPTIMIZER_NAMES, valid_hparams
 from ..factory import build_optimizer as _build_by_name
-from ..groups import DEFAULT_HEAD_NAMES, split_parameters
+from ..groups import DEFAULT_HEAD_NAMES
+from ..groups import param_groups as _param_groups
 
 __all__ = ["DobbTrainer", "build_optimizer", "param_groups"]
 
@@ -37,23 +38,19 @@ def param_groups(model: nn.Module, algorithm: str = "dobb", *, decay_names: Iter
 
     ``decay_names``: names of the non-matrix parameters that get weight decay (the Trainer's
     ``get_decay_parameter_names``); the others get ``weight_decay=0``. ``None``: all of them decay
-    (``dobb.param_groups``' rule). Matrices always decay, as in the paper's protocol.
+    (``dobb.param_groups``' rule). Matrices always decay, as in the paper's protocol. GPT-2's
+    ``Conv1D`` weights are matrices (a ``transposed=True`` group).
     """
-    matrix, other = split_parameters(model, head_names=head_names, is_matrix=is_matrix)
-    groups: list[dict[str, Any]] = []
-    if matrix:
-        groups.append({"params": matrix, "algorithm": algorithm, **matrix_overrides})
-    if decay_names is None:
-        splits = [(other, {})]
-    else:
+    groups = []
+    for g in _param_groups(model, algorithm, head_names=head_names, is_matrix=is_matrix, **matrix_overrides):
+        if g["algorithm"] != "adamw" or decay_names is None:
+            groups.append(g)
+            continue
         decay = set(decay_names)
-        splits = [([np for np in other if np[0] in decay], {}),
-                  ([np for np in other if np[0] not in decay], {"weight_decay": 0.0})]
-    for params, extra in splits:
-        if params:
-            groups.append({"params": params, "algorithm": "adamw", **extra})
-    if not groups:
-        raise ValueError("model has no trainable parameters")
+        for params, extra in (([np for np in g["params"] if np[0] in decay], {}),
+                              ([np for np in g["params"] if np[0] not in decay], {"weight_decay": 0.0})):
+            if params:
+                groups.append({**g, "params": params, **extra})
     return groups
 
 

@@ -3,8 +3,8 @@
 torchtitan builds param groups from regex patterns (``ParamGroupConfig``), adds ``param_names``
 (FQNs) and ``fused``/``foreach`` to each, and calls the optimizer factory named by the group
 with the list of groups. ``dobb_factory`` is such a factory: every incoming group is split into
-its Dobb matrices and the rest (AdamW inside the same Dobb object, as ``dobb.param_groups``
-decides), keeping each group's hyperparameters and ``param_names`` aligned with its params, so a
+its Dobb matrices (transposed ones, stored ``(in, out)``, in a ``transposed=True`` group) and the
+rest (AdamW inside the same Dobb object, as ``dobb.param_groups`` decides), keeping each group's hyperparameters and ``param_names`` aligned with its params, so a
 catch-all pattern ``".*"`` is enough. torchtitan's AdamW spellings ``betas``/``eps`` become
 ``adamw_betas``/``adamw_eps``.
 
@@ -31,7 +31,7 @@ from typing import Any
 from torch import nn
 
 from ..dobb import Dobb
-from ..groups import split_parameters
+from ..groups import split_parameters, transposed_parameters
 
 __all__ = ["dobb_factory", "DobbOptimizersContainer"]
 
@@ -47,6 +47,7 @@ def dobb_factory(param_groups: list[dict[str, Any]], *, model: nn.Module, **kwar
     if not param_groups:
         raise ValueError("dobb_factory got no param groups")
     matrix_ids = {id(p) for _, p in split_parameters(model)[0]}
+    transposed = transposed_parameters(model)
     groups = []
     for g in param_groups:
         g = {_RENAMES.get(k, k): v for k, v in g.items()}
@@ -55,14 +56,18 @@ def dobb_factory(param_groups: list[dict[str, Any]], *, model: nn.Module, **kwar
         if names is not None and len(names) != len(params):
             raise ValueError(f"param_names has {len(names)} entries for {len(params)} params")
         algorithm = g.pop("algorithm", None)
-        for is_matrix in (True, False):
-            idx = [i for i, p in enumerate(params) if (id(p) in matrix_ids) == is_matrix]
+        kind = ["adamw" if id(p) not in matrix_ids else "transposed" if id(p) in transposed else "matrix"
+                for p in params]
+        for k in ("matrix", "transposed", "adamw"):
+            idx = [i for i, ki in enumerate(kind) if ki == k]
             if not idx:
                 continue
             sub = dict(g, params=[params[i] for i in idx])
             if names is not None:
                 sub["param_names"] = [names[i] for i in idx]
-            sub["algorithm"] = (algorithm or Dobb.algorithm) if is_matrix else "adamw"
+            sub["algorithm"] = "adamw" if k == "adamw" else (algorithm or Dobb.algorithm)
+            if k == "transposed":
+                sub["transposed"] = True
             groups.append(sub)
     shared = {_RENAMES.get(k, k): v for k, v in kwargs.items()}
     lr = shared.pop("lr", groups[0].get("lr"))
