@@ -92,3 +92,25 @@ def test_looptime_and_roofline_commands(tmp_path, capsys):
 def test_roofline_missing_record_is_one_line_error(tmp_path, capsys):
     assert main(["roofline", "--looptime", str(tmp_path / "nope.json"), "--out", str(tmp_path)]) == 2
     assert "no such record" in capsys.readouterr().err
+
+
+def test_gpu_check_cpu_smoke(tmp_path):
+    """scripts/gpu_check.py runs its whole path on CPU (tiny shapes): every optimizer timed, state
+    bytes measured equal to derived, goals computed."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--cpu-smoke", "--cycles", "1", "--slow-steps", "1", "--out", str(tmp_path)]) == 0
+    rec = json.loads((tmp_path / "gpu_check.json").read_text())
+    rows = {r["optimizer"]: r for r in rec["rows"]}
+    assert set(rows) == {"torch-adamw", "dobb", "dobb-graph", "torch-muon", "dion"}
+    assert rows["dobb"]["steps"] == 9 and rows["torch-muon"]["steps"] == 1
+    for r in rows.values():
+        scalars = 4 * rec["matrices"] if r["optimizer"] == "torch-adamw" else 0  # AdamW step counters
+        assert r["state_bytes_measured"] - scalars == r["state_bytes_derived"], r["optimizer"]
+    assert set(rec["goals"]) >= {"dobb / fused adamw <= 1.1", "torch muon / dobb >= 20"}
+    assert "git_rev" in rec["provenance"]
