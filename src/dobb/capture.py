@@ -67,7 +67,10 @@ class CaptureHooks:
         self.armed: set[torch.Tensor] = set()
         self.paused = 0  # > 0 inside Dobb.capture_paused()
         self.pending: dict[torch.Tensor, PendingStat] = {}
-        self.handles = [m.register_forward_hook(self._forward_hook) for m in self._module_params]
+        # A module with ``dobb_capture = False`` gets no hook: its weights' statistics come only from
+        # ``Dobb.capture`` (a layer whose first input is not the weight's input, e.g. routed experts).
+        self.handles = [m.register_forward_hook(self._forward_hook) for m in self._module_params
+                        if getattr(m, "dobb_capture", True)]
 
     def remove(self) -> None:
         for h in self.handles:
@@ -88,6 +91,16 @@ class CaptureHooks:
                 self._accumulate(p, args[0].detach(), group)
             elif isinstance(output, torch.Tensor) and output.requires_grad:
                 output.register_hook(functools.partial(self._grad_hook, p))
+
+    def capture(self, p: torch.Tensor, features: torch.Tensor) -> bool:
+        """``Dobb.capture``: the forward hook's decision and accumulation for given features."""
+        if p not in self.armed or self.paused or not torch.is_grad_enabled() or in_backward():
+            return False
+        group = self.groups[p]
+        if group["capture"] == "first":
+            self.armed.discard(p)
+        self._accumulate(p, features.detach(), group)
+        return True
 
     def _grad_hook(self, p: torch.Tensor, grad: torch.Tensor) -> None:
         # Data parallelism averages gradients over the P ranks of the statistic's group (DDP/FSDP:

@@ -184,6 +184,26 @@ class Dobb(MatrixOptimizer):
         finally:
             self._hooks.paused -= 1
 
+    def capture(self, weight: torch.Tensor, features: torch.Tensor) -> bool:
+        """Record input features of ``weight``'s layer for its statistic, for layers the hooks
+        cannot read: custom layers, experts that see only the tokens routed to them.
+
+        ``features``: rows of the layer's input, last dimension the weight's input axis (any
+        leading shape). Counted like a hooked forward pass: only when the next ``step()``
+        refreshes ``weight`` (otherwise nothing is recorded and False is returned), with grad
+        enabled, outside ``capture_paused()`` and activation-checkpoint recomputation, and with
+        ``capture="first"`` only the first time after a step. Give the owning module
+        ``dobb_capture = False`` so that its forward hook does not capture its first input as
+        well. The weight must be in a group with ``source="activation"``.
+        """
+        group = next((g for g in self._dobb_groups() if any(q is weight for q in g["params"])), None)
+        if group is None:
+            raise ValueError(f"capture: the tensor of shape {tuple(weight.shape)} is not a matrix of this Dobb")
+        if group["source"] != "activation":
+            raise ValueError(f"capture records layer inputs: the weight's group has source={group['source']!r}, "
+                             f"it needs source='activation'")
+        return self._hooks.capture(weight, features)
+
     # ------------------------------------------------------------------ schedule
     def _is_refresh(self, p: torch.Tensor, group: dict) -> bool:
         # Until a first statistic exists every step is due (a zero-lr step or a forward pass that
