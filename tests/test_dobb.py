@@ -298,3 +298,27 @@ def test_momentum_forms_match_spec_sum_form(nesterov, norm):
         u = grad + mu * mom if nesterov else mom
         expected = w0 - lr * s * _ref_direction(u, x, 1, norm, "input")
         torch.testing.assert_close(layer.weight.detach(), expected, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("saved,loaded,key", [
+    (dict(blocks=4), dict(blocks=2), "stat"),            # (16, 4) vs (16, 8)
+    (dict(blocks=2), dict(blocks=2, side="output", source="output_grad"), "stat"),  # (16, 8) vs (12, 6)
+])
+def test_loading_state_of_another_layout_names_parameter_and_shapes(saved, loaded, key):
+    layer = _one_layer(12, 16)
+    opt = dobb.Dobb([("fc.weight", layer.weight)], layer, lr=0.1, **saved)
+    layer(torch.randn(3, 16, dtype=torch.float64)).sum().backward()
+    opt.step()
+    other = dobb.Dobb([("fc.weight", layer.weight)], layer, lr=0.1, **loaded)
+    want, got = tuple(opt.state[layer.weight][key].shape), tuple(other.state[layer.weight][key].shape)
+    with pytest.raises(ValueError, match=rf"fc\.weight: saved state '{key}' has shape \({want[0]}, {want[1]}\).*needs \({got[0]}, {got[1]}\)"):
+        other.load_state_dict(opt.state_dict())
+    assert other.state[layer.weight]["step"] == 0  # nothing was loaded
+
+
+def test_loading_dion_state_of_another_rank_is_a_value_error():
+    layer = _one_layer(12, 16)
+    opt = dobb.Dion([layer.weight], lr=0.1, rank_fraction=0.25)
+    other = dobb.Dion([layer.weight], lr=0.1, rank_fraction=0.5)
+    with pytest.raises(ValueError, match=r"saved state 'Q' has shape \(16, 3\).*needs \(16, 6\)"):
+        other.load_state_dict(opt.state_dict())

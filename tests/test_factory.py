@@ -160,3 +160,26 @@ def test_lr_scheduler_drives_matrix_and_adamw_groups(name):
     snapshot = [p.detach().clone() for p in model.parameters()]
     run(model, opt, X, Y, 2, sched)  # lr = 0: neither the update nor weight decay moves anything
     assert all(torch.equal(p, q) for p, q in zip(snapshot, model.parameters()))
+
+
+@pytest.mark.parametrize("name", dobb.OPTIMIZER_NAMES)
+def test_tensor_lr_from_a_scheduler_matches_float_lr(name):
+    """Schedulers may hold lr as a tensor (capturable/compiled setups): every optimizer takes the same
+    steps with lr = tensor(x) as with lr = x, through a scheduler that changes it every step."""
+    def run(lr):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8), nn.Linear(8, 4)).double()
+        opt = dobb.build_optimizer(name, model, lr=lr, weight_decay=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            model(torch.randn(5, 8, generator=g, dtype=torch.float64)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+        getattr(opt, "remove_hooks", lambda: None)()
+        return torch.cat([p.detach().flatten() for p in model.parameters()]), opt.param_groups[0]["lr"]
+
+    (w_float, lr_float), (w_tensor, lr_tensor) = run(0.01), run(torch.tensor(0.01, dtype=torch.float64))
+    assert isinstance(lr_tensor, torch.Tensor) and float(lr_tensor) == pytest.approx(lr_float)
+    torch.testing.assert_close(w_tensor, w_float, atol=1e-12, rtol=0)

@@ -13,8 +13,8 @@ hyperparameters and defaults) and implement
   rank (``torch.distributed.checkpoint`` loads only into state that exists);
 - ``_matrix_step(group, active)``: update the matrices of ``group`` that have a gradient;
 
-and may override ``_check_gradients()`` (before any update), ``_after_step()`` and
-``_after_load()``. Every optimizer keeps its momentum under the state key ``"momentum"``.
+and may override ``_prepare_step()`` (before any update: raising there leaves every weight and
+state untouched), ``_after_step()`` and ``_after_load()``. Every optimizer keeps its momentum under the state key ``"momentum"``.
 """
 from __future__ import annotations
 
@@ -145,7 +145,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
         # A step called inside an autocast region (a whole loop under autocast) must not run its
         # statistics, QR, eigh or projections in bf16: the update is computed in the state dtypes.
         with torch.autocast(device_type=self._device_type(), enabled=False):
-            self._check_gradients()
+            self._prepare_step()
             for group in self.param_groups:
                 if group["algorithm"] == "adamw":
                     self._adamw_step(group)
@@ -200,7 +200,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 return p.device.type
         return "cpu"
 
-    def _check_gradients(self) -> None:
+    def _prepare_step(self) -> None:
         """Run before any update: raise here to leave every weight and state untouched."""
 
     def _matrix_step(self, group: dict[str, Any], active: list[torch.Tensor]) -> None:
@@ -223,8 +223,9 @@ class MatrixOptimizer(torch.optim.Optimizer):
         if not params:
             return
         beta1, beta2 = group["adamw_betas"]
-        # DTensor parameters go through the single-tensor path, as torch.optim.AdamW does.
-        foreach = not any(is_dtensor(p) for p in params)
+        # DTensor parameters and a tensor lr (a scheduler holding tensors) go through the
+        # single-tensor path, as torch.optim.AdamW does.
+        foreach = not any(is_dtensor(p) for p in params) and not isinstance(group["lr"], torch.Tensor)
         _torch_adamw(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=foreach, amsgrad=False,
                      beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
                      eps=group["adamw_eps"], maximize=False,
@@ -244,6 +245,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state_dict = _rename_legacy_keys(state_dict)
+        self._check_saved_shapes(state_dict)
         own = {key: saved_state_by_param(self, state_dict, key) for key in self._own_dtype_keys}
         layouts = {(p, key): self.state[p][key] for key, saved in own.items() for p in saved
                    if is_dtensor(self.state[p].get(key))}
@@ -261,6 +263,24 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 if key in st:
                     st[key] = int(st[key])
         self._after_load()
+
+    def _check_saved_shapes(self, state_dict: dict) -> None:
+        """Every saved state tensor must have the shape this optimizer's layout gives it (a state
+        saved with other ``blocks``, ``side``, rank or weight shape would load and then fail, or
+        silently misbehave, steps later)."""
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [(p, j) for g in self.param_groups for j, p in enumerate(g["params"])]
+        if len(saved_ids) != len(params):
+            return  # torch's own load raises the precise error
+        for i, (p, j) in zip(saved_ids, params):
+            for key, value in state_dict["state"].get(i, {}).items():
+                mine = self.state[p].get(key) if p in self.state else None
+                if isinstance(value, torch.Tensor) and isinstance(mine, torch.Tensor) and value.shape != mine.shape:
+                    raise ValueError(
+                        f"{_name_of(p, self._param_names, j)}: saved state {key!r} has shape {tuple(value.shape)}, "
+                        f"but this optimizer's layout needs {tuple(mine.shape)} (saved with other blocks, side, "
+                        f"rank or weight shape?)"
+                    )
 
     def _after_load(self) -> None:
         """Run after ``load_state_dict`` (torch has replaced the param group dicts by then)."""

@@ -6,10 +6,16 @@ on the layer's output. A capture happens only when the optimizer has armed the p
 and evaluation passes never capture), and the pass is not an activation-checkpoint recomputation
 (a forward run while autograd is executing a backward graph; this covers non-reentrant
 ``torch.utils.checkpoint``, the recommended mode).
+
+Hooks only add up local sums and row counts; no hook communicates. The data-parallel average is
+taken in ``step()``, in parameter order, for every parameter due for a refresh whether or not its
+layer ran on this rank (``Dobb._prepare_step``): a layer skipped on one rank (an MoE expert without
+tokens, a conditional branch) cannot make the ranks issue different collectives.
 """
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import functional as F
-from .collectives import StatReduction, all_reduce_sum_, reduce_stat_async
+from .collectives import all_reduce_sum_
 from .layout import MatrixLayout
 
 
@@ -27,22 +33,11 @@ def in_backward() -> bool:
 
 @dataclass
 class PendingStat:
-    """Captured sums for one parameter since the last ``step()``."""
+    """Captured sums for one parameter since the last ``step()``: ``sums`` over ``count`` rows,
+    shaped like the captured span's row-stacked blocks."""
 
     sums: torch.Tensor
     count: int
-    layout: MatrixLayout
-    reduction: StatReduction | None = None
-
-    def finish(self, group) -> torch.Tensor:
-        """The (data-parallel averaged) second moment, shaped like the local block state."""
-        if self.reduction is not None:
-            mean = self.reduction.wait()
-        else:
-            mean = self.sums / self.count
-            pending = reduce_stat_async(mean, group)
-            mean = mean if pending is None else pending.wait()
-        return self.layout.stat_to_state(mean)
 
 
 class CaptureHooks:
@@ -117,23 +112,18 @@ class CaptureHooks:
     def _accumulate(self, p: torch.Tensor, feats: torch.Tensor, group: dict) -> None:
         layout = self.layouts[p]
         # The span is the local blocks, or the whole axis when its shards are spread over the
-        # data-parallel ranks (see MatrixLayout.span_sizes); finish() cuts it to the local rows.
+        # data-parallel ranks (see MatrixLayout.span_sizes); stat_to_state() cuts it to the local rows.
         feats = layout.capture_features(feats)
         sizes = layout.capture_sizes
         # Accumulate in fp32 at least (fp64 when the statistic is kept in fp64).
         dtype = torch.promote_types(group["stat_dtype"], torch.float32)
         if sizes:
             sums, count = F.second_moment_blocks(feats, sizes, dtype)
-        else:  # an empty shard: nothing to capture, but keep the capture count in step with the others
-            sums, count = feats.new_zeros(0, layout.state_cols, dtype=dtype), 1
+        else:  # an empty shard: nothing to sum, but its rows count towards the token-weighted mean
+            sums, count = feats.new_zeros(0, layout.state_cols, dtype=dtype), math.prod(feats.shape[:-1])
         prev = self.pending.get(p)
-        if group["capture"] == "first":
-            # Complete after one micro-batch: start the data-parallel mean now, so it overlaps
-            # the rest of forward/backward; step() waits for it.
-            mean = sums.div_(max(count, 1))
-            self.pending[p] = PendingStat(mean, 1, layout, reduce_stat_async(mean, layout.stat_group))
-        elif prev is None:
-            self.pending[p] = PendingStat(sums, count, layout)
+        if prev is None:
+            self.pending[p] = PendingStat(sums, count)
         else:
             prev.sums.add_(sums)
             prev.count += count

@@ -1,9 +1,14 @@
 """Every collective the library issues on its own behalf (not those of FSDP, DTensor or Dion's
 partial sums), each tagged with ``collective_kind`` so a meter can tell them apart.
 
-Tags: ``"stat"`` for the data-parallel statistic mean, ``"norm"`` for ell2 column norms and
-gradient-Gram partial sums. The tag is a context variable read by ``dobb.meter``; this module does
-not know the meter exists.
+Tags: ``"stat"`` for the data-parallel statistic sums (with the finiteness flags folded in when
+they share the group), ``"finite"`` for the finiteness flags alone, ``"norm"`` for ell2 column
+norms and gradient-Gram partial sums. The tag is a context variable read by ``dobb.meter``; this
+module does not know the meter exists.
+
+Groups are never guessed: a plain parameter's statistic group is the ``stat_group`` the user gave
+or the process group of the ``DistributedDataParallel`` module passed as ``model``
+(``plain_stat_group``); DTensor parameters take theirs from their mesh (``sharding``).
 """
 from __future__ import annotations
 
@@ -12,8 +17,10 @@ import contextvars
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["collective_kind", "current_kind", "StatReduction", "reduce_stat_async", "all_reduce_sum_"]
+__all__ = ["collective_kind", "current_kind", "SumBucket", "all_reduce_sum_", "plain_stat_group", "group_ranks",
+           "common_group"]
 
 _KIND: contextvars.ContextVar[str | None] = contextvars.ContextVar("dobb_collective_kind", default=None)
 
@@ -33,25 +40,28 @@ def current_kind() -> str | None:
     return _KIND.get()
 
 
-class StatReduction:
-    """An in-flight mean of a captured statistic over the data-parallel group."""
+class SumBucket:
+    """Tensors summed over one process group by a single all-reduce, returned in the order added.
 
-    def __init__(self, tensor: torch.Tensor, group):
-        self.tensor = tensor
-        self.size = dist.get_world_size(group)
-        with collective_kind("stat"):
-            self.work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    Why one flat buffer: every rank adds the same segments (same shapes, same order) whatever its
+    data, so the ranks always issue the same collective, and one call replaces many small ones.
+    """
 
-    def wait(self) -> torch.Tensor:
-        self.work.wait()
-        return self.tensor.div_(self.size)
+    def __init__(self, group, dtype: torch.dtype, device: torch.device):
+        self.group, self.dtype, self.device = group, dtype, device
+        self.parts: list[torch.Tensor] = []
 
+    def add(self, t: torch.Tensor) -> int:
+        self.parts.append(t)
+        return len(self.parts) - 1
 
-def reduce_stat_async(tensor: torch.Tensor, group) -> StatReduction | None:
-    """Launch the data-parallel mean of a statistic (Dobb's only communication); None if no group."""
-    if group is None or tensor.numel() == 0:  # every rank of the group holds the same (empty) span
-        return None
-    return StatReduction(tensor, group)
+    def reduce(self, kind: str) -> list[torch.Tensor]:
+        flat = torch.cat([t.reshape(-1).to(device=self.device, dtype=self.dtype) for t in self.parts])
+        if self.group is not None:
+            with collective_kind(kind):
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
+        sizes = [t.numel() for t in self.parts]
+        return [v.view(t.shape) for v, t in zip(flat.split(sizes), self.parts)]
 
 
 def all_reduce_sum_(tensor: torch.Tensor, group) -> torch.Tensor:
@@ -60,3 +70,57 @@ def all_reduce_sum_(tensor: torch.Tensor, group) -> torch.Tensor:
         with collective_kind("norm"):
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor
+
+
+def group_ranks(group) -> frozenset[int]:
+    """Global ranks of ``group`` (this rank alone for None)."""
+    if group is None:
+        return frozenset([dist.get_rank() if dist.is_available() and dist.is_initialized() else 0])
+    return frozenset(dist.get_process_group_ranks(group))
+
+
+def common_group(groups: list):
+    """One group over the union of the ranks of ``groups`` (Nones ignored): one of them when it
+    covers the union, the world when the union is the world; None when no rank but this one."""
+    groups = [g for g in groups if g is not None]
+    if not groups:
+        return None
+    union = frozenset().union(*(group_ranks(g) for g in groups))
+    for g in groups:
+        if group_ranks(g) == union:
+            return g
+    if union == frozenset(range(dist.get_world_size())):
+        return dist.group.WORLD
+    raise ValueError(
+        f"the optimizer's parameters are spread over process groups with ranks "
+        f"{sorted(sorted(group_ranks(g)) for g in groups)} and no one group covers them, so the ranks that "
+        f"share a step cannot decide together whether its gradients are finite; pass check_finite=False"
+    )
+
+
+def plain_stat_group(model, stat_group):
+    """The group over which plain (non-DTensor) parameters average their statistics.
+
+    ``stat_group`` when given (a ``ProcessGroup``, or None: no averaging); else the process group of
+    the ``DistributedDataParallel`` module passed as ``model``; else None in a single process. Under
+    an initialized process group of several ranks with neither, a ``ValueError``: the ranks that see
+    different data cannot be guessed (a model trained on one rank only would hang at its first
+    refresh if the world were assumed).
+    """
+    if stat_group != "default":
+        if stat_group is not None and not isinstance(stat_group, dist.ProcessGroup):
+            raise ValueError(
+                f"stat_group for plain (non-DTensor) parameters must be a ProcessGroup or None, got "
+                f"{stat_group!r} (mesh dim names apply to DTensor parameters only)"
+            )
+        return stat_group if stat_group is not None and dist.get_world_size(stat_group) > 1 else None
+    if isinstance(model, DistributedDataParallel):
+        group = model.process_group
+        return group if dist.get_world_size(group) > 1 else None
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(
+            f"plain (non-DTensor) parameters under an initialized process group of {dist.get_world_size()} "
+            f"ranks: say which ranks average the statistics. Pass the DistributedDataParallel module as "
+            f"`model` (its process group is used), or stat_group=<ProcessGroup> (None: this rank's data alone)"
+        )
+    return None

@@ -23,9 +23,9 @@ from torch import nn
 
 from . import functional as F
 from ._base import MatrixOptimizer, _name_of
-from ._dtensor import to_local
+from ._dtensor import is_dtensor, to_local
 from .capture import CaptureHooks, gram_statistic
-from .collectives import all_reduce_sum_
+from .collectives import SumBucket, all_reduce_sum_, common_group, group_ranks, plain_stat_group
 from .layout import MatrixLayout
 from .placement import layout_for
 
@@ -40,6 +40,7 @@ _CHOICES = {
 }
 _HOOK_SOURCES = ("activation", "output_grad")
 _FLIP = {"input": "output", "output": "input"}
+_UNRESOLVED = object()
 
 
 class Dobb(MatrixOptimizer):
@@ -66,9 +67,15 @@ class Dobb(MatrixOptimizer):
         stagger: spread refreshes over the cycle (each step refreshes about ``1/T`` of the
             matrices' work, same per-matrix period) to flatten the refresh-step spike.
         check_finite: raise ``ValueError`` naming the parameter when a gradient holds NaN/Inf,
-            before any state changes (costs one host synchronisation per step; set False to skip).
-        stat_group: process group over which statistics are averaged; ``"default"`` picks the
-            data-parallel ranks from the parameter's layout.
+            before any state changes. The decision is taken by all ranks that share the step
+            together (one flag all-reduce, folded into the statistic reduction on refresh steps), so
+            every rank raises the same error. Costs one host synchronisation per step; False skips it.
+        stat_group: process group over which statistics are averaged (token-weighted). ``"default"``:
+            DTensor parameters take the data-parallel dims of their mesh; plain parameters the
+            process group of the ``DistributedDataParallel`` module passed as ``model``, and raise a
+            ``ValueError`` under an initialized process group of several ranks without one (pass a
+            ``ProcessGroup``, or None for this rank's data alone). Mesh dim names/indices select
+            DTensor mesh dims.
         transposed: the group's weights are stored ``(in, out)`` (Hugging Face ``Conv1D``;
             ``dobb.param_groups`` sets it): blocks, statistics and sharding follow the input axis.
     """
@@ -90,10 +97,13 @@ class Dobb(MatrixOptimizer):
         self._layouts: dict[torch.Tensor, MatrixLayout] = {}
         self._offsets: dict[torch.Tensor, int] = {}
         self._hooks: CaptureHooks | None = None
+        self._plain_group = _UNRESOLVED
+        self._reduced: dict[torch.Tensor, torch.Tensor | None] = {}
         self._constructed = False
         super().__init__(params, lr=lr, weight_decay=weight_decay, **kwargs)
         self._constructed = True
         self._install_hooks()
+        self._step_group = self._find_step_group()
 
     # ------------------------------------------------------------------ set-up
     def _check_matrix_group(self, group: dict[str, Any]) -> None:
@@ -124,10 +134,16 @@ class Dobb(MatrixOptimizer):
         cost = defaultdict(int)  # stagger: greedy balance of refresh work over the T offsets
         for i, p in enumerate(group["params"]):
             try:
+                if is_dtensor(p):
+                    stat_group = self._stat_group
+                elif group["source"] in _HOOK_SOURCES:
+                    stat_group = self._plain_stat_group()
+                else:  # grad_gram: the gradient is already averaged, the statistic needs no group
+                    stat_group = None
                 # a transposed weight, stored (in, out): its input axis is dim 0, so the "input" side
                 # blocks dim 0 (what "output" blocks on an (out, in) weight) and vice versa
                 side = _FLIP[group["side"]] if group["transposed"] else group["side"]
-                layout = layout_for(p, side, group["blocks"], self._stat_group)
+                layout = layout_for(p, side, group["blocks"], stat_group)
             except ValueError as exc:
                 raise ValueError(f"{_name_of(p, self._param_names, i)}: {exc}") from None
             self._layouts[p] = layout
@@ -162,6 +178,31 @@ class Dobb(MatrixOptimizer):
         super().add_param_group(param_group)
         if getattr(self, "_constructed", False):  # a group added after construction
             self._install_hooks()
+            self._step_group = self._find_step_group()
+
+    def _plain_stat_group(self):
+        if self._plain_group is _UNRESOLVED:
+            self._plain_group = plain_stat_group(self.model, self._stat_group)
+        return self._plain_group
+
+    def _find_step_group(self):
+        """The ranks that share this optimizer's step (they decide finiteness together): the meshes
+        of DTensor parameters, the statistic group of plain ones."""
+        groups = []
+        for g in self.param_groups:
+            for p in g["params"]:
+                if is_dtensor(p):
+                    from .sharding import mesh_group
+
+                    groups.append(mesh_group(p.device_mesh))
+                elif self._plain_group is not _UNRESOLVED:
+                    groups.append(self._plain_group)
+                else:
+                    try:
+                        groups.append(plain_stat_group(self.model, self._stat_group))
+                    except ValueError:  # no hook source needed it: gradients are this rank's own
+                        pass
+        return common_group(groups)
 
     def _dobb_groups(self):
         return [g for g in self.param_groups if g["algorithm"] == self.algorithm]
@@ -223,24 +264,76 @@ class Dobb(MatrixOptimizer):
         return any(self._is_refresh(p, g) for g in self._dobb_groups() for p in g["params"])
 
     # ------------------------------------------------------------------ the step
-    def _check_gradients(self) -> None:
-        if not self.check_finite:
-            return
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        if not grads:
-            return
-        local = [to_local(g) for g in grads]
-        if bool(torch.isfinite(torch.stack(torch._foreach_norm(local))).all()):
-            return
-        for g in self.param_groups:
-            for i, p in enumerate(g["params"]):
-                if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
-                    raise ValueError(
-                        f"non-finite gradient (NaN or Inf) in {_name_of(p, self._param_names, i)}; "
-                        f"no weight or optimizer state was changed (pass check_finite=False to skip this check)"
-                    )
+    def _prepare_step(self) -> None:
+        """Everything the ranks must decide together before any state changes, in one pass of
+        collectives issued identically on every rank: the statistics of every parameter due for a
+        refresh (token-weighted sums, zero with zero weight where a layer did not run here) and the
+        finiteness flags of all gradients (folded into a statistic reduction over the same ranks)."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        buckets: dict[tuple, SumBucket] = {}
+        slots = []  # (param, layout, bucket or None, index of sums, index of count) per due matrix
+        for g in self._dobb_groups():
+            if g["source"] not in _HOOK_SOURCES or self._hooks is None:
+                continue
+            dtype = torch.promote_types(g["stat_dtype"], torch.float32)
+            for p in g["params"]:
+                if p.grad is None or not self._is_refresh(p, g):
+                    continue
+                layout = self._layouts[p]
+                pending = self._hooks.pending.get(p)
+                device = layout.local(p).device
+                sums = pending.sums if pending is not None else torch.zeros(layout.capture_shape, dtype=dtype, device=device)
+                count = torch.tensor([pending.count if pending is not None else 0], dtype=dtype, device=device)
+                key = (id(layout.stat_group), dtype, device)
+                bucket = buckets.get(key)
+                if bucket is None:
+                    bucket = buckets[key] = SumBucket(layout.stat_group, dtype, device)
+                slots.append((p, layout, bucket, bucket.add(sums), bucket.add(count)))
+        flags = self._local_nonfinite(params) if self.check_finite else None
+        flag_slot = None
+        if flags is not None and self._step_group is not None:
+            ranks = group_ranks(self._step_group)
+            shared = next((b for b in buckets.values() if b.group is not None and group_ranks(b.group) == ranks), None)
+            if shared is None:
+                shared = SumBucket(self._step_group, flags.dtype, flags.device)
+                buckets[("finite",)] = shared
+            flag_slot = (shared, shared.add(flags))
+        reduced = {id(b): b.reduce("finite" if k == ("finite",) else "stat") for k, b in buckets.items()}
+        if flags is not None:
+            if flag_slot is not None:
+                flags = reduced[id(flag_slot[0])][flag_slot[1]]
+            bad = [i for i, v in enumerate(flags.tolist()) if v > 0]
+            if bad:
+                self._rearm()  # the next forward passes capture afresh
+                self._raise_nonfinite(params[bad[0]], int(flags[bad[0]].item()))
+        counts = [reduced[id(b)][c] for _, _, b, _, c in slots]
+        totals = torch.cat(counts).tolist() if counts else []
+        self._reduced.clear()
+        for (p, layout, b, i, _), total in zip(slots, totals):
+            # no rank saw a token for this layer: keep its statistic and basis
+            self._reduced[p] = None if total == 0 else layout.stat_to_state(reduced[id(b)][i] / total)
+
+    @staticmethod
+    def _local_nonfinite(params: list[torch.Tensor]) -> torch.Tensor | None:
+        """1.0 for every parameter whose local gradient holds NaN/Inf, else 0.0 (no host sync)."""
+        with_grad = [i for i, p in enumerate(params) if p.grad is not None]
+        if not with_grad:
+            return None
+        norms = torch.stack(torch._foreach_norm([to_local(params[i].grad) for i in with_grad]))
+        flags = torch.zeros(len(params), dtype=torch.float32, device=norms.device)
+        flags[with_grad] = (~torch.isfinite(norms)).to(torch.float32)
+        return flags
+
+    def _raise_nonfinite(self, p: torch.Tensor, ranks: int) -> None:
+        index = next(i for g in self.param_groups for i, q in enumerate(g["params"]) if q is p)
+        where = "" if self._step_group is None else f" on {ranks} of {len(group_ranks(self._step_group))} ranks"
+        raise ValueError(
+            f"non-finite gradient (NaN or Inf) in {_name_of(p, self._param_names, index)}{where}; no weight or "
+            f"optimizer state was changed on any rank (pass check_finite=False to skip this check)"
+        )
 
     def _after_step(self) -> None:
+        self._reduced.clear()
         self._rearm()
 
     def _matrix_step(self, group: dict[str, Any], active: list[torch.Tensor]) -> None:
@@ -281,10 +374,9 @@ class Dobb(MatrixOptimizer):
             if group["source"] == "grad_gram":
                 new = gram_statistic(g, layout, torch.promote_types(group["stat_dtype"], torch.float32))
             else:
-                pending = self._hooks.pending.pop(p, None) if self._hooks else None
-                if pending is None:
-                    continue  # not captured (layer unused in this step's forward): keep the basis
-                new = pending.finish(layout.stat_group)
+                new = self._reduced.get(p)
+                if new is None:
+                    continue  # no rank captured it (layer unused in this step's forward): keep the basis
             stat = layout.local(state["stat"])
             basis = layout.local(state["basis"])
             new = new.to(stat.dtype)

@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from ._dtensor import is_dtensor
 from .functional import block_sizes, identity_blocks
@@ -70,6 +69,12 @@ class MatrixLayout:
     def capture_sizes(self) -> list[int]:
         """Block sizes of the statistic this rank captures and reduces (see ``span_sizes``)."""
         return self.local_sizes if self.span_sizes is None else self.span_sizes
+
+    @property
+    def capture_shape(self) -> tuple[int, int]:
+        """Shape of the captured (span) sums: row-stacked blocks, or ``(0, state_cols)`` when empty."""
+        sizes = self.capture_sizes
+        return (sum(sizes), max(sizes)) if sizes else (0, self.state_cols)
 
     def capture_features(self, x: torch.Tensor) -> torch.Tensor:
         """Features for the captured span: the local blocks, or the whole axis (``span_sizes``)."""
@@ -135,17 +140,12 @@ def plain_features(x: torch.Tensor) -> torch.Tensor:
     return x.to_local()
 
 
-def default_stat_group(param: torch.Tensor):
-    """Data-parallel group for plain (replicated) parameters: the world, when initialized."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return dist.group.WORLD
-    return None
+def plain_layout(param: torch.Tensor, side: str, blocks: int, stat_group=None) -> MatrixLayout:
+    """The layout of a plain (unsharded) matrix parameter; validates its block partition.
 
-
-def plain_layout(param: torch.Tensor, side: str, blocks: int, stat_group="default") -> MatrixLayout:
-    """The layout of a plain (unsharded) matrix parameter; validates its block partition."""
+    ``stat_group`` is already resolved (a ProcessGroup or None, see ``collectives.plain_stat_group``).
+    """
     m, n = param.shape
     axis = 1 if side == "input" else 0
     sizes = block_sizes(param.shape[axis], blocks)
-    group = default_stat_group(param) if stat_group == "default" else stat_group
-    return MatrixLayout((m, n), (m, n), axis, sizes, 0, group, None)
+    return MatrixLayout((m, n), (m, n), axis, sizes, 0, stat_group, None)

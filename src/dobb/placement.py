@@ -15,9 +15,14 @@ __all__ = ["layout_for"]
 
 
 def layout_for(param: torch.Tensor, side: str, blocks: int, stat_group="default") -> MatrixLayout:
-    """Choose the layout of a matrix parameter and validate its block partition."""
+    """Choose the layout of a matrix parameter and validate its block partition.
+
+    ``stat_group``: for DTensors ``"default"`` (the mesh's data-parallel dims), mesh dim names or
+    indices, a ProcessGroup or None; for plain tensors a ProcessGroup or None (resolved by the
+    caller, ``collectives.plain_stat_group``).
+    """
     if is_dtensor(param):
         from .sharding import dtensor_layout
 
         return dtensor_layout(param, side, blocks, stat_group)
-    return plain_layout(param, side, blocks, stat_group)
+    return plain_layout(param, side, blocks, None if stat_group == "default" else stat_group)

@@ -41,11 +41,8 @@ from ._dtensor import to_local
 from .functional import block_sizes, identity_blocks
 from .layout import MatrixLayout
 
-__all__ = ["DTensorLayout", "dtensor_layout", "data_parallel_dims", "chunk_sizes", "AxisSplit", "axis_split",
+__all__ = ["DTensorLayout", "dtensor_layout", "data_parallel_dims", "chunk_sizes", "mesh_group", "AxisSplit", "axis_split",
            "gather_full", "local_slice", "rows_are_local", "row_wise", "replicate_like"]
-
-_FLATTENED: dict[tuple, object] = {}
-
 
 def chunk_sizes(length: int, parts: int) -> list[int]:
     """Shard lengths of an axis split ``torch.chunk``-style (DTensor ``Shard``): trailing shards may
@@ -83,10 +80,20 @@ def _group_over(mesh, dims: tuple[int, ...]):
             f"reducing over several mesh dims {dims} needs a mesh with mesh_dim_names (to flatten "
             f"them); name the mesh dims or pass stat_group=<ProcessGroup>"
         )
-    key = (id(mesh._get_root_mesh()), tuple(names[d] for d in dims))
-    if key not in _FLATTENED:
-        _FLATTENED[key] = mesh[tuple(names[d] for d in dims)]._flatten()
-    return _FLATTENED[key].get_group()
+    # The root mesh keeps its flattened meshes (``_flatten_mapping``), so the group lives and dies
+    # with the mesh; flattening the same dims again returns the same mesh.
+    return mesh[tuple(names[d] for d in dims)]._flatten().get_group()
+
+
+def mesh_group(mesh):
+    """A process group over every rank of ``mesh`` (None for a single rank)."""
+    if mesh.size() == 1:
+        return None
+    if mesh.ndim == 1:
+        return mesh.get_group(0)
+    if set(mesh.mesh.flatten().tolist()) == set(range(dist.get_world_size())):
+        return dist.group.WORLD
+    return _group_over(mesh, tuple(range(mesh.ndim)))
 
 
 def _dim_index(mesh, d) -> int:

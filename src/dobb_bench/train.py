@@ -3,8 +3,9 @@
 Why it is built this way:
 - The optimizer arrives as a factory ``make_optimizer(model) -> torch.optim.Optimizer`` so the
   loop knows nothing about any optimizer (the CLI binds ``dobb.build_optimizer`` to it). The
-  factory receives the unwrapped module (DDP's ``.module``; FSDP2 shards in place), so hooks an
-  optimizer registers see the real ``nn.Linear`` layers.
+  factory receives the DDP wrapper under DDP (its process group is the one Dobb averages
+  statistics over; hooks reach the inner layers through it) and the module itself otherwise
+  (FSDP2 shards in place).
 - ``--batch-size`` is the *global* number of sequences per optimizer step, split over processes
   and micro-batches; each micro-batch loss is divided by the number of micro-batches, so the
   optimizer sees the mean gradient of the global batch whatever the layout.
@@ -268,7 +269,7 @@ class Run:
             self.model = model
         else:
             self.model = model
-        self.optimizer = make_optimizer(self.inner)
+        self.optimizer = make_optimizer(self.model)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, cfg))
         self.step = 0

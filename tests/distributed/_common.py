@@ -13,6 +13,7 @@ import traceback
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import dobb.dobb as dobb_module
 from _compare import max_diff  # noqa: F401  (the suite's one comparison helper, re-exported for the workers)
@@ -64,16 +65,20 @@ def groups(model, matrices=Net.matrices):
 
 
 def make_opt(model, variant, blocks=BLOCKS, matrices=Net.matrices, **kw):
+    """Dobb on ``model``'s matrices; a DDP ``model`` is passed as is (its process group averages
+    the statistics of plain parameters)."""
     kw = {**VARIANTS[variant], **kw}
-    return Dobb(groups(model, matrices), model, lr=0.02, weight_decay=0.01, blocks=blocks, refresh_every=REFRESH,
+    inner = model.module if isinstance(model, DDP) else model
+    return Dobb(groups(inner, matrices), model, lr=0.02, weight_decay=0.01, blocks=blocks, refresh_every=REFRESH,
                 basis_dtype=torch.float64, stat_dtype=torch.float64, **kw)
 
 
 def train(model, opt, batches, shard=(0, 1), meter=False):
     """Steps on rows ``[r*N/P, (r+1)*N/P)`` of each batch for ``shard = (r, P)``.
 
-    With ``meter``, returns per step ``(collectives in step(), Dobb stat entries in forward/backward,
-    all collectives in forward/backward, norm entries in step())``.
+    Returns per step ``(collectives in step() other than Dobb's statistic and finiteness
+    reductions, Dobb statistic entries (sums, counts and any finiteness flags folded in), all
+    collectives in forward/backward, norm entries in step(), finiteness-only reductions)``.
     """
     r, p = shard
     log = []
@@ -86,7 +91,9 @@ def train(model, opt, batches, shard=(0, 1), meter=False):
         with PayloadMeter() as st:
             opt.step()
         opt.zero_grad()
-        log.append((st.collectives, fb.kind("stat").numel, fb.collectives, st.kind("norm").numel))
+        own = st.kind("stat").count + st.kind("finite").count
+        log.append((st.collectives - own, st.kind("stat").numel + fb.kind("stat").numel, fb.collectives,
+                    st.kind("norm").numel, st.kind("finite").count))
     return log
 
 
@@ -172,9 +179,13 @@ def per_rank(ranks, key):
     return [res[key] for res in ranks]
 
 
-def stat_entries(side):
-    """Table 3's excluded term: ``k^2 / B`` per matrix (k = blocked axis length)."""
-    return sum((n if side == "input" else m) ** 2 // BLOCKS for m, n in SHAPES.values())
+N_PARAMS = 6  # Net's parameters: one finiteness flag each
+
+
+def stat_entries(side, flags=N_PARAMS):
+    """Table 3's excluded term, ``k^2 / B`` per matrix (k = blocked axis length), plus one token
+    count per matrix and the finiteness flags folded into the same reduction (0 when not folded)."""
+    return sum((n if side == "input" else m) ** 2 // BLOCKS + 1 for m, n in SHAPES.values()) + flags
 
 
 def checker(results: dict):
@@ -190,11 +201,9 @@ def checker(results: dict):
 
 def run_variant(rank, world, variant, wrap, shard, **kw):
     """Train ``wrap(Net())`` with Dobb and compare it with the single-process reference."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     model = wrap(Net())
     inner = model.module if isinstance(model, DDP) else model
-    opt = make_opt(inner, variant, **kw)
+    opt = make_opt(model, variant, **kw)
     log = train(model, opt, data(), shard)
     stat_diff = max_diff(stats(opt), reference_stats(variant, **kw))
     return {"diff": max_diff(full_params(inner), reference(variant, **kw)), "log": log, "stat_diff": stat_diff,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 import tempfile
 import time
 
@@ -35,6 +36,15 @@ def _entry(rank, fn, world, port, out_dir, args, collective_timeout_s):
         dist.barrier()  # every rank's result is on disk before any rank tears gloo down
     finally:
         dist.destroy_process_group()
+        # Rank 0 hosts the TCP store: if it exits while another rank is still tearing its gloo
+        # context down, that rank's store thread loses its peer and the process aborts
+        # ("terminate called without an active exception"). Rank 0 leaves last.
+        open(os.path.join(out_dir, f"down{rank}"), "w").close()
+        if rank == 0:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not all(
+                    os.path.exists(os.path.join(out_dir, f"down{r}")) for r in range(world)):
+                time.sleep(0.05)
 
 
 def spawn(fn, world: int, *args, timeout_s: float = 240, collective_timeout_s: float = 60) -> list:
@@ -52,11 +62,13 @@ def spawn(fn, world: int, *args, timeout_s: float = 240, collective_timeout_s: f
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{getattr(fn, '__name__', fn)} on {world} ranks did not finish in {timeout_s}s")
         except mp.ProcessExitedException:
-            # gloo occasionally aborts a process during teardown ("terminate called without an
-            # active exception"), after every rank has saved its result and passed the barrier;
-            # that is not a failure of the code under test. Any earlier death leaves a file missing.
+            # A death after every rank saved its result and passed the barrier is a teardown
+            # problem, not the code under test's; it is reported (so loops can count it) and
+            # tolerated. Any earlier death leaves a result file missing and fails the test.
             if not all(os.path.exists(p) for p in paths):
                 raise
+            print(f"_spawn: a rank died during teardown of {getattr(fn, '__name__', fn)} on {world} ranks",
+                  file=sys.stderr)
         finally:
             for p in ctx.processes:
                 if p.is_alive():

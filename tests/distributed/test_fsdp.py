@@ -162,12 +162,13 @@ def test_fsdp2_matches_single_process_with_predicted_payload(ranks, dim, variant
         # block state: Shard(0) exactly when the weight's blocked axis is sharded
         assert r["placements"] == [(Shard(0),) if dim == blocked else (Replicate(),)] * 3
         assert [e for _, e, *_ in r["log"]] == [stat_entries(side) if t % 2 == 0 else 0 for t in range(STEPS)]
+        assert [f for *_, f in r["log"]] == [0 if t % 2 == 0 else 1 for t in range(STEPS)]  # flags folded on refreshes
         if norm == "sign" or dim == blocked:
             assert [s for s, *_ in r["log"]] == [0] * STEPS  # Table 3/7: zero
         else:
             # Table 7: one column (row) norm per unblocked-axis entry and matrix, one reduction per matrix
             k = sum(n if side == "input" else m for m, n in SHAPES.values())
-            assert [(s, e) for s, _, _, e in r["log"]] == [(3, k)] * STEPS
+            assert [(s, e) for s, _, _, e, _ in r["log"]] == [(3, k)] * STEPS
 
 
 def test_fsdp2_grad_gram_source(ranks):
@@ -175,6 +176,8 @@ def test_fsdp2_grad_gram_source(ranks):
         assert r["diff"] < 1e-12
         # Gram partial sums over the row shards, only on refresh steps, in step()
         assert [s for s, *_ in r["log"]] == [3 if t % 2 == 0 else 0 for t in range(STEPS)]
+        # no statistic reduction to fold the finiteness flags into: they go alone every step
+        assert [(e, f) for _, e, _, _, f in r["log"]] == [(0, 1)] * STEPS
 
 
 def test_bad_layouts_are_value_errors_at_construction(ranks):
@@ -196,11 +199,12 @@ def test_uneven_and_empty_shards(four, variant):
         assert r["sizes"] == ([[4, 4, 4, 4], [9, 9]] if side == "input" else [[5, 5, 5, 3], [1, 1]])
         assert r["diff"] < 1e-12
         assert r["same_keys"]
-        # statistic: whole row-stacked (k, s_max) per matrix: Dobb 16*4 + 18*9, Dobb-G 18*5 + 2*1
-        stat = 16 * 4 + 18 * 9 if side == "input" else 18 * 5 + 2 * 1
+        # statistic: whole row-stacked (k, s_max) per matrix: Dobb 16*4 + 18*9, Dobb-G 18*5 + 2*1, plus a
+        # token count per matrix and 4 finiteness flags folded in
+        stat = (16 * 4 + 18 * 9 if side == "input" else 18 * 5 + 2 * 1) + 2 + 4
         assert [e for _, e, *_ in r["log"]] == [stat if t % 2 == 0 else 0 for t in range(STEPS)]
         expect = (2, 16 + 18) if norm == "l2" and side == "input" else (0, 0)
-        assert [(s, e) for s, _, _, e in r["log"]] == [expect] * STEPS
+        assert [(s, e) for s, _, _, e, _ in r["log"]] == [expect] * STEPS
 
 
 def test_uneven_block_errors_list_valid_counts(four):

@@ -95,11 +95,14 @@ def test_fsdp_x_tp_matches_single_process(ranks, variant):
     for r in _get(ranks, ("fsdp_tp", variant)):
         assert r["diff"] < 1e-12 and r["stat_diff"] < 1e-12
         assert r["same_keys"]
-        assert [e for _, e, *_ in r["log"]] == [FSDP_TP_STAT[side] if t % 2 == 0 else 0 for t in range(STEPS)]
+        # + a token count per matrix; the statistic's group (dp) is not the step's (all 4 ranks), so the
+        # finiteness flags go in their own reduction every step
+        assert [e for _, e, *_ in r["log"]] == [FSDP_TP_STAT[side] + 3 if t % 2 == 0 else 0 for t in range(STEPS)]
+        assert [f for *_, f in r["log"]] == [1] * STEPS
         if norm == "sign":
             assert [s for s, *_ in r["log"]] == [0] * STEPS
         else:
-            assert [(s, e) for s, _, _, e in r["log"]] == [(3, FSDP_TP_NORM[side])] * STEPS
+            assert [(s, e) for s, _, _, e, _ in r["log"]] == [(3, FSDP_TP_NORM[side])] * STEPS
 
 
 @pytest.mark.parametrize("variant", ["dobb", "dobb-g"])
@@ -108,7 +111,8 @@ def test_hsdp_averages_over_both_data_parallel_dims(ranks, variant):
     full = 16 * 4 + 32 * 8 + 16 * 4 if side == "input" else 32 * 8 + 16 * 4 + 8 * 2  # n^2/B per matrix
     for r in _get(ranks, ("hsdp", variant)):
         assert r["diff"] < 1e-12 and r["stat_diff"] < 1e-12
-        assert [e for _, e, *_ in r["log"]] == [full if t % 2 == 0 else 0 for t in range(STEPS)]
+        # + a token count per matrix and Net's 6 finiteness flags (the flattened group is the step's)
+        assert [e for _, e, *_ in r["log"]] == [full + 3 + 6 if t % 2 == 0 else 0 for t in range(STEPS)]
         assert [s for s, *_ in r["log"]] == [0] * STEPS
 
 

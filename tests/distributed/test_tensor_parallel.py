@@ -41,5 +41,6 @@ def test_tensor_parallel_matches_single_process(ranks, variant):
             assert steps == [0] * STEPS
         else:  # ell2: only the layer whose unblocked axis is TP-sharded (fc1 rows / fc2 rows) reduces
             assert steps == [1] * STEPS
-            assert [e for *_, e in r["log"]] == [16] * STEPS
+            assert [e for _, _, _, e, _ in r["log"]] == [16] * STEPS
         assert [e for _, e, *_ in r["log"]] == [0] * STEPS  # stat_group=None: no statistic reduction
+        assert [f for *_, f in r["log"]] == [1] * STEPS  # the TP ranks decide finiteness together
