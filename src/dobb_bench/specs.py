@@ -77,12 +77,13 @@ def default_label(name: str, hparams: dict) -> str:
     return " ".join([PRETTY.get(name, name)] + parts)
 
 
-def _unparenthesized_comma_key(value: str) -> bool:
+def _comma_keys(text: str) -> list[int]:
+    """Positions of the commas outside brackets that start a ``,key=`` (the old comma grammar)."""
     depth, flat = 0, []
-    for ch in value:
+    for ch in text:
         depth += 1 if ch in "([{" else -1 if ch in ")]}" else 0
         flat.append(ch if depth == 0 else " ")
-    return bool(_COMMA_KEY.search("".join(flat)))
+    return [m.start() for m in _COMMA_KEY.finditer("".join(flat))]
 
 
 def parse_spec(text: str) -> OptimizerSpec:
@@ -93,10 +94,9 @@ def parse_spec(text: str) -> OptimizerSpec:
     name = name.strip().lower()
     if not name:
         raise ValueError(f"malformed optimizer spec {text!r}: empty name (expected NAME[:key=value...])")
-    for item in items:
-        if _unparenthesized_comma_key(item.partition("=")[2]):
-            fixed = body.strip().replace(",", ":")
-            raise ValueError(f"optimizer spec {text!r}: separate hyperparameters with ':', not ',' "
-                             f"(e.g. {fixed!r})")
+    commas = _comma_keys(body.strip())
+    if commas:
+        fixed = "".join(":" if i in commas else ch for i, ch in enumerate(body.strip()))
+        raise ValueError(f"optimizer spec {text!r}: separate hyperparameters with ':', not ',' (e.g. {fixed!r})")
     hparams = parse_hparams(items, f"hyperparameter in {text!r}")
     return OptimizerSpec(name, hparams, label.strip() or default_label(name, hparams), text)

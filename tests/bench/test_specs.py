@@ -30,6 +30,7 @@ def test_default_labels():
     ("dobb:stat_dtype=float99", "not a torch dtype"),
     ("dion:rank_fraction=1/0", "division by zero"),
     ("dion:rank_fraction=1/16,qr=rcqr", "dion:rank_fraction=1/16:qr=rcqr"),
+    ("muon:adamw_betas=(0.9,0.99),nesterov=true", r"muon:adamw_betas=\(0.9,0.99\):nesterov=true"),
 ])
 def test_bad_specs_raise_value_errors_naming_the_fix(text, message):
     with pytest.raises(ValueError, match=message):
