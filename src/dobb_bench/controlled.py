@@ -158,12 +158,15 @@ def train(problem: Problem, optimizer: str, hparams: dict, lr: float, *, steps: 
 
 
 def default_optimizers(n: int) -> list[tuple[str, str, dict]]:
-    """(label, name, hparams): AdamW, Muon, Dion 1/4, block Muon and Dobb across block widths."""
+    """(label, name, hparams): AdamW, Muon, Dion 1/4, block Muon and Dobb across block widths, and
+    Dobb-l2 at the widest and narrowest blocks."""
     rows = [("AdamW", "adamw", {}), ("Muon", "muon", {}), ("Dion 1/4", "dion", {"rank_fraction": 0.25})]
     for b in (4, 16):
         rows.append((f"Block Muon B={b} ({n // b} wide)", "block-muon", {"blocks": b}))
     for b in (1, 2, 4, 8, 16):
         rows.append((f"Dobb B={b} ({n // b} wide)", "dobb", {"blocks": b}))
+    for b in (1, 16):  # unit-norm coefficient columns instead of signs: is the gap to Muon the sign?
+        rows.append((f"Dobb-l2 B={b} ({n // b} wide)", "dobb-l2", {"blocks": b}))
     return rows
 
 
