@@ -23,7 +23,7 @@ from .timing_run import TimingConfig, run_timing
 DEFAULT_PAYLOAD_OPTIMIZERS = (
     "adamw", "muon", "dion:rank_fraction=1", "dion:rank_fraction=1/4", "dion:rank_fraction=1/16", "rmnp",
     "pr-muon", "block-muon", "dion2", "dobb:blocks=16", "dobb-l2:blocks=16", "dobb-g:blocks=16",
-    "dobb-g-l2:blocks=16",
+    "dobb-g-l2:blocks=16", "owner-muon", "owner-placement", "normuon", "dion3",
 )
 
 
@@ -96,7 +96,8 @@ def run_spawned(cfg: dict, world: int) -> dict:
 
 def measure_fsdp_payload(specs: list[str], preset_name: str, layers: str, fs: int, fused_qkv: bool = False) -> dict:
     """A small FSDP2 run (gloo, ``fs`` CPU processes): metered collectives/bytes per optimizer."""
-    names = [_measure_label(spec) for spec in specs]
+    # a placement (owner-placement) is no optimizer: nothing to run, its step exchanges nothing
+    names = [_measure_label(spec) for spec in specs if parse_spec(spec).name not in P.PLACEMENT_NAMES]
     return run_spawned(dict(preset=preset_name, layers=layers, fused_qkv=fused_qkv, optimizers=tuple(names),
                             repeats=1, warmup=1, fs=fs, meter=True, log=False, threads=1, blocks=fs,
                             refresh_every=3), fs)
@@ -141,10 +142,15 @@ def _measured_markdown(mtable: dict, measured: dict, args, mshapes) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     by_label = {s["label"]: s for s in measured["summaries"]}
     for row in mtable["rows"]:
-        s = by_label[_measure_label(row["optimizer"])]
         spec = parse_spec(row["optimizer"])
         name, hp = spec.name, spec.hparams
         total = sum(P.payload_entries(name, m, n, hp, sharded="output", shards=args.measure_fs) for _, (m, n) in mshapes)
+        if name in P.PLACEMENT_NAMES:
+            fb = sum(P.forward_backward_entries(name, m, n, shards=args.measure_fs) for _, (m, n) in mshapes)
+            lines.append(f"| {row['optimizer']} | {total:.4g} | {total * 4:.4g} | not run | | | | | a placement, "
+                         f"not an optimizer: {fb:.4g} entries move in forward/backward instead |")
+            continue
+        s = by_label[_measure_label(row["optimizer"])]
         stat = sum(P.dp_stat_entries(name, m, n, {"blocks": args.measure_fs, **hp}) for _, (m, n) in mshapes) * 4
         if "skipped" in s:
             lines.append(f"| {row['optimizer']} | {total:.4g} | {total * 4:.4g} | skipped | {s['skipped']} | | | | |")
@@ -153,6 +159,9 @@ def _measured_markdown(mtable: dict, measured: dict, args, mshapes) -> str:
         st, nx, cap = mt.get("step", {}), mt.get("next_step", {}), mt.get("capture_stat", {})
         stat_measured = cap.get("bytes", 0) + st.get("stat_bytes", 0) if cap or st.get("stat_bytes") else "–"
         note = "gathers whole matrices" if st.get("bytes") and st["bytes"] > 2 * total * 4 + stat else ""
+        if name == "owner-muon":  # all-to-all inputs differ per rank; the meter reports rank 0's
+            note = ("rank 0's share (its shards + the matrices it owns), summed over ranks = derived; "
+                    "sent in ns_dtype (bf16 by default: 2 bytes an entry)")
         lines.append(f"| {row['optimizer']} | {total:.4g} | {total * 4:.4g} | {st.get('collectives', '–')} | "
                      f"{st.get('bytes', '–')} | {nx.get('bytes', '–')} | {stat:.4g} | {stat_measured} | {note} |")
     return "\n".join(lines) + "\n"
