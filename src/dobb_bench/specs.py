@@ -22,7 +22,8 @@ __all__ = ["OptimizerSpec", "parse_spec", "parse_hparams", "parse_value", "defau
 
 PRETTY = {"adamw": "AdamW", "muon": "Muon", "dion": "Dion", "rmnp": "RMNP", "pr-muon": "PR-Muon",
           "block-muon": "Block Muon", "dion2": "Dion2", "dobb": "Dobb", "dobb-l2": "Dobb-l2",
-          "dobb-g": "Dobb-G", "dobb-g-l2": "Dobb-G-l2"}
+          "dobb-g": "Dobb-G", "dobb-g-l2": "Dobb-G-l2", "owner-muon": "Owner-compute Muon", "normuon": "NorMuon",
+          "dion3": "Dion3"}
 HP_SHORT = {"blocks": "B", "rank_fraction": "rho"}
 _KEY = re.compile(r"[A-Za-z_]\w*")
 _COMMA_KEY = re.compile(r",\s*[A-Za-z_]\w*\s*=")  # ",qr=" inside a value: the old comma grammar
