@@ -18,11 +18,9 @@ Why it is built this way:
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
-import resource
 import shutil
 import time
 from contextlib import nullcontext
@@ -39,6 +37,7 @@ from .data import BatchSampler, Corpus, eval_batches, eval_offsets
 from .checkpoint_io import (COMPLETE, FAULT_ENV, UnsafeCheckpoint, _fault, _fqn_to_index, _fsync_file,  # noqa: F401
                             _rng_state, _set_rng_state, check_dcp_metadata, safe_load)
 from .model import GPT, ModelConfig
+from .run_stats import _peak_mem_mb, _state_bytes, optimizer_options, write_jsonl  # noqa: F401
 from .provenance import provenance
 
 CKPT_FILE = "checkpoint.pt"
@@ -147,42 +146,6 @@ def _sync(device: torch.device):
         torch.cuda.synchronize(device)
 
 
-def _state_bytes(obj) -> int:
-    if isinstance(obj, torch.Tensor):
-        t = obj.to_local() if hasattr(obj, "to_local") else obj
-        return t.numel() * t.element_size()
-    if isinstance(obj, dict):
-        return sum(_state_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_state_bytes(v) for v in obj)
-    return 0
-
-
-def _peak_mem_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-
-
-def _clean(value):
-    """JSON-safe: non-finite floats become null (JSON has no NaN)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
-    return value
-
-
-def write_jsonl(path: Path, records: list[dict]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        for r in records:
-            f.write(json.dumps(_clean(r)) + "\n")
-    os.replace(tmp, path)
-
-
 @torch.no_grad()
 def evaluate(model, corpus: Corpus, offsets: np.ndarray, seq_len: int, batch_size: int,
              env: DistEnv) -> float:
@@ -199,27 +162,6 @@ def evaluate(model, corpus: Corpus, offsets: np.ndarray, seq_len: int, batch_siz
         dist.all_reduce(total)
     model.train(was_training)
     return (total[0] / total[1]).item()
-
-
-def optimizer_options(optimizer) -> list[dict]:
-    """Every param group's options after defaults (JSON-ready), one entry per distinct group."""
-    out = []
-    for g in optimizer.param_groups:
-        opts = {}
-        for k, v in g.items():
-            if k == "params":
-                continue
-            if isinstance(v, torch.Tensor) and v.numel() == 1:
-                v = v.item()
-            if isinstance(v, (tuple, list)):
-                v = [x for x in v if isinstance(x, (int, float, str, bool)) or x is None]
-            elif not (isinstance(v, (int, float, str, bool)) or v is None):
-                v = str(v)
-            opts[k] = v
-        opts["n_params"] = len(g["params"])
-        if opts not in out:
-            out.append(opts)
-    return out
 
 
 class Run:

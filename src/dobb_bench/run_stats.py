@@ -1,0 +1,70 @@
+"""What a run reports about itself: state size, peak memory, optimizer options, JSON lines.
+
+Split from ``train.py`` (the loop) so the loop file stays readable; ``train`` re-exports these.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+from pathlib import Path
+
+import torch
+
+
+def _state_bytes(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        t = obj.to_local() if hasattr(obj, "to_local") else obj
+        return t.numel() * t.element_size()
+    if isinstance(obj, dict):
+        return sum(_state_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_state_bytes(v) for v in obj)
+    return 0
+
+
+def _peak_mem_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def _clean(value):
+    """JSON-safe: non-finite floats become null (JSON has no NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+def write_jsonl(path: Path, records: list[dict]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        for r in records:
+            f.write(json.dumps(_clean(r)) + "\n")
+    os.replace(tmp, path)
+
+
+def optimizer_options(optimizer) -> list[dict]:
+    """Every param group's options after defaults (JSON-ready), one entry per distinct group."""
+    out = []
+    for g in optimizer.param_groups:
+        opts = {}
+        for k, v in g.items():
+            if k == "params":
+                continue
+            if isinstance(v, torch.Tensor) and v.numel() == 1:
+                v = v.item()
+            if isinstance(v, (tuple, list)):
+                v = [x for x in v if isinstance(x, (int, float, str, bool)) or x is None]
+            elif not (isinstance(v, (int, float, str, bool)) or v is None):
+                v = str(v)
+            opts[k] = v
+        opts["n_params"] = len(g["params"])
+        if opts not in out:
+            out.append(opts)
+    return out
