@@ -110,9 +110,32 @@ def _ddp(rank, world):
             "owners": [opt.owners[p] for p in opt.param_groups[0]["params"]]}
 
 
+FALLBACK = [((12, 20), 0), ((18, 10), 0)]
+
+
+def _fallback(rank, world):
+    """A 2-D mesh (HSDP-like: replicated over dim 0, sharded over dim 1) is not served by the
+    all-to-all path: the matrices are gathered as Muon does, and listed."""
+    from torch.distributed.tensor import Replicate
+
+    mesh = init_device_mesh("cpu", (2, world // 2))
+    params, grads = [], []
+    for i, (shape, _) in enumerate(FALLBACK):
+        w, gs = weights_and_grads(shape, i)
+        params.append(nn.Parameter(distribute_tensor(w, mesh, [Replicate(), Shard(0)], src_data_rank=None)))
+        grads.append([distribute_tensor(g, mesh, [Replicate(), Shard(0)], src_data_rank=None) for g in gs])
+    opt = OwnerMuon(params, lr=LR, weight_decay=WD, **OPTS)
+    for t in range(STEPS):
+        for p, gs in zip(params, grads):
+            p.grad = gs[t]
+        opt.step()
+    return {"W": [p.detach().full_tensor() for p in params], "gathered": sorted(opt.gathered.values())}
+
+
 def worker(rank, world):
     results = {}
-    for key, fn in (("synthetic", _synthetic), ("fsdp", _fsdp), ("ddp", _ddp)):
+    jobs = (("synthetic", _synthetic), ("fsdp", _fsdp), ("ddp", _ddp)) + ((("fallback", _fallback),) if world == 4 else ())
+    for key, fn in jobs:
         try:
             results[key] = fn(rank, world)
         except Exception:  # reported by the test that reads this key
@@ -191,3 +214,13 @@ def test_ddp_equals_single_process_muon_with_derived_payload(run):
         assert r["steps"] == [len(shapes)] * 4  # one all-gather per shape group
         assert r["bytes"] == (expected, ["all_gather"])
         assert sorted(set(r["owners"])) == sorted(set(range(min(world, 3))))  # dealt over the ranks
+
+
+def test_two_d_mesh_falls_back_to_gather(run):
+    world, ranks = run
+    if world != 4:
+        pytest.skip("a 2 x 2 mesh needs 4 ranks")
+    ref = reference_weights(FALLBACK)
+    for r in per_rank(ranks, "fallback"):
+        assert r["gathered"] == ["2-D mesh", "2-D mesh"]
+        assert max((a - b).abs().max().item() for a, b in zip(r["W"], ref)) < 1e-10

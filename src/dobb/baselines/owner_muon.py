@@ -75,6 +75,9 @@ class OwnerMuon(Muon):
     """
 
     def __init__(self, params, *, lr: float, replicated_group="default", **kwargs):
+        if not (replicated_group is None or replicated_group == "default"
+                or isinstance(replicated_group, dist.ProcessGroup)):
+            raise ValueError(f"replicated_group must be 'default', None or a ProcessGroup, got {replicated_group!r}")
         self._replicated_group = replicated_group
         self.owners: dict[Tensor, int] = {}
         self.gathered: dict[Tensor, str] = {}
