@@ -21,3 +21,10 @@ def test_readme_python_blocks_run():
         exec(compile(code, "README.md", "exec"), namespace)
     model = namespace["model"]
     assert all(p.isfinite().all() for p in model.parameters())
+
+
+def test_readme_use_with_shows_each_stack_in_a_python_block():
+    section = README.split("## Use with", 1)[1].split("\n## ", 1)[0]
+    blocks = "\n".join(re.findall(r"```python\n(.*?)```", section, re.S))
+    for module in ("dobb.integrations.hf", "dobb.integrations.lightning", "dobb.integrations.torchtitan"):
+        assert f"from {module} import" in blocks, module
