@@ -201,7 +201,7 @@ def plot_study(study: str, out_dir=None) -> list[str]:
     from .payload import relative_payload
     from .report import _pyplot, _typed
 
-    recs = R.load(study)
+    recs = _headline()[1] if study == "headline" else R.load(study)
     out_dir = R.RECORDS.parent if out_dir is None else out_dir
     plt = _pyplot()
     by = _group(recs, lambda r: r["run"])
