@@ -33,7 +33,7 @@ stage() {  # stage <timeout s> <name> <args...>
 }
 
 if [ "${1:-}" = "--cpu-smoke" ]; then
-  stage 120 "cpu smoke" --cpu-smoke --cycles 1 --slow-steps 1 --out "$OUT_DIR/smoke"
+  stage 600 "cpu smoke" --cpu-smoke --cycles 1 --slow-steps 1 --out "$OUT_DIR/smoke"
 else
   stage 90 "stage 1 (layers 0:4)" --layers 0:4 --cycles 3 --out "$OUT_DIR/xl_4layers"
   stage 190 "stage 2 (48 layers)" --cycles 2 --slow-steps 2 --out "$OUT_DIR/xl"
