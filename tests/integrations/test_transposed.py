@@ -112,3 +112,13 @@ def test_transposed_must_be_a_bool():
     groups[0]["transposed"] = "yes"
     with pytest.raises(ValueError, match="transposed"):
         dobb.Muon(groups, lr=1e-3)
+
+
+def test_conv2d_weights_go_to_adamw_and_refuse_a_matrix_group():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(8 * 4 * 4, 16), nn.Linear(16, 4))
+    groups = dobb.param_groups(model)
+    adamw = {n for g in groups if g["algorithm"] == "adamw" for n, _ in g["params"]}
+    assert "0.weight" in adamw and "2.weight" not in adamw
+    with pytest.raises(ValueError, match=r"conv\.weight.*4-D"):
+        dobb.Dobb([{"params": [("conv.weight", model[0].weight)]}], model, lr=1e-3)
