@@ -93,10 +93,17 @@ class Entry:
                     self._capture_graph()
                 except RuntimeError as exc:  # reported in the record; the step then runs eagerly
                     self.graph_error = f"{type(exc).__name__}: {exc}"[:300]
-            run = self.graph.replay if self.graph is not None else self.opt.step
-        else:
-            run = self.opt.step
-        return _timed(run, self.device), refresh
+            if self.graph is not None:
+                ms = _timed(self.graph.replay, self.device)
+                self._advance()
+                return ms, refresh
+        return _timed(self.opt.step, self.device), refresh
+
+    def _advance(self) -> None:
+        # a replay redoes the GPU work only: advance the schedule as step() does
+        for st in self.opt.state.values():
+            st["step"] += 1
+        self.opt._rearm()
 
     def _capture_graph(self) -> None:
         # capture the non-refresh step once; replays redo its GPU work (lr fixed, no host sync)
@@ -105,6 +112,8 @@ class Entry:
         with torch.cuda.stream(side):
             self.opt.step()
         torch.cuda.current_stream().wait_stream(side)
+        if self.opt.is_refresh_step():  # the step to capture must be a non-refresh one: next time
+            return
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.opt.step()
