@@ -271,7 +271,7 @@ class Dobb(MatrixOptimizer):
         finiteness flags of all gradients (folded into a statistic reduction over the same ranks)."""
         params = [p for g in self.param_groups for p in g["params"]]
         buckets: dict[tuple, SumBucket] = {}
-        slots = []  # (param, layout, bucket or None, index of sums, index of count) per due matrix
+        slots = []  # (param, layout, bucket, index of sums, index of count, local row count) per due matrix
         for g in self._dobb_groups():
             if g["source"] not in _HOOK_SOURCES or self._hooks is None:
                 continue
@@ -288,7 +288,8 @@ class Dobb(MatrixOptimizer):
                 bucket = buckets.get(key)
                 if bucket is None:
                     bucket = buckets[key] = SumBucket(layout.stat_group, dtype, device)
-                slots.append((p, layout, bucket, bucket.add(sums), bucket.add(count)))
+                slots.append((p, layout, bucket, bucket.add(sums), bucket.add(count),
+                              pending.count if pending is not None else 0))
         flags = self._local_nonfinite(params) if self.check_finite else None
         flag_slot = None
         if flags is not None and self._step_group is not None:
@@ -306,10 +307,15 @@ class Dobb(MatrixOptimizer):
             if bad:
                 self._rearm()  # the next forward passes capture afresh
                 self._raise_nonfinite(params[bad[0]], int(flags[bad[0]].item()))
-        counts = [reduced[id(b)][c] for _, _, b, _, c in slots]
-        totals = torch.cat(counts).tolist() if counts else []
+        if all(b.group is None for _, _, b, _, _, _ in slots):
+            # no statistic group (one process): the totals are this rank's row counts, known on the
+            # host, so a step with check_finite=False reads no tensor value
+            totals = [n for *_, n in slots]
+        else:
+            counts = [reduced[id(b)][c] for _, _, b, _, c, _ in slots]
+            totals = torch.cat(counts).tolist() if counts else []
         self._reduced.clear()
-        for (p, layout, b, i, _), total in zip(slots, totals):
+        for (p, layout, b, i, _, _), total in zip(slots, totals):
             # no rank saw a token for this layer: keep its statistic and basis
             self._reduced[p] = None if total == 0 else layout.stat_to_state(reduced[id(b)][i] / total)
 

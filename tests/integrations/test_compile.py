@@ -73,7 +73,9 @@ def test_inductor_compiled_step_gives_the_eager_numbers():
 
 
 class _HostSyncSpy(TorchDispatchMode):
-    """Records ops that copy a tensor value to the host (``.item()``, ``bool(t)``, ``torch.equal``)."""
+    """Records reads of a tensor value on the host: ops that copy one (``.item()``, ``bool(t)``,
+    ``torch.equal``) as they reach the dispatcher, and ``Tensor.tolist`` (which a CPU tensor answers
+    without dispatching) by wrapping it for the duration."""
 
     SYNC_OPS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.equal.default,
                 torch.ops.aten.is_nonzero.default)
@@ -82,8 +84,27 @@ class _HostSyncSpy(TorchDispatchMode):
         super().__init__()
         self.exempt, self.hits = exempt, []
 
+    def _exempt(self, args):
+        return any(a is e for a in args for e in self.exempt)
+
+    def __enter__(self):
+        self._tolist = torch.Tensor.tolist
+        spy, original = self, self._tolist
+
+        def tolist(t):
+            if not spy._exempt((t,)):
+                spy.hits.append("tolist")
+            return original(t)
+
+        torch.Tensor.tolist = tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in self.SYNC_OPS and not any(a is e for a in args for e in self.exempt):
+        if func in self.SYNC_OPS and not self._exempt(args):
             self.hits.append(func)
         return func(*args, **(kwargs or {}))
 
