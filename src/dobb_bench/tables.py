@@ -5,7 +5,8 @@ Every generator returns ``(markdown, records_used)``. Conventions for every tabl
   with the seed count given;
 - gap closure is (AdamW - x) / (AdamW - Muon) on the seed means of the same study and setting;
 - a difference is called beyond noise only when it exceeds 2 standard deviations (the larger of
-  the two rows' seed spreads); with one seed the threshold is a stated 0.1 nats.
+  the two rows' seed spreads; a one-seed row borrows the other row's), never below 0.1 nats
+  when a row has one seed.
 
 ``dobb-bench report`` (in ``add_report_parser``) rewrites the tables in docs/*.md and collects
 run folders into records.
@@ -42,9 +43,11 @@ def fmt_ms(mean: float, std: float | None, n: int) -> str:
 
 
 def noise(std_a: float | None, std_b: float | None) -> float:
-    if std_a is None or std_b is None:
-        return ONE_SEED_NOISE
-    return 2 * max(std_a, std_b)
+    """2 std of the noisier row; a one-seed row borrows the other's spread, with 0.1 as the floor."""
+    known = [x for x in (std_a, std_b) if x is not None]
+    if len(known) == 2:
+        return 2 * max(known)
+    return max([ONE_SEED_NOISE] + [2 * x for x in known])
 
 
 def _group(recs, key):
