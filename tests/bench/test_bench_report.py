@@ -74,3 +74,13 @@ def test_parallel_isolated_runs_equal_sequential(tmp_path, text_dir, cache_dir, 
         assert par[k]["provenance"]["command"].startswith("dobb-bench compare --optimizers adamw")
         assert par[k]["tokens"] == 4 * 4 * 32
     assert main(common + ["--jobs", "0", "--out", str(tmp_path / "bad")]) == 2
+
+
+def test_summary_tells_a_missing_row_from_a_diverged_one():
+    model = {"width": 128, "layers": 2}
+    finals = [{"run": "Muon", "optimizer": "muon", "hparams": {}, "final_val_loss": float("nan"),
+               "diverged": True, "model": model},
+              {"run": "Dobb B=4", "optimizer": "dobb", "hparams": {"blocks": "4"}, "final_val_loss": 1.9,
+               "diverged": False, "model": model}]
+    line = next(x for x in report.plain_summary(finals, [(128, 128)]).splitlines() if x.startswith("- Dobb"))
+    assert "AdamW: not in this run" in line and "Muon: no finite result" in line
