@@ -66,11 +66,7 @@ class Dion2(MatrixOptimizer):
                 self.state[p]["momentum"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
     def _matrix_step(self, group, active):
-        fulls, batches = [], defaultdict(list)
-        for i, p in enumerate(active):
-            b = C.gather_full(to_local(self.state[p]["momentum"]) + to_local(p.grad), p)
-            fulls.append(b)
-            batches[(tuple(b.shape), b.dtype, b.device)].append(i)
+        fulls, batches = gathered_lookahead(self.state, active)
         outs: list[Tensor | None] = [None] * len(active)
         scales = [0.0] * len(active)
         for (shape, _, _), idx in batches.items():
@@ -84,3 +80,14 @@ class Dion2(MatrixOptimizer):
                 scales[i] = C.update_scale(k, shape[1], group["tau"])
         params = [to_local(p) for p in active]
         C.apply_protocol(params, params, outs, scales, group["lr"], group["weight_decay"])
+
+
+def gathered_lookahead(state, active):
+    """Whole ``momentum + grad`` of each active matrix (gathered when sharded), and the indices of
+    equal (shape, dtype, device) matrices, so a row-subset step runs batched over each shape."""
+    fulls, batches = [], defaultdict(list)
+    for i, p in enumerate(active):
+        b = C.gather_full(to_local(state[p]["momentum"]) + to_local(p.grad), p)
+        fulls.append(b)
+        batches[(tuple(b.shape), b.dtype, b.device)].append(i)
+    return fulls, batches

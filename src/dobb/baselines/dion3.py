@@ -19,7 +19,6 @@ through ``normuon_normalize``, which keeps its Frobenius norm, so the moved rows
 """
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Any
 
 import torch
@@ -28,7 +27,7 @@ from torch import Tensor
 from .._base import MatrixOptimizer
 from .._dtensor import to_local
 from . import _common as C
-from .dion2 import selected_rows
+from .dion2 import gathered_lookahead, selected_rows
 from .muon import check_ns_options, ns_options
 from .newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_STEPS, orthogonalize
 from .normuon import check_neuron_options, normuon_normalize, state_dtype
@@ -79,11 +78,7 @@ class Dion3(MatrixOptimizer):
                 state["neuron_variance"] = torch.zeros(p.shape[0], dtype=state_dtype(p), device=p.device)
 
     def _matrix_step(self, group, active):
-        fulls, batches = [], defaultdict(list)
-        for i, p in enumerate(active):
-            b = C.gather_full(to_local(self.state[p]["momentum"]) + to_local(p.grad), p)
-            fulls.append(b)
-            batches[(tuple(b.shape), b.dtype, b.device)].append(i)
+        fulls, batches = gathered_lookahead(self.state, active)
         outs: list[Tensor | None] = [None] * len(active)
         scales = [0.0] * len(active)
         for (shape, _, _), idx in batches.items():
