@@ -29,6 +29,20 @@ __all__ = ["gram_newton_schulz", "GRAM_RESTARTS"]
 GRAM_RESTARTS = (2,)  # after the third of five steps, for half precision
 
 
+def wide_normalized(x: Tensor, dtype: torch.dtype, eps: float) -> tuple[Tensor, bool, bool]:
+    """``x`` as a batch in ``dtype``, wide side last (``m <= n``), unit Frobenius norm per matrix.
+
+    Returns it with whether a batch dimension was added and whether it was transposed, so the
+    caller can undo both; shared by the standard and the Gram Newton-Schulz iterations."""
+    squeeze = x.dim() == 2
+    y = x.unsqueeze(0) if squeeze else x
+    y = y.to(dtype)
+    tall = y.size(-2) > y.size(-1)
+    if tall:
+        y = y.mT
+    return y / y.norm(dim=(-2, -1), keepdim=True).clamp(min=eps), squeeze, tall
+
+
 def gram_newton_schulz(x: Tensor, coefficients: Sequence[float], steps: int, eps: float,
                        dtype: torch.dtype = torch.bfloat16,
                        restarts: Sequence[int] | None = None) -> Tensor:
@@ -41,13 +55,7 @@ def gram_newton_schulz(x: Tensor, coefficients: Sequence[float], steps: int, eps
     if restarts is None:
         restarts = GRAM_RESTARTS if dtype in (torch.bfloat16, torch.float16) else ()
     restarts = set(restarts)
-    squeeze = x.dim() == 2
-    y = x.unsqueeze(0) if squeeze else x
-    y = y.to(dtype)
-    tall = y.size(-2) > y.size(-1)
-    if tall:
-        y = y.mT
-    y = y / y.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+    y, squeeze, tall = wide_normalized(x, dtype, eps)
     s = y.size(-2)
     eye = torch.eye(s, dtype=dtype, device=y.device).expand(y.size(0), s, s)
     r = y @ y.mT

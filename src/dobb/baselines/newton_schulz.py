@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .gram_ns import gram_newton_schulz
+from .gram_ns import gram_newton_schulz, wide_normalized
 
 try:  # torch >= 2.9 ships Muon; older versions use the batched path for every matrix
     from torch.optim._muon import _zeropower_via_newtonschulz as _torch_ns
@@ -41,13 +41,7 @@ def newton_schulz(x: Tensor, coefficients: Sequence[float] = NS_COEFFICIENTS, st
     orientation (so ``A`` is ``min(m, n)`` square).
     """
     a, b, c = coefficients
-    squeeze = x.dim() == 2
-    y = x.unsqueeze(0) if squeeze else x
-    y = y.to(dtype)
-    tall = y.size(-2) > y.size(-1)
-    if tall:
-        y = y.mT
-    y = y / y.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+    y, squeeze, tall = wide_normalized(x, dtype, eps)
     for _ in range(steps):
         gram = y @ y.mT
         poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
