@@ -321,10 +321,15 @@ class Dobb(MatrixOptimizer):
 
     @staticmethod
     def _local_nonfinite(params: list[torch.Tensor]) -> torch.Tensor | None:
-        """1.0 for every parameter whose local gradient holds NaN/Inf, else 0.0 (no host sync)."""
+        """1.0 for every parameter whose local gradient holds NaN/Inf, else 0.0 (no host sync).
+
+        All zeros when this rank holds no gradient at all: the flags still take part in the step's
+        collective, so a rank whose layers all went unused issues the same reductions as the others."""
         with_grad = [i for i, p in enumerate(params) if p.grad is not None]
-        if not with_grad:
+        if not params:
             return None
+        if not with_grad:
+            return torch.zeros(len(params), dtype=torch.float32, device=to_local(params[0]).device)
         norms = torch.stack(torch._foreach_norm([to_local(params[i].grad) for i in with_grad]))
         flags = torch.zeros(len(params), dtype=torch.float32, device=norms.device)
         flags[with_grad] = (~torch.isfinite(norms)).to(torch.float32)

@@ -58,7 +58,7 @@ def _snapshot(model, opt):
                                                     for s in state]}
 
 
-def _nonfinite(rank, world, variant):
+def _nonfinite(rank, world, variant, gradless_others=False):
     mesh = init_device_mesh("cpu", (world,))
     model = Net()
     for m in (model.fc1, model.fc2, model.head, model):
@@ -71,6 +71,9 @@ def _nonfinite(rank, world, variant):
     torch.nn.functional.mse_loss(model(x[rank * rows:(rank + 1) * rows]), y[rank * rows:(rank + 1) * rows]).backward()
     if rank == world - 1:  # one entry of the last rank's shard of fc2
         model.fc2.weight.grad.to_local()[0, 0] = math.nan
+    elif gradless_others:  # the other ranks hold no gradient at all: they must still take part
+        for p in model.parameters():
+            p.grad = None
     before = _snapshot(model, opt)
     try:
         opt.step()
@@ -166,6 +169,7 @@ def worker(rank, world, port):
     check("no_guess", _no_guess, rank, world)
     for v in ("dobb", "dobb-g-l2"):
         check(("nonfinite", v), _nonfinite, rank, world, v)
+    check(("nonfinite_gradless", "dobb"), _nonfinite, rank, world, "dobb", True)
     for v in ("dobb", "dobb-g"):
         check(("skip", v), _skipped_layer, rank, world, v, False)
     check(("skip", "paused"), _skipped_layer, rank, world, "dobb", True)
@@ -193,6 +197,13 @@ def test_nonfinite_gradient_on_one_rank_is_decided_together(ranks, variant):
         assert f"on 1 of {len(res)} ranks" in r["msg"] and r["same_msg"]
         assert r["unchanged"] == 0.0
         assert r["diff"] < 1e-12  # the retried step and the rest of the run: the single-process numbers
+
+
+def test_nonfinite_flag_collective_issued_by_ranks_without_gradients(ranks):
+    res = per_rank(ranks, ("nonfinite_gradless", "dobb"))
+    for r in res:
+        assert "non-finite gradient" in r["msg"] and f"on 1 of {len(res)} ranks" in r["msg"] and r["same_msg"]
+        assert r["unchanged"] == 0.0
 
 
 @pytest.mark.parametrize("variant", ["dobb", "dobb-g"])
