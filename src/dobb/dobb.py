@@ -99,6 +99,7 @@ class Dobb(MatrixOptimizer):
         self._hooks: CaptureHooks | None = None
         self._plain_group = _UNRESOLVED
         self._reduced: dict[torch.Tensor, torch.Tensor | None] = {}
+        self._idle: list[tuple[dict, torch.Tensor]] = []  # (group, param): shared statistic, no grad here
         self._constructed = False
         super().__init__(params, lr=lr, weight_decay=weight_decay, **kwargs)
         self._constructed = True
@@ -270,6 +271,7 @@ class Dobb(MatrixOptimizer):
         refresh (token-weighted sums, zero with zero weight where a layer did not run here) and the
         finiteness flags of all gradients (folded into a statistic reduction over the same ranks)."""
         params = [p for g in self.param_groups for p in g["params"]]
+        self._idle.clear()
         buckets: dict[tuple, SumBucket] = {}
         slots = []  # (param, layout, bucket, index of sums, index of count, local row count) per due matrix
         for g in self._dobb_groups():
@@ -277,9 +279,15 @@ class Dobb(MatrixOptimizer):
                 continue
             dtype = torch.promote_types(g["stat_dtype"], torch.float32)
             for p in g["params"]:
-                if p.grad is None or not self._is_refresh(p, g):
-                    continue
                 layout = self._layouts[p]
+                if p.grad is None and layout.stat_group is not None:
+                    # a shared statistic is shared state: its schedule and collectives cannot depend on
+                    # whether this rank got a gradient (no gradient sync, a layer unused here only)
+                    self._idle.append((g, p))
+                elif p.grad is None:
+                    continue
+                if not self._is_refresh(p, g):
+                    continue
                 pending = self._hooks.pending.get(p)
                 device = layout.local(p).device
                 sums = pending.sums if pending is not None else torch.zeros(layout.capture_shape, dtype=dtype, device=device)
@@ -344,6 +352,17 @@ class Dobb(MatrixOptimizer):
         )
 
     def _after_step(self) -> None:
+        # Matrices with a shared statistic but no gradient on this rank: the weight and momentum
+        # stay (as torch skips a parameter without grad), but the statistic, basis and schedule
+        # advance as on the ranks that stepped them, so every rank keeps issuing the same collectives.
+        idle = defaultdict(list)
+        for g, p in self._idle:
+            if self._is_refresh(p, g) and not (not isinstance(g["lr"], torch.Tensor) and g["lr"] == 0):
+                idle[id(g)].append((g, p))
+            self.state[p]["step"] += 1
+        for items in idle.values():
+            self._refresh(items[0][0], [p for _, p in items], [None] * len(items))
+        self._idle.clear()
         self._reduced.clear()
         self._rearm()
 

@@ -8,6 +8,8 @@ before the fix; here every rank gets the same answer.
 - a layer that runs on rank 0 only (an MoE expert without tokens elsewhere): no hang, the same
   bases on every rank, the token-weighted statistic of the single-process run; when no rank
   captured, the statistic and basis are kept;
+- a matrix with a gradient on one rank only (no gradient sync, explicit ``stat_group``): every rank
+  still refreshes its shared statistic, schedules and bases agree;
 - destroying and re-creating the process group in one process (HSDP, flattened groups): works.
 """
 from __future__ import annotations
@@ -137,6 +139,36 @@ def _skipped_layer(rank, world, variant, paused_refresh):
             "diff": max_diff(full_params(model.module), full_params(ref))}
 
 
+def _grad_on_one_rank(rank, world):
+    """Plain parameters, an explicit ``stat_group`` and no gradient sync (each rank steps its own
+    replica): the expert runs on rank 0 only, so only rank 0 holds its gradient. Its statistic is
+    shared state: every rank takes part in each refresh (before the fix the other ranks left its
+    slot out of the reduction: gloo aborted on the size mismatch), so the step counts and bases
+    agree and equal a single process fed rank 0's rows; the weight stays where there is no grad."""
+    rows = 32
+    batches = data(rows=rows * world)
+    model = Gated()
+    model.k = rows if rank == 0 else 0
+    opt = make_opt(model, "dobb", matrices=Gated.matrices, stat_group=dist.group.WORLD)
+    before = model.expert.weight.detach().clone()
+    ref = Gated()
+    ref.k = rows
+    ref_opt = make_opt(ref, "dobb", matrices=Gated.matrices, stat_group=None)
+    for x, y in batches:
+        torch.nn.functional.mse_loss(model(x[rank * rows:(rank + 1) * rows]), y[rank * rows:(rank + 1) * rows]).backward()
+        opt.step()
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ref(x[:rows]), y[:rows]).backward()  # rank 0's rows
+        ref_opt.step()
+        ref_opt.zero_grad()
+    mine, theirs = opt.state[model.expert.weight], ref_opt.state[ref.expert.weight]
+    return {"same": same_on_all_ranks((mine["step"], mine["captures"], mine["basis"].tolist())),
+            "step": (mine["step"], theirs["step"]), "captures": (mine["captures"], theirs["captures"]),
+            "stat_diff": (mine["stat"] - theirs["stat"]).abs().max().item(),
+            "basis_diff": (mine["basis"] - theirs["basis"]).abs().max().item(),
+            "moved": (model.expert.weight - before).abs().max().item()}
+
+
 class _null:
     def __enter__(self):
         return None
@@ -173,6 +205,7 @@ def worker(rank, world, port):
     for v in ("dobb", "dobb-g"):
         check(("skip", v), _skipped_layer, rank, world, v, False)
     check(("skip", "paused"), _skipped_layer, rank, world, "dobb", True)
+    check("grad_on_one_rank", _grad_on_one_rank, rank, world)
     check("recreate", _recreate_group, rank, world, port)  # last: it replaces the process group
     return results
 
@@ -224,3 +257,11 @@ def test_refresh_without_any_token_keeps_statistic_and_basis(ranks):
 def test_process_group_destroyed_and_recreated(ranks):
     for r in per_rank(ranks, "recreate"):
         assert r["first"] < 1e-12 and r["second"] < 1e-12
+
+
+def test_shared_statistic_of_a_matrix_with_a_gradient_on_one_rank_only(ranks):
+    for rank, r in enumerate(per_rank(ranks, "grad_on_one_rank")):
+        assert r["same"]
+        assert r["step"][0] == r["step"][1] and r["captures"][0] == r["captures"][1] >= 2
+        assert r["stat_diff"] < 1e-12 and r["basis_diff"] < 1e-12
+        assert (r["moved"] > 0) == (rank == 0)  # a rank without the gradient leaves the weight alone
