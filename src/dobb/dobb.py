@@ -65,7 +65,8 @@ class Dobb(MatrixOptimizer):
         init_basis: first basis from exact ``"eigh"`` of the first capture (default) or the
             ``"identity"`` followed by orthogonal iteration.
         stagger: spread refreshes over the cycle (each step refreshes about ``1/T`` of the
-            matrices' work, same per-matrix period) to flatten the refresh-step spike.
+            matrices' work, same per-matrix period) to flatten the refresh-step spike. Default
+            True: measured loss unchanged over 3 seeds, spike cut (docs/timing.md, "Refresh spike").
         check_finite: raise ``ValueError`` naming the parameter when a gradient holds NaN/Inf,
             before any state changes. The decision is taken by all ranks that share the step
             together (one flag all-reduce, folded into the statistic reduction on refresh steps), so
@@ -86,7 +87,7 @@ class Dobb(MatrixOptimizer):
         blocks=1, refresh_every=9, basis="orthogonal_iteration", ortho_steps=1, qr="householder",
         norm="sign", side="input", source="activation", capture="first", stat_decay=0.9,
         momentum=0.95, nesterov=False, basis_dtype=torch.bfloat16, stat_dtype=torch.float32,
-        init_basis="eigh", stagger=False,
+        init_basis="eigh", stagger=True,
     )
 
     def __init__(self, params, model: nn.Module | None = None, *, lr: float, weight_decay: float = 0.0,

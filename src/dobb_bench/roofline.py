@@ -422,7 +422,7 @@ def cmd_roofline(args) -> int:
 def add_parsers(sub) -> None:
     lt = sub.add_parser("looptime", help="optimizer.step() time inside the training loop, interleaved")
     lt.add_argument("--optimizers", nargs="+", default=["torch-adamw", "dobb:blocks=16", "dobb:blocks=4",
-                                                        "dobb:blocks=16:stagger=true", "muon", "dion:rank_fraction=1/16"])
+                                                        "dobb:blocks=16:stagger=false", "muon", "dion:rank_fraction=1/16"])
     lt.add_argument("--preset", default="small-cpu", help="bench model preset (default: the compare default)")
     lt.add_argument("--vocab", type=int, default=4096)
     lt.add_argument("--batch", type=int, default=16)

@@ -48,7 +48,7 @@ from .specs import OptimizerSpec, parse_spec
 from .timing_report import jsonable, merge_ranks, summarize
 
 TIMING_ONLY = ("torch-adamw", "torch-muon")
-DEFAULT_OPTIMIZERS = ("torch-adamw", "torch-muon", "dion:rank_fraction=1/16", "dobb", "dobb:stagger=true")
+DEFAULT_OPTIMIZERS = ("torch-adamw", "torch-muon", "dion:rank_fraction=1/16", "dobb", "dobb:stagger=false")
 DOBB_NAMES = ("dobb", "dobb-l2", "dobb-g", "dobb-g-l2")
 
 
