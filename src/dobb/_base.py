@@ -111,7 +111,14 @@ class MatrixOptimizer(torch.optim.Optimizer):
             raise ValueError(f"algorithm must be 'adamw' or {self.algorithm!r}, got {algo!r}")
         if algo == self.algorithm:
             for i, p in enumerate(group["params"]):
-                if p.dim() != 2:
+                if p.dim() == 3 and not self._expert_stacks:
+                    raise ValueError(
+                        f"{_name_of(p, self._param_names, i)} is a 3-D expert stack (E, out, in) = {tuple(p.shape)}; "
+                        f"{type(self).__name__} updates 2-D matrices only: optimize the stack with Dobb (algorithm "
+                        f"'dobb', E matrices with their own bases), put it in an 'adamw' group, or store each "
+                        f"expert as its own 2-D parameter"
+                    )
+                if p.dim() not in (2, 3):
                     raise ValueError(
                         f"{_name_of(p, self._param_names, i)} is {p.dim()}-D; {type(self).__name__} "
                         f"updates 2-D matrices only: put it in an 'adamw' group (dobb.param_groups does this)"
@@ -160,6 +167,9 @@ class MatrixOptimizer(torch.optim.Optimizer):
 
     # Whether the subclass handles transposed=True groups itself (Dobb flips its layout's axis).
     _native_transposed = False
+    # Whether the subclass optimizes 3-D expert stacks (E, out, in) as E matrices (Dobb); the others
+    # refuse them at construction, naming the parameter.
+    _expert_stacks = False
 
     @contextlib.contextmanager
     def _logical(self, group: dict[str, Any]):
@@ -260,7 +270,9 @@ class MatrixOptimizer(torch.optim.Optimizer):
         for p in self.iter_matrix_params():
             st = self.state[p]
             for key in _INT_STATE_KEYS:
-                if key in st:
+                if isinstance(st.get(key), (list, tuple)):  # per expert of a stack
+                    st[key] = [int(v) for v in st[key]]
+                elif key in st:
                     st[key] = int(st[key])
         self._after_load()
 

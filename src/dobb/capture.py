@@ -24,6 +24,7 @@ from torch import nn
 
 from . import functional as F
 from .collectives import all_reduce_sum_
+from .experts import ExpertLayout
 from .layout import MatrixLayout
 
 
@@ -34,10 +35,12 @@ def in_backward() -> bool:
 @dataclass
 class PendingStat:
     """Captured sums for one parameter since the last ``step()``: ``sums`` over ``count`` rows,
-    shaped like the captured span's row-stacked blocks."""
+    shaped like the captured span's row-stacked blocks. An expert stack keeps ``(E_span, k, s)``
+    sums, a row count per expert, and ``taken`` (which experts recorded since the step)."""
 
     sums: torch.Tensor
-    count: int
+    count: int | list[int]
+    taken: list[bool] | None = None
 
 
 class CaptureHooks:
@@ -77,8 +80,8 @@ class CaptureHooks:
         if not self.armed or self.paused or not module.training or not torch.is_grad_enabled() or in_backward():
             return
         for p in self._module_params[module]:
-            if p not in self.armed:
-                continue
+            if p not in self.armed or isinstance(self.layouts[p], ExpertLayout):
+                continue  # a stack's rows are routed: only Dobb.capture knows them
             group = self.groups[p]
             if group["capture"] == "first":
                 self.armed.discard(p)
@@ -96,6 +99,33 @@ class CaptureHooks:
             self.armed.discard(p)
         self._accumulate(p, features.detach(), group)
         return True
+
+    def capture_experts(self, p: torch.Tensor, parts: list[tuple[int, torch.Tensor]]) -> bool:
+        """``Dobb.capture`` for an expert stack: ``parts`` are ``(expert, rows)``. Each expert's rows
+        add to its own sums and count; with ``capture="first"`` an expert records only its first
+        non-empty rows after a step. Experts outside this rank's captured span are skipped."""
+        if p not in self.armed or self.paused or not torch.is_grad_enabled() or in_backward():
+            return False
+        group, layout = self.groups[p], self.layouts[p]
+        dtype = torch.promote_types(group["stat_dtype"], torch.float32)
+        pending = self.pending.get(p)
+        if pending is None:
+            device = layout.local(p).device
+            pending = self.pending[p] = PendingStat(torch.zeros(layout.capture_shape, dtype=dtype, device=device),
+                                                    [0] * layout.span_count, [False] * layout.span_count)
+        recorded = False
+        for e, x in parts:
+            j = e - layout.span_start
+            x = layout.capture_features(x.detach())
+            if not 0 <= j < layout.span_count or math.prod(x.shape[:-1]) == 0:
+                continue
+            if group["capture"] == "first" and pending.taken[j]:
+                continue
+            sums, count = F.second_moment_blocks(x, layout.local_sizes, dtype)
+            pending.sums[j].add_(sums)
+            pending.count[j] += count
+            pending.taken[j] = recorded = True
+        return recorded
 
     def _grad_hook(self, p: torch.Tensor, grad: torch.Tensor) -> None:
         # Data parallelism averages gradients over the P ranks of the statistic's group (DDP/FSDP:

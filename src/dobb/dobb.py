@@ -14,7 +14,7 @@ All equal-size blocks of all matrices of a param group go through one batched ``
 from __future__ import annotations
 
 import contextlib
-import math
+import itertools
 from collections import defaultdict
 from typing import Any
 
@@ -22,10 +22,12 @@ import torch
 from torch import nn
 
 from . import functional as F
+from ._apply import DirectionKernels
 from ._base import MatrixOptimizer, _name_of
 from ._dtensor import is_dtensor, to_local
 from .capture import CaptureHooks, gram_statistic
-from .collectives import SumBucket, all_reduce_sum_, common_group, group_ranks, plain_stat_group
+from .collectives import SumBucket, common_group, group_ranks, plain_stat_group
+from .experts import ExpertLayout, expert_layout, expert_parts, refresh_stack, stack_gram_statistic
 from .layout import MatrixLayout
 from .placement import layout_for
 
@@ -43,7 +45,7 @@ _FLIP = {"input": "output", "output": "input"}
 _UNRESOLVED = object()
 
 
-class Dobb(MatrixOptimizer):
+class Dobb(DirectionKernels, MatrixOptimizer):
     """Distributed Optimizer with Block-diagonal Eigenbases (see README and SPEC for every option).
 
     Args (beyond ``torch.optim`` conventions; every one may be overridden per param group):
@@ -79,10 +81,15 @@ class Dobb(MatrixOptimizer):
             DTensor mesh dims.
         transposed: the group's weights are stored ``(in, out)`` (Hugging Face ``Conv1D``;
             ``dobb.param_groups`` sets it): blocks, statistics and sharding follow the input axis.
+
+    A group may hold 3-D expert stacks ``(E, out, in)``: each is optimized as ``E`` matrices with
+    their own blocks, statistics and bases (``experts``); their statistics come from
+    ``capture(weight, [x_0, ..., x_{E-1}])`` or ``source="grad_gram"``.
     """
 
     algorithm = "dobb"
     _native_transposed = True  # transposed groups flip the layout's blocked axis (see _init_matrix_state)
+    _expert_stacks = True  # 3-D (E, out, in) parameters are E matrices (see experts)
     matrix_defaults: dict[str, Any] = dict(
         blocks=1, refresh_every=9, basis="orthogonal_iteration", ortho_steps=1, qr="householder",
         norm="sign", side="input", source="activation", capture="first", stat_decay=0.9,
@@ -126,6 +133,12 @@ class Dobb(MatrixOptimizer):
         for key in ("basis_dtype", "stat_dtype"):
             if not (isinstance(group[key], torch.dtype) and group[key].is_floating_point):
                 raise ValueError(f"{key} must be a floating torch.dtype, got {group[key]!r}")
+        for i, p in enumerate(group["params"]):
+            if p.dim() == 3 and group["source"] == "output_grad":
+                raise ValueError(
+                    f"{_name_of(p, self._param_names, i)} is an expert stack (E, out, in): its output gradients are "
+                    f"routed, which hooks cannot see; use source='grad_gram' for side='output'"
+                )
         if group["source"] in _HOOK_SOURCES and self.model is None:
             raise ValueError(
                 f"source={group['source']!r} captures statistics with hooks: pass model=<the nn.Module> "
@@ -145,7 +158,10 @@ class Dobb(MatrixOptimizer):
                 # a transposed weight, stored (in, out): its input axis is dim 0, so the "input" side
                 # blocks dim 0 (what "output" blocks on an (out, in) weight) and vice versa
                 side = _FLIP[group["side"]] if group["transposed"] else group["side"]
-                layout = layout_for(p, side, group["blocks"], stat_group)
+                if p.dim() == 3:
+                    layout = expert_layout(p, side, group["blocks"], stat_group)
+                else:
+                    layout = layout_for(p, side, group["blocks"], stat_group)
             except ValueError as exc:
                 raise ValueError(f"{_name_of(p, self._param_names, i)}: {exc}") from None
             self._layouts[p] = layout
@@ -153,17 +169,21 @@ class Dobb(MatrixOptimizer):
         if group["stagger"]:
             T = group["refresh_every"]
             # global (rank-invariant) block sizes: every rank must pick the same refresh offsets
-            order = sorted(group["params"], key=lambda q: -sum(s**3 for s in self._layouts[q].global_sizes))
-            for p in order:
+            def work(q):  # an expert stack refreshes its E experts together
+                lay = self._layouts[q]
+                return sum(s**3 for s in lay.global_sizes) * (lay.experts if isinstance(lay, ExpertLayout) else 1)
+
+            for p in sorted(group["params"], key=lambda q: -work(q)):
                 off = min(range(T), key=lambda o: cost[o])
-                cost[off] += sum(s**3 for s in self._layouts[p].global_sizes)
+                cost[off] += work(p)
                 self._offsets[p] = off
 
     def _new_state(self, p: torch.Tensor, group: dict, layout: MatrixLayout) -> dict[str, Any]:
         # Created eagerly and identically on every rank, so distributed checkpoints see one key set.
         return {
             "step": 0,
-            "captures": 0,
+            # per expert of the captured span for a stack (each expert's statistic has its own count)
+            "captures": [0] * layout.span_count if isinstance(layout, ExpertLayout) else 0,
             "momentum": torch.zeros_like(p, memory_format=torch.preserve_format),
             "stat": layout.new_block_state(group["stat_dtype"], identity=False, like=p),
             "basis": layout.new_block_state(group["basis_dtype"], identity=True, like=p),
@@ -227,7 +247,7 @@ class Dobb(MatrixOptimizer):
         finally:
             self._hooks.paused -= 1
 
-    def capture(self, weight: torch.Tensor, features: torch.Tensor) -> bool:
+    def capture(self, weight: torch.Tensor, features, expert: int | None = None) -> bool:
         """Record input features of ``weight``'s layer for its statistic, for layers the hooks
         cannot read: custom layers, experts that see only the tokens routed to them.
 
@@ -238,22 +258,45 @@ class Dobb(MatrixOptimizer):
         ``capture="first"`` only the first time after a step. Give the owning module
         ``dobb_capture = False`` so that its forward hook does not capture its first input as
         well. The weight must be in a group with ``source="activation"``.
+
+        An expert stack ``weight`` ``(E, out, in)`` takes the rows routed to each expert: a list of
+        ``E`` tensors (``features[e]``: expert ``e``'s rows, last dim ``in``; an expert without rows
+        gets an empty one), or one tensor with ``expert=e``. Each expert's statistic is the mean over
+        its own rows; with ``capture="first"`` each expert records its first rows after a step. Under
+        FSDP2 pass the sharded parameter (the optimizer's), e.g. after the forward pass.
         """
-        group = next((g for g in self._dobb_groups() if any(q is weight for q in g["params"])), None)
-        if group is None:
+        where = next(((g, i) for g in self._dobb_groups() for i, q in enumerate(g["params"]) if q is weight), None)
+        if where is None:
             raise ValueError(f"capture: the tensor of shape {tuple(weight.shape)} is not a matrix of this Dobb")
+        group, index = where
         if group["source"] != "activation":
             raise ValueError(f"capture records layer inputs: the weight's group has source={group['source']!r}, "
                              f"it needs source='activation'")
-        return self._hooks.capture(weight, features)
+        layout = self._layouts[weight]
+        if not isinstance(layout, ExpertLayout):
+            if expert is not None:
+                raise ValueError(f"capture: expert={expert} given, but {_name_of(weight, self._param_names, index)} "
+                                 f"is a 2-D matrix, not an (E, out, in) expert stack")
+            return self._hooks.capture(weight, features)
+        E, n = layout.experts, layout.shape[layout.blocked_axis]  # activation: the blocked axis is the input
+        parts = expert_parts(features, expert, E, n, _name_of(weight, self._param_names, index))
+        return self._hooks.capture_experts(weight, parts)
 
     # ------------------------------------------------------------------ schedule
     def _is_refresh(self, p: torch.Tensor, group: dict) -> bool:
         # Until a first statistic exists every step is due (a zero-lr step or a forward pass that
         # skipped the layer must not leave the identity basis in place for a whole period).
         state = self.state[p]
+        step, captures = state["step"], state["captures"]
+        unseen = 0 in captures if isinstance(captures, list) else captures == 0  # a stack: any expert
+        return step == 0 or unseen or (step - self._offsets.get(p, 0)) % group["refresh_every"] == 0
+
+    def _due_experts(self, p: torch.Tensor, group: dict) -> list[bool]:
+        """Per expert of a stack's captured span: due as a matrix of its own would be."""
+        state = self.state[p]
         step = state["step"]
-        return step == 0 or state["captures"] == 0 or (step - self._offsets.get(p, 0)) % group["refresh_every"] == 0
+        on = step == 0 or (step - self._offsets.get(p, 0)) % group["refresh_every"] == 0
+        return [on or c == 0 for c in state["captures"]]
 
     def _rearm(self) -> None:
         if self._hooks is None:
@@ -292,13 +335,15 @@ class Dobb(MatrixOptimizer):
                 pending = self._hooks.pending.get(p)
                 device = layout.local(p).device
                 sums = pending.sums if pending is not None else torch.zeros(layout.capture_shape, dtype=dtype, device=device)
-                count = torch.tensor([pending.count if pending is not None else 0], dtype=dtype, device=device)
+                # a stack counts rows per expert of its span (a list), a matrix in one int
+                n = pending.count if pending is not None else (
+                    [0] * layout.span_count if isinstance(layout, ExpertLayout) else 0)
+                count = torch.tensor(n if isinstance(n, list) else [n], dtype=dtype, device=device)
                 key = (id(layout.stat_group), dtype, device)
                 bucket = buckets.get(key)
                 if bucket is None:
                     bucket = buckets[key] = SumBucket(layout.stat_group, dtype, device)
-                slots.append((p, layout, bucket, bucket.add(sums), bucket.add(count),
-                              pending.count if pending is not None else 0))
+                slots.append((p, layout, bucket, bucket.add(sums), bucket.add(count), n))
         flags = self._local_nonfinite(params) if self.check_finite else None
         flag_slot = None
         if flags is not None and self._step_group is not None:
@@ -322,9 +367,15 @@ class Dobb(MatrixOptimizer):
             totals = [n for *_, n in slots]
         else:
             counts = [reduced[id(b)][c] for _, _, b, _, c, _ in slots]
-            totals = torch.cat(counts).tolist() if counts else []
+            flat = torch.cat(counts).tolist() if counts else []
+            ends = [0, *itertools.accumulate(c.numel() for c in counts)]
+            totals = [flat[a:z] if isinstance(slot[1], ExpertLayout) else flat[a]
+                      for slot, a, z in zip(slots, ends, ends[1:])]
         self._reduced.clear()
         for (p, layout, b, i, _, _), total in zip(slots, totals):
+            if isinstance(layout, ExpertLayout):  # (local means, has-rows per span expert), or None
+                self._reduced[p] = layout.mean(reduced[id(b)][i], total)
+                continue
             # no rank saw a token for this layer: keep its statistic and basis
             self._reduced[p] = None if total == 0 else layout.stat_to_state(reduced[id(b)][i] / total)
 
@@ -399,15 +450,24 @@ class Dobb(MatrixOptimizer):
 
     def _refresh(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         decay = group["stat_decay"]
-        batches: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
+        batches: dict[tuple, list[tuple]] = defaultdict(list)  # (size, exact) -> [(A blocks, Q blocks, put)]
         for p, g in zip(params, grads):
             layout, state = self._layouts[p], self.state[p]
+            stack = isinstance(layout, ExpertLayout)
             if group["source"] == "grad_gram":
-                new = gram_statistic(g, layout, torch.promote_types(group["stat_dtype"], torch.float32))
+                dtype = torch.promote_types(group["stat_dtype"], torch.float32)
+                new = stack_gram_statistic(g, layout, dtype) if stack else gram_statistic(g, layout, dtype)
+                has = [True] * layout.span_count if stack else None
             else:
                 new = self._reduced.get(p)
                 if new is None:
                     continue  # no rank captured it (layer unused in this step's forward): keep the basis
+                if stack:
+                    new, has = new
+            if stack:
+                refresh_stack(state, layout, new, has, self._due_experts(p, group), group,
+                              lambda key, a, q0, put: batches[key].append((a, q0, put)))
+                continue
             stat = layout.local(state["stat"])
             basis = layout.local(state["basis"])
             new = new.to(stat.dtype)
@@ -418,86 +478,18 @@ class Dobb(MatrixOptimizer):
             exact = group["basis"] == "eigh" or (state["captures"] == 0 and group["init_basis"] == "eigh")
             state["captures"] += 1
             for run in F.block_runs(layout.local_sizes):
-                batches[(run.size, exact)].append((F.block_view(stat, run), F.block_view(basis, run)))
+                q_view = F.block_view(basis, run)
+                batches[(run.size, exact)].append((F.block_view(stat, run), q_view, q_view.copy_))
         for (size, exact), items in batches.items():
-            a = torch.cat([a for a, _ in items])
+            a = torch.cat([a for a, _, _ in items])
             a = a.to(torch.promote_types(a.dtype, torch.float32))
             if exact:
                 q = F.eigh_basis(a)
             else:
-                q0 = torch.cat([q for _, q in items])
+                q0 = torch.cat([q for _, q, _ in items])
                 q = F.orthogonal_iteration(a, q0, group["ortho_steps"], group["qr"])
-            for (_, q_view), q_new in zip(items, q.split([a_.shape[0] for a_, _ in items])):
-                q_view.copy_(q_new)
-
-    # torch runs baddbmm_ into a strided weight view as one addmm_ per block: a win (one pass over
-    # W, no update temporary) for large blocks, launch-bound for small ones (docs/timing.md)
-    _FUSE_MIN_BLOCK_WORK = 1 << 18
-    _SMALL_BLOCK = 16  # CPU: blocks up to this size use the transposed products (_project_and_add)
-
-    @classmethod
-    def _decay_in_update(cls, pt: torch.Tensor, layout: MatrixLayout, group: dict) -> bool:
-        rows = pt.shape[1 - layout.blocked_axis]
-        return (pt.device.type == "cpu" and not isinstance(group["lr"], torch.Tensor)
-                and pt.dtype == F.matmul_dtype(group["basis_dtype"], pt.device)
-                and min((rows * s * s for s in layout.local_sizes if s > 0), default=0) >= cls._FUSE_MIN_BLOCK_WORK)
-
-    def _apply_directions(self, group: dict, active: list, u: list, params: list, betas: list) -> None:
-        """``W -= lr * s * O`` with ``O`` from batched project -> normalize -> reconstruct.
-
-        All equal-shape blocks of the group go through one pair of ``bmm`` calls, computed in the
-        basis dtype (bf16 by default: half the memory traffic, bf16 matrix units). The constant
-        ``-lr * s`` (and sign's ``1/sqrt(rows)``) is folded into the final in-place add, so no
-        update-sized temporary is written besides the coefficients. ``betas[i]``: the decay factor
-        folded into that matrix's reconstruction (``baddbmm``), or None (already decayed).
-        """
-        norm, lr, tau = group["norm"], group["lr"], group["tau"]
-        batches: dict[tuple, list] = defaultdict(list)
-        for p, ut, pt, beta in zip(active, u, params, betas):
-            layout = self._layouts[p]
-            basis = layout.local(self.state[p]["basis"])
-            uo, po = (ut, pt) if layout.blocked_axis == 1 else (ut.transpose(0, 1), pt.transpose(0, 1))
-            r = uo.shape[0]
-            factor = -lr * F.update_scale(*layout.shape, tau) / (math.sqrt(layout.rows) if norm == "sign" else 1.0)
-            for run in F.block_runs(layout.local_sizes):
-                # l2 with sharded rows: one batch per matrix, so every rank of the l2 group issues the
-                # same norm reductions in the same order (local row counts may differ across ranks)
-                l2_key = (id(layout.l2_group), id(p) if layout.l2_group is not None else None)
-                key = (r, run.size, F.matmul_dtype(basis.dtype, basis.device), layout.rows, l2_key if norm == "l2" else None)
-                batches[key].append((uo[:, run.start : run.stop], F.block_view(basis, run), po, run, layout, factor, beta))
-        for (r, size, dtype, _, _), items in batches.items():
-            # One bmm pair per batch of equal blocks. On CPU a strided block view feeds bmm at no
-            # cost while stacking matrices costs a transposing copy, so CPU batches per matrix;
-            # accelerators stack all matrices to save kernel launches.
-            if items[0][0].device.type == "cpu":
-                for it in items:
-                    self._project_and_add([it], r, size, dtype, norm)
-            else:
-                self._project_and_add(items, r, size, dtype, norm)
-
-    @classmethod
-    def _project_and_add(cls, items: list, r: int, size: int, dtype: torch.dtype, norm: str) -> None:
-        if len(items) == 1 and norm == "sign" and size <= cls._SMALL_BLOCK and items[0][6] is None:
-            # Small blocks: MKL's batched GEMM is far faster with the long row axis as the product's
-            # N (C_b^T = Q_b^T U_b^T, (s x s)(s x r)) than as its M (3-7x at s = 8, docs/timing.md).
-            ut, q, po, run, _, factor, _ = items[0]
-            ct = torch.bmm(q.to(dtype).transpose(1, 2), ut.to(dtype).t().reshape(run.count, size, r)).sign_()
-            po[:, run.start : run.stop].t().view(run.count, size, r).add_(torch.bmm(q.to(dtype), ct), alpha=factor)
-            return
-        counts = [it[3].count for it in items]
-        views = [it[0].to(dtype).reshape(r, it[3].count, size).transpose(0, 1) for it in items]
-        ub = views[0] if len(items) == 1 else torch.cat(views)
-        q = (items[0][1] if len(items) == 1 else torch.cat([it[1] for it in items])).to(dtype)
-        l2_group = items[0][4].l2_group
-        c = F.block_coefficients(ub, q, norm, col_sq_sum=lambda sq: all_reduce_sum_(sq, l2_group))
-        if len(items) == 1 and items[0][6] is not None:  # W_b <- beta W_b + factor C_b Q_b^T, one pass
-            _, _, po, run, _, factor, beta = items[0]
-            po[:, run.start : run.stop].view(r, run.count, size).transpose(0, 1).baddbmm_(
-                c, q.transpose(1, 2), beta=beta, alpha=factor)
-            return
-        o = torch.bmm(c, q.transpose(1, 2))
-        for ob, (_, _, po, run, _, factor, _) in zip(o.split(counts), items):
-            po[:, run.start : run.stop].view(r, run.count, size).add_(ob.transpose(0, 1), alpha=factor)
+            for (_, _, put), q_new in zip(items, q.split([a_.shape[0] for a_, _, _ in items])):
+                put(q_new)
 
     # ------------------------------------------------------------------ state dict
     # statistics (fp32) and bases (bf16) keep their own precision on load
