@@ -6,6 +6,13 @@ The rule (Muon/Dion convention):
   (GPT-2's ``c_attn``, ``c_proj``, ``c_fc``) and any module that declares
   ``dobb_transposed = True`` (an attribute of the class or the instance). Transposed weights get a
   group of their own with ``transposed=True``, which every optimizer of this package follows;
+- expert stacks (MoE grouped experts, a 3-D ``(E, out, in)`` weight whose expert ``e`` computes
+  ``x_e @ W[e].T`` for its routed rows): declared by the module that holds them, with
+  ``dobb_experts = ("w1", "w2")`` (the names of its own parameters, a class or instance
+  attribute), or by full name with ``param_groups(model, experts=["layers.0.moe.w1", ...])``. They
+  go to the matrix group when the algorithm is ``"dobb"`` (Dobb optimizes them as ``E`` matrices;
+  feed their routed rows with ``Dobb.capture`` or use ``source="grad_gram"``), to AdamW for the
+  other algorithms (they update 2-D matrices only). Undeclared 3-D parameters go to AdamW;
 - AdamW: everything else — embeddings (``nn.Embedding``), the output head, norms, biases, scalars,
   and parameters of other module types. ``nn.Conv2d`` weights ``(out, in, kh, kw)`` go to AdamW
   too: the statistic that describes them is the second moment of unfolded input patches
@@ -25,6 +32,13 @@ from collections.abc import Callable
 from torch import nn
 
 DEFAULT_HEAD_NAMES = ("head", "lm_head", "output", "classifier", "out_proj_vocab")
+STACK_ALGORITHMS = ("dobb",)  # algorithms whose optimizer takes 3-D expert stacks
+
+
+def is_expert_stack(name: str, module: nn.Module, p: nn.Parameter, experts=()) -> bool:
+    """Whether ``p`` (full name ``name``, owned by ``module``) is a declared ``(E, out, in)`` expert stack."""
+    own = name.rsplit(".", 1)[-1]
+    return p.dim() == 3 and (own in tuple(getattr(module, "dobb_experts", ())) or name in experts)
 
 
 def is_transposed_layer(module: nn.Module) -> bool:
@@ -50,8 +64,19 @@ def transposed_parameters(model: nn.Module) -> set[int]:
 
 
 def split_parameters(model: nn.Module, *, head_names=DEFAULT_HEAD_NAMES,
-                     is_matrix: Callable[[str, nn.Module, nn.Parameter], bool] | None = None):
-    """Returns ``(matrix, other)``: lists of ``(name, parameter)``; shared parameters appear once."""
+                     is_matrix: Callable[[str, nn.Module, nn.Parameter], bool] | None = None,
+                     experts=(), stacks: bool = True):
+    """Returns ``(matrix, other)``: lists of ``(name, parameter)``; shared parameters appear once.
+
+    ``experts``: full names of expert stacks besides those their modules declare (``dobb_experts``);
+    ``stacks``: whether declared stacks go to ``matrix`` (the optimizer takes them) or to ``other``.
+    """
+    experts = set(experts)
+    named = dict(model.named_parameters())
+    for name in experts:
+        if name not in named or named[name].dim() != 3:
+            got = "no such parameter" if name not in named else f"shape {tuple(named[name].shape)}"
+            raise ValueError(f"experts names {name!r}: an expert stack must be a 3-D (E, out, in) parameter ({got})")
     embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
     embedding_weights = {id(m.weight) for m in embeddings}
     vocab = max((m.num_embeddings for m in embeddings), default=None)
@@ -59,6 +84,8 @@ def split_parameters(model: nn.Module, *, head_names=DEFAULT_HEAD_NAMES,
     last_linear = linears[-1] if linears else None
 
     def default_is_matrix(name: str, module: nn.Module, p: nn.Parameter) -> bool:
+        if is_expert_stack(name, module, p, experts):
+            return stacks
         if not _is_linear(module) or p is not module.weight or p.dim() != 2:
             return False
         if id(p) in embedding_weights or name.rsplit(".", 1)[0].rsplit(".", 1)[-1] in head_names:
@@ -79,14 +106,16 @@ def split_parameters(model: nn.Module, *, head_names=DEFAULT_HEAD_NAMES,
 
 def param_groups(model: nn.Module, algorithm: str = "dobb", *, head_names=DEFAULT_HEAD_NAMES,
                  is_matrix: Callable[[str, nn.Module, nn.Parameter], bool] | None = None,
-                 **matrix_overrides):
+                 experts=(), **matrix_overrides):
     """Param groups for any optimizer of this package: ``[{matrix group}, {"algorithm": "adamw"}]``,
     with a second matrix group (``transposed=True``) when the model has transposed layers.
 
     Parameters are given as ``(name, tensor)`` pairs so errors can name them. Extra keyword
-    arguments become per-group overrides of the matrix groups (e.g. ``blocks=4``).
+    arguments become per-group overrides of the matrix groups (e.g. ``blocks=4``). ``experts``: full
+    names of 3-D expert stacks besides those declared by ``dobb_experts`` (see the module docstring).
     """
-    matrix, other = split_parameters(model, head_names=head_names, is_matrix=is_matrix)
+    matrix, other = split_parameters(model, head_names=head_names, is_matrix=is_matrix, experts=experts,
+                                     stacks=algorithm in STACK_ALGORITHMS)
     transposed = transposed_parameters(model)
     groups = []
     plain = [np for np in matrix if id(np[1]) not in transposed]
