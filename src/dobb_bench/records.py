@@ -56,11 +56,18 @@ def read_run_dir(out_dir: Path) -> list[dict]:
     return out
 
 
-def collect(out_dir, study: str, records_dir: Path = RECORDS) -> list[dict]:
-    """Adds the runs in ``out_dir`` to ``records_dir/study.jsonl`` (a rerun replaces its record)."""
+def collect(out_dir, study: str, records_dir: Path = RECORDS, runs: list[str] | None = None) -> list[dict]:
+    """Adds the runs in ``out_dir`` to ``records_dir/study.jsonl`` (a rerun replaces its record);
+    ``runs``: only the runs with these labels (a folder may hold rows that belong to other studies)."""
     if not re.fullmatch(r"[\w.-]+", study):
         raise ValueError(f"study name {study!r}: use letters, digits, '.', '_' or '-'")
     new = read_run_dir(Path(out_dir))
+    if runs is not None:
+        missing = set(runs) - {r.get("run") for r in new}
+        if missing:
+            raise ValueError(f"no finished run labelled {sorted(missing)} under {out_dir} "
+                             f"(labels there: {sorted({r.get('run') for r in new})})")
+        new = [r for r in new if r.get("run") in runs]
     if not new:
         raise ValueError(f"no finished runs under {out_dir}/runs/*/metrics.jsonl")
     path = Path(records_dir) / f"{study}.jsonl"
