@@ -71,7 +71,7 @@ def test_profile_split():
 
 def test_looptime_and_roofline_commands(tmp_path, capsys):
     out = tmp_path / "lt"
-    rc = main(["looptime", "--optimizers", "torch-adamw", "dobb:blocks=2", "--preset", "tiny", "--vocab", "64",
+    rc = main(["looptime", "--optimizers", "torch-adamw", "dobb:blocks=2:stagger=false", "--preset", "tiny", "--vocab", "64",
                "--batch", "2", "--seq-len", "8", "--cycles", "2", "--cycle-len", "3", "--warmup", "0",
                "--out", str(out)])
     assert rc == 0
@@ -79,13 +79,13 @@ def test_looptime_and_roofline_commands(tmp_path, capsys):
     assert "git_rev" in rec["provenance"] and rec["config"]["threads"] == 1
     ref, d = rec["summaries"]
     assert ref["ratio_to_adamw"]["median"] == 1.0 and len(d["steps_ms"]) == 6
-    assert d["refresh"] == [True] + [False] * 5  # the first step refreshes, then every 9th
+    assert d["refresh"] == [True] + [False] * 5  # unstaggered: the first step refreshes, then every 9th
     assert d["state_bytes_measured"] == pytest.approx(d["derived"]["state_bytes"] + 0, rel=1e-3)
     rc = main(["roofline", "--looptime", str(out / "looptime.json"), "--mb", "4", "--size", "64",
                "--out", str(tmp_path / "rf")])
     assert rc == 0
     rf = json.loads((tmp_path / "rf" / "roofline.json").read_text())
-    assert [r["spec"] for r in rf["rows"]] == ["torch-adamw", "dobb:blocks=2"]
+    assert [r["spec"] for r in rf["rows"]] == ["torch-adamw", "dobb:blocks=2:stagger=false"]
     assert all(r["fraction"] > 0 for r in rf["rows"])
 
 
