@@ -100,6 +100,9 @@ def worker(rank, world):
         for v in VARIANTS:
             check((dim, v), run_variant, rank, world, v, lambda m, d=dim: fsdp(m, mesh, d), (rank, world))
     check((0, "gram"), run_variant, rank, world, "dobb", lambda m: fsdp(m, mesh, 0), (rank, world), source="grad_gram")
+    for dim in (0, 1):  # the library default: staggered refresh
+        check(("stagger", dim), run_variant, rank, world, "dobb", lambda m, d=dim: fsdp(m, mesh, d), (rank, world),
+              stagger=True)
     check("errors", _errors, rank, world)
     return results
 
@@ -212,3 +215,14 @@ def test_uneven_block_errors_list_valid_counts(four):
         assert "a.weight" in msgs[0] or "#0" in msgs[0]
         assert "valid block counts: 4, 8, 12" in msgs[0]
         assert "valid block counts: 2" in msgs[1]
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_staggered_refresh_matches_single_process_and_spreads_the_statistic(ranks, dim):
+    """stagger=True (the default): the same numbers as one process; step 0 reduces every matrix's
+    statistic, later steps each the matrices whose offset is due, one full refresh per cycle."""
+    for r in per_rank(ranks, ("stagger", dim)):
+        assert r["diff"] < 1e-12 and r["stat_diff"] < 1e-12
+        e = [e for _, e, *_ in r["log"]]
+        flags = stat_entries("input") - stat_entries("input", flags=0)  # folded into every step's reduction
+        assert e[0] == stat_entries("input") and 0 < e[1] < e[0] and e[1] + e[2] == e[0] + flags and e[3] == e[1]
