@@ -286,10 +286,12 @@ class Dobb(DirectionKernels, MatrixOptimizer):
     def _is_refresh(self, p: torch.Tensor, group: dict) -> bool:
         # Until a first statistic exists every step is due (a zero-lr step or a forward pass that
         # skipped the layer must not leave the identity basis in place for a whole period).
-        state = self.state[p]
-        step, captures = state["step"], state["captures"]
-        unseen = 0 in captures if isinstance(captures, list) else captures == 0  # a stack: any expert
-        return step == 0 or unseen or (step - self._offsets.get(p, 0)) % group["refresh_every"] == 0
+        step = self.state[p]["step"]
+        return step == 0 or self._unseen(p) or (step - self._offsets.get(p, 0)) % group["refresh_every"] == 0
+
+    def _unseen(self, p: torch.Tensor) -> bool:  # no statistic yet (a stack: some expert has none)
+        captures = self.state[p]["captures"]
+        return 0 in captures if isinstance(captures, list) else captures == 0
 
     def _due_experts(self, p: torch.Tensor, group: dict) -> list[bool]:
         """Per expert of a stack's captured span: due as a matrix of its own would be."""
@@ -361,23 +363,29 @@ class Dobb(DirectionKernels, MatrixOptimizer):
             if bad:
                 self._rearm()  # the next forward passes capture afresh
                 self._raise_nonfinite(params[bad[0]], int(flags[bad[0]].item()))
+        counts = [reduced[id(b)][c] for _, _, b, _, c, _ in slots]
         if all(b.group is None for _, _, b, _, _, _ in slots):
             # no statistic group (one process): the totals are this rank's row counts, known on the
             # host, so a step with check_finite=False reads no tensor value
             totals = [n for *_, n in slots]
-        else:
-            counts = [reduced[id(b)][c] for _, _, b, _, c, _ in slots]
+        elif self.check_finite or any(self._unseen(p) for p, *_ in slots):
+            # host read: a first statistic needs it (schedule, exact first basis); with the flags read anyway, exact captures
             flat = torch.cat(counts).tolist() if counts else []
             ends = [0, *itertools.accumulate(c.numel() for c in counts)]
             totals = [flat[a:z] if isinstance(slot[1], ExpertLayout) else flat[a]
                       for slot, a, z in zip(slots, ends, ends[1:])]
+        else:  # every due matrix has a statistic: keep-or-update is decided on the device
+            totals = [None] * len(slots)
         self._reduced.clear()
-        for (p, layout, b, i, _, _), total in zip(slots, totals):
-            if isinstance(layout, ExpertLayout):  # (local means, has-rows per span expert), or None
-                self._reduced[p] = layout.mean(reduced[id(b)][i], total)
-                continue
-            # no rank saw a token for this layer: keep its statistic and basis
-            self._reduced[p] = None if total == 0 else layout.stat_to_state(reduced[id(b)][i] / total)
+        for (p, layout, b, i, _, _), total, count in zip(slots, totals, counts):
+            sums = reduced[id(b)][i]
+            if total is None:  # (means, has-rows on the device): rows nowhere keep statistic and basis
+                self._reduced[p] = (layout.mean_on_device(sums, count) if isinstance(layout, ExpertLayout)
+                                    else (layout.stat_to_state(sums / count.clamp_min(1)), count > 0))
+            elif isinstance(layout, ExpertLayout):  # (local means, has-rows per span expert), or None
+                self._reduced[p] = layout.mean(sums, total)
+            else:  # None: no rank saw a token for this layer, keep its statistic and basis
+                self._reduced[p] = None if total == 0 else layout.stat_to_state(sums / total)
 
     @staticmethod
     def _local_nonfinite(params: list[torch.Tensor]) -> torch.Tensor | None:
@@ -462,7 +470,8 @@ class Dobb(DirectionKernels, MatrixOptimizer):
                 new = self._reduced.get(p)
                 if new is None:
                     continue  # no rank captured it (layer unused in this step's forward): keep the basis
-                if stack:
+                has = None
+                if isinstance(new, tuple):  # a stack's per-expert flags, or a matrix's device flag
                     new, has = new
             if stack:
                 refresh_stack(state, layout, new, has, self._due_experts(p, group), group,
@@ -473,13 +482,16 @@ class Dobb(DirectionKernels, MatrixOptimizer):
             new = new.to(stat.dtype)
             if state["captures"] == 0:
                 stat.copy_(new)
-            else:
+            elif has is None:
                 stat.lerp_(new, 1.0 - decay)
+            else:  # decided on the device: a refresh without a row on any rank keeps the statistic
+                stat.copy_(torch.where(has, stat.lerp(new, 1.0 - decay), stat))
             exact = group["basis"] == "eigh" or (state["captures"] == 0 and group["init_basis"] == "eigh")
-            state["captures"] += 1
+            state["captures"] += 1  # on the device path: counted whether or not any rank had a row
             for run in F.block_runs(layout.local_sizes):
                 q_view = F.block_view(basis, run)
-                batches[(run.size, exact)].append((F.block_view(stat, run), q_view, q_view.copy_))
+                put = q_view.copy_ if has is None else (lambda q, v=q_view, h=has: v.copy_(torch.where(h, q, v)))
+                batches[(run.size, exact)].append((F.block_view(stat, run), q_view, put))
         for (size, exact), items in batches.items():
             a = torch.cat([a for a, _, _ in items])
             a = a.to(torch.promote_types(a.dtype, torch.float32))

@@ -98,6 +98,11 @@ class ExpertLayout(MatrixLayout):
         denom = torch.tensor([t if t > 0 else 1.0 for t in totals], dtype=sums.dtype, device=sums.device)
         return self.stat_to_state(sums / denom.view(-1, 1, 1)), has
 
+    def mean_on_device(self, sums: torch.Tensor, totals: torch.Tensor):
+        """``mean`` with the reduced ``totals`` left on the device (no host read): ``(local stat,
+        has-rows per span expert as a bool tensor)``."""
+        return self.stat_to_state(sums / totals.clamp_min(1).view(-1, 1, 1)), totals > 0
+
 
 def expert_layout(param: torch.Tensor, side: str, blocks: int, stat_group=None) -> ExpertLayout:
     """The layout of a 3-D ``(E, out, in)`` stack (plain, or a DTensor sharded on the expert axis)."""
@@ -174,15 +179,22 @@ def apply_stack(layout: ExpertLayout, basis: torch.Tensor, ut: torch.Tensor, pt:
         po[:, :, run.start : run.stop].view(E, r, c_, s_).add_(o.view(E, c_, r, s_).transpose(1, 2), alpha=factor)
 
 
-def refresh_stack(state: dict, layout: ExpertLayout, new: torch.Tensor, has: list[bool], due: list[bool],
+def refresh_stack(state: dict, layout: ExpertLayout, new: torch.Tensor, has, due: list[bool],
                   group: dict, add) -> None:
     """The statistic update of a stack's refresh, per expert as for a matrix of its own: experts of
     the span that are ``due`` and ``has`` rows count a capture; the local ones among them fold ``new``
     (``(local_experts, k, s)``) into their statistic (copy on the first capture, else the EMA) and
     queue their blocks through ``add((size, exact), a, q0, put)`` for the batched basis refresh
-    (``put(q)`` stores the new bases). The others keep statistic and basis."""
+    (``put(q)`` stores the new bases). The others keep statistic and basis.
+
+    ``has`` is a list of bools, or a bool tensor on the device (every expert already has a
+    statistic, and no host read was made): then every due expert counts a capture and the
+    keep-or-update choice per expert is a ``torch.where``."""
     lo, E = layout.span_offset, layout.local_experts
     captures = state["captures"]
+    keep = None
+    if isinstance(has, torch.Tensor):
+        keep, has = has[lo : lo + E], [True] * len(captures)
     first = [captures[lo + i] == 0 for i in range(E)]
     mine = [due[lo + i] and has[lo + i] for i in range(E)]
     for j in range(len(captures)):
@@ -194,6 +206,8 @@ def refresh_stack(state: dict, layout: ExpertLayout, new: torch.Tensor, has: lis
     new = new.to(stat.dtype)
     first_t = torch.tensor(first, device=stat.device).view(-1, 1, 1)
     merged = torch.where(first_t, new, stat.lerp(new, 1.0 - group["stat_decay"]))
+    if keep is not None:
+        merged = torch.where(keep.view(-1, 1, 1), merged, stat)
     chosen = [i for i in range(E) if mine[i]]
     if len(chosen) == E:
         stat.copy_(merged)
@@ -209,12 +223,15 @@ def refresh_stack(state: dict, layout: ExpertLayout, new: torch.Tensor, has: lis
             sv, bv = stack_block_view(stat, run), stack_block_view(basis, run)
             a = (sv if idx is None else sv.index_select(0, idx)).reshape(-1, run.size, run.size)
             q0 = (bv if idx is None else bv.index_select(0, idx)).reshape(-1, run.size, run.size)
+            k4 = None if keep is None else (keep if idx is None else keep.index_select(0, idx)).view(-1, 1, 1, 1)
             if idx is None:
-                def put(q, bv=bv):
-                    bv.copy_(q.view(bv.shape))
+                def put(q, bv=bv, k4=k4):
+                    q = q.view(bv.shape)
+                    bv.copy_(q if k4 is None else torch.where(k4, q, bv))
             else:
-                def put(q, bv=bv, idx=idx):
-                    bv.index_copy_(0, idx, q.reshape(len(idx), *bv.shape[1:]).to(bv.dtype))
+                def put(q, bv=bv, idx=idx, k4=k4):
+                    q = q.reshape(len(idx), *bv.shape[1:]).to(bv.dtype)
+                    bv.index_copy_(0, idx, q if k4 is None else torch.where(k4, q, bv.index_select(0, idx)))
             add((run.size, exact), a, q0, put)
 
 
