@@ -183,3 +183,42 @@ def test_tensor_lr_from_a_scheduler_matches_float_lr(name):
     (w_float, lr_float), (w_tensor, lr_tensor) = run(0.01), run(torch.tensor(0.01, dtype=torch.float64))
     assert isinstance(lr_tensor, torch.Tensor) and float(lr_tensor) == pytest.approx(lr_float)
     torch.testing.assert_close(w_tensor, w_float, atol=1e-12, rtol=0)
+
+
+class _Experts(nn.Module):
+    """Three experts, each (6, 8), every row through all of them: one undeclared (E, out, in)
+    stack ``w``, or three 2-D parameters (the reference)."""
+
+    def __init__(self, stacked):
+        super().__init__()
+        w = torch.randn(3, 6, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64) / 8**0.5
+        self.w = nn.Parameter(w) if stacked else nn.ParameterList([nn.Parameter(w[e].clone()) for e in range(3)])
+
+    def forward(self, x):
+        w = self.w if isinstance(self.w, nn.Parameter) else torch.stack(list(self.w))
+        return torch.tanh(torch.einsum("td,eod->teo", x, w)).sum((1, 2))
+
+
+def test_experts_names_stacks_for_param_groups():
+    """``experts=`` reaches ``dobb.param_groups``: the undeclared stack is a Dobb stack (one
+    statistic per expert) and trains as three 2-D matrices under Dobb do; a matrix optimizer that
+    takes no stacks leaves it to AdamW, as ``param_groups`` does; a wrong name is its ValueError."""
+    hp = dict(source="grad_gram", blocks=2, refresh_every=2, stagger=False, basis_dtype=torch.float64,
+              stat_dtype=torch.float64)
+    model, ref = _Experts(True), _Experts(False)
+    opt = dobb.build_optimizer("dobb", model, lr=0.05, weight_decay=0.01, experts=["w"], **hp)
+    ref_opt = dobb.Dobb([{"params": list(ref.w)}], model=ref, lr=0.05, weight_decay=0.01, **hp)
+    assert [(g["algorithm"], [p.shape for p in g["params"]]) for g in opt.param_groups] == [("dobb", [(3, 6, 8)])]
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(32, 8, generator=g, dtype=torch.float64)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    assert opt.state[model.w]["captures"] == [2, 2, 2]
+    torch.testing.assert_close(model.w.detach(), torch.stack([w.detach() for w in ref.w]), atol=1e-12, rtol=0)
+    muon = dobb.build_optimizer("muon", model, lr=0.05, experts=["w"])
+    assert [g["algorithm"] for g in muon.param_groups] == ["adamw"]
+    with pytest.raises(ValueError, match="'nope'"):
+        dobb.build_optimizer("dobb", model, lr=0.05, experts=["nope"])

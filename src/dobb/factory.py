@@ -1,7 +1,9 @@
 """``build_optimizer(name, model, lr=..., weight_decay=..., **hparams)``: every optimizer by name.
 
 Matrix optimizers get ``dobb.param_groups(model, algorithm=<name>)`` (hidden matrices to the matrix
-update, embeddings/head/norms/biases to AdamW with betas ``(0.9, 0.95)``, one optimizer object);
+update, embeddings/head/norms/biases to AdamW with betas ``(0.9, 0.95)``, one optimizer object;
+``head_names``, ``is_matrix`` and ``experts``, the full names of 3-D expert stacks, go to
+``param_groups``);
 ``adamw`` is ``torch.optim.AdamW`` itself over every trainable parameter. The Dobb variants are
 presets of ``dobb.Dobb``: ``dobb-l2`` = ``norm="l2"``, ``dobb-g`` = ``side="output",
 source="output_grad"``, ``dobb-g-l2`` both. Unknown names and hyperparameters are ``ValueError``s
@@ -37,7 +39,7 @@ _MATRIX = {
 OPTIMIZER_NAMES: tuple[str, ...] = ("adamw", *_MATRIX)
 
 _COMMON = ("tau", "adamw_betas", "adamw_eps")
-_GROUPING = ("head_names", "is_matrix")  # passed to dobb.param_groups
+_GROUPING = ("head_names", "is_matrix", "experts")  # passed to dobb.param_groups
 _CTOR_EXTRA = {Dobb: ("check_finite", "stat_group"), OwnerMuon: ("replicated_group",)}
 _ADAMW_DEFAULTS = {"betas": (0.9, 0.95)}
 
