@@ -369,7 +369,7 @@ class Dobb(DirectionKernels, MatrixOptimizer):
             # host, so a step with check_finite=False reads no tensor value
             totals = [n for *_, n in slots]
         elif self.check_finite or any(self._unseen(p) for p, *_ in slots):
-            # host read: a first statistic needs it (schedule, exact first basis); with the flags read anyway, exact captures
+            # host read: a first statistic needs it (schedule, exact eigh); with the flag read, exact captures
             flat = torch.cat(counts).tolist() if counts else []
             ends = [0, *itertools.accumulate(c.numel() for c in counts)]
             totals = [flat[a:z] if isinstance(slot[1], ExpertLayout) else flat[a]

@@ -99,8 +99,7 @@ def _matrices(rank, world):
         ref_opt.zero_grad()
     mods = [getattr(model.module, m).weight for m in Gated.matrices]
     refs = [getattr(ref, m).weight for m in Gated.matrices]
-    return {"hits": hits, "refresh": [t for t in range(len(batches)) if t % 2 == 0],
-            "w": max_diff([p.detach() for p in mods], [q.detach() for q in refs]),
+    return {"hits": hits, "w": max_diff([p.detach() for p in mods], [q.detach() for q in refs]),
             "state": max_diff([s for p in mods for s in _state(opt, p)], [s for q in refs for s in _state(ref_opt, q)]),
             "captures": [opt.state[p]["captures"] for p in mods],
             "ref_captures": [ref_opt.state[q]["captures"] for q in refs],
