@@ -106,7 +106,8 @@ def setting_line(recs: list[dict]) -> str:
     m, t, c, p = r.get("model", {}), r.get("train", {}), r.get("corpus", {}), r.get("provenance", {})
     revs = sorted({(x.get("provenance") or {}).get("git_rev", "?")[:7] for x in recs})
     steps = sorted({x.get("steps") for x in recs})
-    return (f"\nSetting: {m.get('layers')} layers, width {m.get('width')}, context {m.get('seq_len')}, "
+    widths = "/".join(str(w) for w in sorted({(x.get("model") or {}).get("width") for x in recs} - {None}))
+    return (f"\nSetting: {m.get('layers')} layers, width {widths}, context {m.get('seq_len')}, "
             f"corpus `{c.get('name')}`; {'/'.join(map(str, steps))} steps x {t.get('batch_size')} sequences x "
             f"{t.get('seq_len') or m.get('seq_len')} tokens, "
             f"{t.get('micro_batches')} micro-batch(es), weight decay {t.get('weight_decay')}, "
@@ -149,6 +150,24 @@ def horizon_table(recs: list[dict]) -> str:
 
 
 PAPER_PENALTY = {192: 0.18, 48: 0.23, 12: 0.50}  # block penalty / AdamW-Muon gap, paper Small
+
+
+def width_points(recs: list[dict]) -> dict[int, list[tuple[int, int, float | None, float, float | None, int]]]:
+    """Per model width: (B, narrowest block width, penalty / gap, Dobb mean, std, seeds) per Dobb row."""
+    out = {}
+    by_w = _group(recs, lambda r: r["model"]["width"])
+    for width in sorted(by_w):
+        g = _group(by_w[width], lambda r: r["run"])
+        ref = {k: stats([_loss(r) for r in v]) for k, v in g.items()}
+        a, mu, one = ref.get("AdamW"), _muon(ref), ref.get("Dobb B=1")
+        rows = []
+        for k in (k for k in g if g[k][0]["optimizer"] == "dobb"):
+            m, s, n = ref[k]
+            b = int(g[k][0]["hparams"].get("blocks", 1))
+            pen = (m - one[0]) / (a[0] - mu[0]) if one and a and mu and a[0] > mu[0] and n else None
+            rows.append((b, width // b, pen, m, s, n))
+        out[width] = sorted(rows)
+    return out
 
 
 def width_table(recs: list[dict]) -> str:
@@ -210,6 +229,7 @@ TABLES = {
     "corpus2": _study("corpus2", seeds_table),
     "main-job": _study("main-job", seeds_table),
     "muon-fp32": _study("muon-fp32", seeds_table),
+    "own-lr": _study("own-lr", lr_grid_table),
     "stagger": _study("stagger", lambda recs: seeds_table(recs, STAGGER_ORDER)),
     "nesterov": _study("nesterov", lambda recs: seeds_table(recs, NESTEROV_ORDER)),
 }
@@ -220,6 +240,30 @@ LAYOUTS = (("output", "FSDP: output axis (rows) sharded over 4 ranks"),
            ("input", "input axis (columns) sharded over 4 ranks, B a multiple of 4"))
 
 
+def plot_block_width(recs: list[dict], out_dir) -> str:
+    """Penalty / gap against the narrowest block width (log scale), per model width, paper beside."""
+    from .report import _pyplot
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for width, rows in width_points(recs).items():
+        pts = [(bw, pen) for _, bw, pen, *_ in rows if pen is not None]
+        seeds = "/".join(str(n) for n in sorted({r[5] for r in rows}))
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"ours, model width {width} ({seeds} seeds)")
+    ax.plot(list(PAPER_PENALTY), list(PAPER_PENALTY.values()), marker="s", linestyle="--",
+            label="paper, Small (width 768), Table 11")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("block width at the attention / MLP-in input")
+    ax.set_ylabel("(Dobb B - Dobb B=1) / (AdamW - Muon)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out_dir / "block_width_penalty.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
 def plot_study(study: str, out_dir=None) -> list[str]:
     """Mean validation curves and loss vs payload (one panel per layout) for a study's records."""
     from .payload import relative_payload
@@ -227,6 +271,8 @@ def plot_study(study: str, out_dir=None) -> list[str]:
 
     recs = _headline()[1] if study == "headline" else R.load(study)
     out_dir = R.RECORDS.parent if out_dir is None else out_dir
+    if study == "block-width":
+        return [plot_block_width(recs, out_dir)]
     plt = _pyplot()
     by = _group(recs, lambda r: r["run"])
     fig, ax = plt.subplots(figsize=(7, 4.5))
