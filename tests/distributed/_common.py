@@ -210,3 +210,17 @@ def run_variant(rank, world, variant, wrap, shard, **kw):
     return {"diff": max_diff(full_params(inner), reference(variant, **kw)), "log": log, "stat_diff": stat_diff,
             "placements": [tuple(getattr(s["stat"], "placements", ())) for s in (opt.state[p] for p in opt.param_groups[0]["params"])],
             "same_keys": same_on_all_ranks(state_keys(opt))}
+
+
+def plain_and_sharded(cls, kw, w, grads, mesh, placement):
+    """``cls`` on a plain parameter and on its DTensor placed by ``placement``, stepped on the same
+    gradients (lr 0.1, weight decay 0.1): ``(plain, sharded, plain optimizer, sharded optimizer)``."""
+    from torch.distributed.tensor import distribute_tensor
+
+    a, b = nn.Parameter(w.clone()), nn.Parameter(distribute_tensor(w.clone(), mesh, [placement]))
+    oa, ob = cls([a], lr=0.1, weight_decay=0.1, **kw), cls([b], lr=0.1, weight_decay=0.1, **kw)
+    for g in grads:
+        a.grad, b.grad = g.clone(), distribute_tensor(g.clone(), mesh, [placement])
+        oa.step()
+        ob.step()
+    return a, b, oa, ob

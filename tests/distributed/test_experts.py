@@ -40,12 +40,12 @@ class MoE(nn.Module):
     dobb_capture = False
     dobb_experts = ("w",)
 
-    def __init__(self, seed=0):
+    def __init__(self, seed=0, experts=E, d_in=D, d_out=H):
         super().__init__()
         gen = torch.Generator().manual_seed(seed)
-        router = torch.randn(E, D, generator=gen, dtype=torch.float64)
+        router = torch.randn(experts, d_in, generator=gen, dtype=torch.float64)
         self.register_buffer("router", router / router.norm(dim=1, keepdim=True))  # fixed, balanced routing
-        self.w = nn.Parameter(torch.randn(E, H, D, generator=gen, dtype=torch.float64) / D**0.5)
+        self.w = nn.Parameter(torch.randn(experts, d_out, d_in, generator=gen, dtype=torch.float64) / d_in**0.5)
         self.routed = None
 
     def forward(self, x, dropped=None):
@@ -53,10 +53,10 @@ class MoE(nn.Module):
         if dropped is not None:
             logits[:, dropped] = -float("inf")
         choice = logits.argmax(-1)
-        self.routed = [x[choice == e] for e in range(E)]
-        out = x.new_zeros(x.shape[0], H)
-        for e in range(E):
-            out[choice == e] = self.routed[e] @ self.w[e].T
+        self.routed = [x[choice == e] for e in range(self.w.shape[0])]
+        out = x.new_zeros(x.shape[0], self.w.shape[1])
+        for e, xe in enumerate(self.routed):
+            out[choice == e] = xe @ self.w[e].T
         return out
 
 

@@ -12,10 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils._python_dispatch import TorchDispatchMode
-
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -23,45 +20,13 @@ from _common import (Net, checker, data, full_params, make_opt, max_diff, per_ra
                      same_on_all_ranks, stats, train)
 from _spawn import spawn
 from dobb import Dobb
+from _hostsync import HostReads
+from test_experts import MoE
 from test_robustness import Gated, _null
 
 pytestmark = pytest.mark.slow
 
 
-class HostReads(TorchDispatchMode):
-    """Records reads of a tensor value on the host: ``.item()``, ``bool(t)``, ``torch.equal`` as they
-    reach the dispatcher, and ``Tensor.tolist`` (answered without dispatching) by wrapping it."""
-
-    OPS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.equal.default,
-           torch.ops.aten.is_nonzero.default)
-
-    def __init__(self, exempt=()):
-        super().__init__()
-        self.exempt, self.hits = list(exempt), []
-
-    def _exempt(self, args):
-        return any(a is e for a in args for e in self.exempt)
-
-    def __enter__(self):
-        self._tolist = original = torch.Tensor.tolist
-        spy = self
-
-        def tolist(t):
-            if not spy._exempt((t,)):
-                spy.hits.append("tolist")
-            return original(t)
-
-        torch.Tensor.tolist = tolist
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        torch.Tensor.tolist = self._tolist
-        return super().__exit__(*exc)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in self.OPS and not self._exempt(args):
-            self.hits.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 def _adamw_steps(opt):
@@ -109,30 +74,15 @@ def _matrices(rank, world):
 E, DIN, DOUT, ROWS = 3, 8, 6, 24
 
 
-class Stack(nn.Module):
+class Stack(MoE):
     """An (E, out, in) expert stack fed through ``capture``; routing by a fixed router. Expert 1 gets
     no row at step 2 (a refresh) on any rank; expert 2 none at step 0 on rank 0 only."""
 
-    dobb_capture = False
-    dobb_experts = ("w",)
-
     def __init__(self):
-        super().__init__()
-        gen = torch.Generator().manual_seed(0)
-        self.register_buffer("router", torch.randn(E, DIN, generator=gen, dtype=torch.float64))
-        self.w = nn.Parameter(torch.randn(E, DOUT, DIN, generator=gen, dtype=torch.float64) / DIN**0.5)
-        self.routed = None
+        super().__init__(experts=E, d_in=DIN, d_out=DOUT)
 
     def forward(self, x, dropped=None):
-        logits = x @ self.router.T
-        if dropped is not None:
-            logits[:, dropped] = -float("inf")
-        choice = logits.argmax(-1)
-        self.routed = [x[choice == e] for e in range(E)]
-        out = x.new_zeros(x.shape[0], DOUT)
-        for e in range(E):
-            out[choice == e] = self.routed[e] @ self.w[e].T
-        return torch.tanh(out).sum(-1, keepdim=True)
+        return torch.tanh(super().forward(x, dropped)).sum(-1, keepdim=True)
 
 
 def _dropped(step, rank):

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
-from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+from torch.distributed.tensor import Shard, init_device_mesh
 
-from _common import max_diff
+from _common import max_diff, plain_and_sharded
 from _spawn import spawn
 from dobb.baselines import Dion3, NorMuon
 
@@ -36,12 +35,7 @@ def worker(rank, world):
                 torch.manual_seed(0)
                 w = torch.randn(*shape, dtype=torch.float64)
                 grads = [torch.randn(*shape, dtype=torch.float64) for _ in range(4)]
-                a, b = nn.Parameter(w.clone()), nn.Parameter(distribute_tensor(w.clone(), mesh, [pl]))
-                oa, ob = cls([a], lr=0.1, weight_decay=0.1, **kw), cls([b], lr=0.1, weight_decay=0.1, **kw)
-                for g in grads:
-                    a.grad, b.grad = g.clone(), distribute_tensor(g.clone(), mesh, [pl])
-                    oa.step()
-                    ob.step()
+                a, b, oa, ob = plain_and_sharded(cls, kw, w, grads, mesh, pl)
                 key = f"{cls.__name__}{kw}/{shape}/{pl}"
                 out[key] = (max_diff(a.detach(), b.detach()),
                             max_diff(oa.state[a]["neuron_variance"], ob.state[b]["neuron_variance"]),

@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from _hostsync import HostReads
 
 import dobb
 
@@ -89,41 +89,6 @@ def test_inductor_compiled_step_gives_the_eager_numbers():
         torch.testing.assert_close(b, a, atol=1e-12, rtol=0)
 
 
-class _HostSyncSpy(TorchDispatchMode):
-    """Records reads of a tensor value on the host: ops that copy one (``.item()``, ``bool(t)``,
-    ``torch.equal``) as they reach the dispatcher, and ``Tensor.tolist`` (which a CPU tensor answers
-    without dispatching) by wrapping it for the duration."""
-
-    SYNC_OPS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.equal.default,
-                torch.ops.aten.is_nonzero.default)
-
-    def __init__(self, exempt):
-        super().__init__()
-        self.exempt, self.hits = exempt, []
-
-    def _exempt(self, args):
-        return any(a is e for a in args for e in self.exempt)
-
-    def __enter__(self):
-        self._tolist = torch.Tensor.tolist
-        spy, original = self, self._tolist
-
-        def tolist(t):
-            if not spy._exempt((t,)):
-                spy.hits.append("tolist")
-            return original(t)
-
-        torch.Tensor.tolist = tolist
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        torch.Tensor.tolist = self._tolist
-        return super().__exit__(*exc)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in self.SYNC_OPS and not self._exempt(args):
-            self.hits.append(func)
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("name", ["dobb", "dobb-l2", "dobb-g", "muon", "dion", "rmnp", "pr-muon", "block-muon", "dion2"])
@@ -137,7 +102,7 @@ def test_step_has_no_host_synchronisation_with_check_finite_false(name):
     hits = []
     for _ in range(3):  # a refresh step, a plain step, a refresh step
         model(torch.randn(32, 16)).square().mean().backward()
-        with _HostSyncSpy(adamw_steps) as spy:
+        with HostReads(adamw_steps) as spy:
             opt.step()
         hits += spy.hits
         opt.zero_grad()
@@ -145,6 +110,6 @@ def test_step_has_no_host_synchronisation_with_check_finite_false(name):
     if name == "dobb":  # the check itself is one synchronisation per step, and the spy sees it
         opt.check_finite = True
         model(torch.randn(32, 16)).square().mean().backward()
-        with _HostSyncSpy(adamw_steps) as spy:
+        with HostReads(adamw_steps) as spy:
             opt.step()
         assert spy.hits
