@@ -115,8 +115,10 @@ def setting_line(recs: list[dict]) -> str:
             f"on {(p.get('machine') or {}).get('cpu')}, torch {p.get('torch')}.\n")
 
 
-def lr_grid_table(recs: list[dict]) -> str:
+def lr_grid_table(recs: list[dict], label_order: list[str] | None = None) -> str:
     by = _group(recs, lambda r: r["run"])
+    first = [k for k in (label_order or []) if k in by]
+    by = {k: by[k] for k in first + [k for k in by if k not in first]}
     lrs = sorted({r["lr"] for r in recs})
     rows = ["| optimizer | " + " | ".join(f"lr {x:.3g}" for x in lrs) + " | best |",
             "|---|" + "---|" * (len(lrs) + 1)]
@@ -135,6 +137,8 @@ def lr_grid_table(recs: list[dict]) -> str:
 def horizon_table(recs: list[dict]) -> str:
     steps = sorted({r["steps"] for r in recs})
     by = _group(recs, lambda r: r["run"])
+    first = [k for k in ("AdamW",) + MUON_REFS if k in by]
+    by = {k: by[k] for k in first + [k for k in by if k not in first]}
     st = {(k, s): stats([_loss(r) for r in v if r["steps"] == s]) for k, v in by.items() for s in steps}
     rows = ["| optimizer | " + " | ".join(f"{s} steps" for s in steps) + " |", "|---|" + "---|" * len(steps)]
     for label in by:
@@ -226,10 +230,12 @@ TABLES = {
     "lr-grid": _study("lr-grid", lr_grid_table),
     "block-width": _study("block-width", width_table),
     "horizon": _study("horizon", horizon_table),
-    "corpus2": _study("corpus2", seeds_table),
+    "corpus2": _study("corpus2", lambda recs: seeds_table(recs, ["AdamW", "Muon-fp32", "Dobb B=1", "Dobb B=4",
+                                                                  "Dobb B=16", "Dion rho=1/16"])),
     "main-job": _study("main-job", seeds_table),
     "muon-fp32": _study("muon-fp32", seeds_table),
-    "own-lr": _study("own-lr", lr_grid_table),
+    "own-lr": _study("own-lr", lambda recs: lr_grid_table(recs, ["AdamW", "Muon-fp32", "NorMuon-fp32", "Dobb B=1",
+                                                                  "Dobb B=4", "Dobb B=16", "Block Muon B=16"])),
     "stagger": _study("stagger", lambda recs: seeds_table(recs, STAGGER_ORDER)),
     "nesterov": _study("nesterov", lambda recs: seeds_table(recs, NESTEROV_ORDER)),
 }
