@@ -21,7 +21,7 @@ from _common import (Net, checker, data, full_params, make_opt, max_diff, per_ra
 from _spawn import spawn
 from dobb import Dobb
 from _hostsync import HostReads
-from test_experts import MoE
+from test_experts_sharded import MoE
 from test_robustness import Gated, _null
 
 pytestmark = pytest.mark.slow
