@@ -316,7 +316,7 @@ class Dobb(DirectionKernels, StepDecisions, MatrixOptimizer):
         # advance as on the ranks that stepped them, so every rank keeps issuing the same collectives.
         idle = defaultdict(list)
         for g, p in self._idle:
-            if self._is_refresh(p, g) and not (not isinstance(g["lr"], torch.Tensor) and g["lr"] == 0):
+            if self._is_refresh(p, g) and not _zero_lr(g):
                 idle[id(g)].append((g, p))
             self.state[p]["step"] += 1
         for items in idle.values():
@@ -337,10 +337,7 @@ class Dobb(DirectionKernels, StepDecisions, MatrixOptimizer):
         torch._foreach_lerp_(moms, grads, 1.0 - mu)
         u = torch._foreach_lerp(grads, moms, mu) if group["nesterov"] else moms
 
-        # A zero-lr step (torchtitan's state-creation step, a warmup that starts at 0) changes no
-        # weight, so it takes no statistic either; the next step then refreshes as a first step would.
-        zero_lr = not isinstance(group["lr"], torch.Tensor) and group["lr"] == 0
-        refresh = [] if zero_lr else [i for i, p in enumerate(active) if self._is_refresh(p, group)]
+        refresh = [] if _zero_lr(group) else [i for i, p in enumerate(active) if self._is_refresh(p, group)]
         if refresh:
             self._refresh(group, [active[i] for i in refresh], [grads[i] for i in refresh])
 
@@ -408,3 +405,10 @@ class Dobb(DirectionKernels, StepDecisions, MatrixOptimizer):
 
     def _after_load(self) -> None:
         self._install_hooks()  # torch replaced the group dicts the hooks read
+
+
+def _zero_lr(group: dict[str, Any]) -> bool:
+    # A zero-lr step (torchtitan's state-creation step, a warmup that starts at 0) changes no
+    # weight, so it takes no statistic either; the next step then refreshes as a first step would.
+    # A tensor lr is never read on the host here (no synchronisation inside step()).
+    return not isinstance(group["lr"], torch.Tensor) and group["lr"] == 0
