@@ -29,7 +29,7 @@ class DirectionKernels:
             return False  # a stack is decayed by one foreach pass, then updated by apply_stack
         rows = pt.shape[1 - layout.blocked_axis]
         return (pt.device.type == "cpu" and not isinstance(group["lr"], torch.Tensor)
-                and pt.dtype == F.matmul_dtype(group["basis_dtype"], pt.device)
+                and pt.dtype == F.matmul_dtype(group["basis_dtype"], pt.device, group["product_dtype"])
                 and min((rows * s * s for s in layout.local_sizes if s > 0), default=0) >= cls._FUSE_MIN_BLOCK_WORK)
 
     def _apply_directions(self, group: dict, active: list, u: list, params: list, betas: list) -> None:
@@ -41,14 +41,14 @@ class DirectionKernels:
         update-sized temporary is written besides the coefficients. ``betas[i]``: the decay factor
         folded into that matrix's reconstruction (``baddbmm``), or None (already decayed).
         """
-        norm, lr, tau = group["norm"], group["lr"], group["tau"]
+        norm, lr, tau, product = group["norm"], group["lr"], group["tau"], group["product_dtype"]
         batches: dict[tuple, list] = defaultdict(list)
         for p, ut, pt, beta in zip(active, u, params, betas):
             layout = self._layouts[p]
             basis = layout.local(self.state[p]["basis"])
             factor = -lr * F.update_scale(*layout.shape, tau) / (math.sqrt(layout.rows) if norm == "sign" else 1.0)
             if isinstance(layout, ExpertLayout):
-                apply_stack(layout, basis, ut, pt, norm, factor, F.matmul_dtype(basis.dtype, basis.device))
+                apply_stack(layout, basis, ut, pt, norm, factor, F.matmul_dtype(basis.dtype, basis.device, product))
                 continue
             uo, po = (ut, pt) if layout.blocked_axis == 1 else (ut.transpose(0, 1), pt.transpose(0, 1))
             r = uo.shape[0]
@@ -56,7 +56,7 @@ class DirectionKernels:
                 # l2 with sharded rows: one batch per matrix, so every rank of the l2 group issues the
                 # same norm reductions in the same order (local row counts may differ across ranks)
                 l2_key = (id(layout.l2_group), id(p) if layout.l2_group is not None else None)
-                key = (r, run.size, F.matmul_dtype(basis.dtype, basis.device), layout.rows, l2_key if norm == "l2" else None)
+                key = (r, run.size, F.matmul_dtype(basis.dtype, basis.device, product), layout.rows, l2_key if norm == "l2" else None)
                 batches[key].append((uo[:, run.start : run.stop], F.block_view(basis, run), po, run, layout, factor, beta))
         for (r, size, dtype, _, _), items in batches.items():
             # One bmm pair per batch of equal blocks. On CPU a strided block view feeds bmm at no

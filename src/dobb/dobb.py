@@ -78,6 +78,9 @@ class Dobb(DirectionKernels, StepDecisions, MatrixOptimizer):
             ``ValueError`` under an initialized process group of several ranks without one (pass a
             ``ProcessGroup``, or None for this rank's data alone). Mesh dim names/indices select
             DTensor mesh dims.
+        product_dtype: dtype of the projection products ``U_b Q_b`` and ``C_b Q_b^T``: ``"auto"``
+            (the basis dtype on accelerators, fp32 on every CPU: faster there, measured on hosts
+            with and without native bf16; see ``functional.matmul_dtype``) or a dtype that forces it.
         transposed: the group's weights are stored ``(in, out)`` (Hugging Face ``Conv1D``;
             ``dobb.param_groups`` sets it): blocks, statistics and sharding follow the input axis.
 
@@ -93,7 +96,7 @@ class Dobb(DirectionKernels, StepDecisions, MatrixOptimizer):
         blocks=1, refresh_every=9, basis="orthogonal_iteration", ortho_steps=1, qr="householder",
         norm="sign", side="input", source="activation", capture="first", stat_decay=0.9,
         momentum=0.95, nesterov=False, basis_dtype=torch.bfloat16, stat_dtype=torch.float32,
-        init_basis="eigh", stagger=True,
+        init_basis="eigh", stagger=True, product_dtype="auto",
     )
 
     def __init__(self, params, model: nn.Module | None = None, *, lr: float, weight_decay: float = 0.0,
@@ -132,6 +135,8 @@ class Dobb(DirectionKernels, StepDecisions, MatrixOptimizer):
         for key in ("basis_dtype", "stat_dtype"):
             if not (isinstance(group[key], torch.dtype) and group[key].is_floating_point):
                 raise ValueError(f"{key} must be a floating torch.dtype, got {group[key]!r}")
+        if group["product_dtype"] not in F.PRODUCT_DTYPES:
+            raise ValueError(f"product_dtype must be one of {F.PRODUCT_DTYPES}, got {group['product_dtype']!r}")
         for i, p in enumerate(group["params"]):
             if p.dim() == 3 and group["source"] == "output_grad":
                 raise ValueError(

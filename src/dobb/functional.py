@@ -286,7 +286,9 @@ def update_scale(m: int, n: int, tau: float = 0.2) -> float:
 
 
 @lru_cache(maxsize=None)
-def _cpu_native(dtype: torch.dtype) -> bool:
+def cpu_native(dtype: torch.dtype) -> bool:
+    """Whether this CPU has native instructions for ``dtype`` products (AVX512-BF16/AMX for bf16,
+    AVX512-FP16/AMX-FP16 for fp16), as oneDNN reports it. Records name it (``provenance``)."""
     try:
         if dtype == torch.bfloat16:
             return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -297,12 +299,23 @@ def _cpu_native(dtype: torch.dtype) -> bool:
     return True
 
 
-def matmul_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype the projection products run in: the basis dtype, except on a CPU that has no
-    native instructions for it (no AVX512-BF16/AMX), where torch falls back to a scalar loop 20-50x
-    slower than fp32 (measured: ``docs/timing.md``). fp32 products of the same (bf16-stored) basis
-    are then faster and at least as accurate; the stored basis, and so Table 18's memory, is unchanged.
+PRODUCT_DTYPES = ("auto", torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def matmul_dtype(dtype: torch.dtype, device: torch.device, product: "str | torch.dtype" = "auto") -> torch.dtype:
+    """The dtype the projection products run in (``product_dtype`` of a Dobb group).
+
+    ``product`` a dtype: that dtype, on every device (so a test or a user can force either path on
+    any host). ``"auto"``: the basis dtype on accelerators; fp32 on every CPU for a sub-fp32 basis.
+    On a CPU without native bf16 (AMD EPYC here) torch's bf16 products are a scalar loop 20-50x
+    slower than fp32 (``docs/timing.md``); on a CPU with AVX512-BF16/AMX the main job's training loop
+    was still faster with fp32 products (issue 20's report: Dobb B=16 3.53 ms/step with an fp32 basis
+    against 4.88 ms with bf16 products, Intel Xeon), since at these block sizes the bf16 casts cost
+    more than the products save. One CPU rule also gives every host the numerics of the committed
+    records. The stored basis, and so Table 18's memory, is unchanged.
     """
-    if dtype.itemsize < 4 and torch.device(device).type == "cpu" and not _cpu_native(dtype):
+    if product != "auto":
+        return product
+    if dtype.itemsize < 4 and torch.device(device).type == "cpu":
         return torch.float32
     return dtype

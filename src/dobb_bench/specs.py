@@ -40,6 +40,8 @@ class OptimizerSpec:
 def parse_value(key: str, text: str):
     """``4`` -> int, ``1e-3`` -> float, ``1/4`` -> 0.25, ``true`` -> True, ``*_dtype`` -> torch dtype."""
     if key.endswith("_dtype"):
+        if text == "auto":  # Dobb's product_dtype rule
+            return text
         dtype = getattr(torch, text.removeprefix("torch."), None)
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"hyperparameter {key}={text}: not a torch dtype")
