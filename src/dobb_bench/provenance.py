@@ -55,10 +55,26 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_bf16_flags() -> list[str]:
+    """The CPU's bf16/AMX feature flags from /proc/cpuinfo (empty on AMD EPYC hosts here)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return sorted(f for f in line.split(":", 1)[1].split() if "bf16" in f or f.startswith("amx"))
+    except OSError:
+        pass
+    return []
+
+
 def machine() -> dict:
+    """Host description for records; ``native_bf16`` is oneDNN's answer (what torch's bf16 products
+    use), ``bf16_flags`` the CPU flags behind it, since Dobb's and Muon's bf16 paths differ by host."""
+    import dobb.functional
+
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"cpu": cpu_model(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "gpu": gpu, "host_os": platform.platform(terse=True)}
+            "gpu": gpu, "host_os": platform.platform(terse=True),
+            "native_bf16": dobb.functional.cpu_native(torch.bfloat16), "bf16_flags": cpu_bf16_flags()}
 
 
 def command_line(argv: list[str] | None = None) -> str:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+import dobb
+
 
 def _state_bytes(obj) -> int:
     if isinstance(obj, torch.Tensor):
@@ -65,6 +67,10 @@ def optimizer_options(optimizer) -> list[dict]:
                 v = str(v)
             opts[k] = v
         opts["n_params"] = len(g["params"])
+        if "product_dtype" in g and "basis_dtype" in g and g["params"]:
+            # the dtype Dobb's products actually ran in on this device (issue 20: records name it)
+            dev = g["params"][0].device
+            opts["product_dtype_resolved"] = str(dobb.functional.matmul_dtype(g["basis_dtype"], dev, g["product_dtype"]))
         if opts not in out:
             out.append(opts)
     return out
