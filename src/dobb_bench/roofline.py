@@ -226,14 +226,14 @@ def classify_profile(events, wall_us: float) -> dict:
 
 
 def run_looptime(optimizers: list[str], *, preset: str = "small-cpu", vocab: int = 4096, batch: int = 16,
-                 seq_len: int = 128, cycles: int = 5, cycle_len: int = 9, warmup: int = 9, lr: float = 3.54e-3,
+                 seq_len: int = 128, layers: int | None = None, cycles: int = 5, cycle_len: int = 9, warmup: int = 9, lr: float = 3.54e-3,
                  weight_decay: float = 0.1, seed: int = 0, profile: bool = False, log=print) -> dict:
     """Interleaved training-loop step timing; see the module docstring."""
     from .model import GPT, config_from_preset
 
     if not optimizers or optimizers[0] != "torch-adamw":
         optimizers = ["torch-adamw"] + [o for o in optimizers if o != "torch-adamw"]
-    cfg = config_from_preset(preset, vocab_size=vocab, seq_len=max(seq_len, 1))
+    cfg = config_from_preset(preset, vocab_size=vocab, seq_len=max(seq_len, 1), layers=layers)
     entries = []
     for text in optimizers:
         model = GPT(cfg, seed=seed)
@@ -287,7 +287,8 @@ def run_looptime(optimizers: list[str], *, preset: str = "small-cpu", vocab: int
         for e, s in zip(entries, summaries):
             s["profile"] = _profile(e, lambda: torch.randint(0, vocab, (batch, seq_len + 1), generator=gen),
                                     one_step, cycle_len)
-    return {"kind": "looptime", "config": {"preset": preset, "vocab": vocab, "batch": batch, "seq_len": seq_len,
+    return {"kind": "looptime", "config": {"preset": preset, "layers": cfg.layers, "width": cfg.width,
+                                           "vocab": vocab, "batch": batch, "seq_len": seq_len,
                                            "cycles": cycles, "cycle_len": cycle_len, "warmup": warmup, "lr": lr,
                                            "weight_decay": weight_decay, "seed": seed,
                                            "threads": torch.get_num_threads()},
@@ -387,7 +388,7 @@ def cmd_looptime(args) -> int:
         raise CliError("--cycles must be >= 2 and --cycle-len >= 1")
     torch.set_num_threads(args.threads)
     rec = run_looptime(args.optimizers, preset=args.preset, vocab=args.vocab, batch=args.batch,
-                       seq_len=args.seq_len, cycles=args.cycles, cycle_len=args.cycle_len, warmup=args.warmup,
+                       seq_len=args.seq_len, layers=args.layers, cycles=args.cycles, cycle_len=args.cycle_len, warmup=args.warmup,
                        seed=args.seed, profile=args.profile)
     rec["provenance"] = _provenance()
     out = Path(args.out)
@@ -424,6 +425,7 @@ def add_parsers(sub) -> None:
     lt.add_argument("--optimizers", nargs="+", default=["torch-adamw", "dobb:blocks=16", "dobb:blocks=4",
                                                         "dobb:blocks=16:stagger=false", "muon", "dion:rank_fraction=1/16"])
     lt.add_argument("--preset", default="small-cpu", help="bench model preset (default: the compare default)")
+    lt.add_argument("--layers", type=int, help="layers (default: the preset's; the loss records use 2)")
     lt.add_argument("--vocab", type=int, default=4096)
     lt.add_argument("--batch", type=int, default=16)
     lt.add_argument("--seq-len", type=int, default=128)

@@ -218,6 +218,12 @@ def validate(cfg: TimingConfig) -> None:
     parse_optimizers(cfg.optimizers, cfg.blocks, cfg.refresh_every)
 
 
+def _provenance() -> dict:
+    from .provenance import provenance
+
+    return provenance()
+
+
 def _machine(cfg: TimingConfig) -> dict:
     info = {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
             "cpu_count": os.cpu_count(), "threads": torch.get_num_threads()}
@@ -395,7 +401,9 @@ def run_timing(cfg: TimingConfig) -> dict:
         summaries = merge_ranks(dist_ctx.gather(summaries))
     record = {"kind": "run", "config": jsonable(asdict(cfg)), "machine": _machine(cfg),
               "matrices": len(shapes), "entries": sum(m * n for _, (m, n) in shapes),
-              "world": 1 if dist_ctx is None else dist_ctx.world, "meter": bool(metered), "ratio_matrix": ratios}
+              "world": 1 if dist_ctx is None else dist_ctx.world, "meter": bool(metered), "ratio_matrix": ratios,
+              # the run records' provenance (40-hex revision, dirty flag, bf16 flags, command): issue 23 item 7
+              "provenance": _provenance()}
     return {"run": record, "summaries": summaries, "reps": reps_out, "rank0": rank0, "profiles": profiles}
 
 
