@@ -2,13 +2,21 @@
 
 Every module listed in ``_COMMAND_MODULES`` exposes ``add_parsers(subparsers)``, which registers its
 subcommands with ``set_defaults(func=...)``; ``func(args)`` returns an exit code. User errors are
-raised as ``CliError`` and printed as one line with exit code 2 (no traceback).
+raised as ``CliError`` (or ``ValueError``/``OSError``) and printed as one line with exit code 2, no
+traceback; Ctrl-C prints one line and exits 130. Under ``torchrun`` only rank 0 prints (every rank
+meets the same user error; one message, not one per rank).
+
+``python -m dobb_bench.cli`` (the entry ``torchrun`` needs) runs this file as ``__main__``; it
+hands over to the imported ``dobb_bench.cli.main`` so that there is one ``CliError`` class and
+one handler whichever way the CLI is started.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import time
 
 _COMMAND_MODULES = [
     "commands_train",
@@ -35,16 +43,45 @@ def build_parser(modules=None) -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line(exc: BaseException) -> str:
+    lines = [x.strip() for x in str(exc).splitlines() if x.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
+def _os_error(exc: OSError) -> str:
+    """An OSError as one line naming the file and the way out (``str(exc)`` names the file)."""
+    what = exc.strerror or _one_line(exc)
+    where = f": {exc.filename}" if exc.filename else ""
+    return f"{what}{where} (check the path and its permissions, or choose another --out)"
+
+
+def _say(command: str, text: str) -> None:
+    if os.environ.get("RANK", "0") == "0":  # torchrun: every rank meets the same error; rank 0 says it
+        print(f"dobb-bench {command}: {text}", file=sys.stderr, flush=True)
+    else:
+        # torchrun SIGTERMs the other ranks as soon as one exits: give rank 0 time to print first.
+        time.sleep(2.0)
+
+
 def main(argv: list[str] | None = None, modules=None) -> int:
     parser = build_parser(modules)
     args = parser.parse_args(argv)
     args.argv = ["dobb-bench", *(sys.argv[1:] if argv is None else argv)]  # for run records' provenance
     try:
         return int(args.func(args) or 0)
-    except (CliError, ValueError, FileNotFoundError) as exc:
-        print(f"dobb-bench {args.command}: error: {exc}", file=sys.stderr)
+    except KeyboardInterrupt:
+        _say(args.command, "interrupted (Ctrl-C); finished runs and checkpoints in --out are kept: "
+                           "rerun the same command to resume")
+        return 130
+    except (CliError, ValueError) as exc:
+        _say(args.command, f"error: {_one_line(exc)}")
+        return 2
+    except OSError as exc:  # FileNotFoundError, PermissionError, NotADirectoryError, ...
+        _say(args.command, f"error: {_os_error(exc)}")
         return 2
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dobb_bench.cli import main as _main  # the package's module: its CliError is the one raised
+
+    sys.exit(_main())

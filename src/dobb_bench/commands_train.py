@@ -12,8 +12,9 @@ and collapses when cores are shared. Curves also depend on the thread count (red
 a fixed default makes them reproducible across machines. ``--threads N`` overrides it.
 
 Optimizers come only from ``dobb.build_optimizer(name, model, lr=, weight_decay=, **hparams)``.
-Every spec is first built on a tiny model, so an unknown name or a bad hyperparameter fails in a
-second instead of after the runs before it.
+Every spec is first built on one layer of the real model (same widths, so ``blocks`` is checked
+against the matrices it will block), so an unknown name or a bad hyperparameter fails in a second
+instead of after the runs before it.
 """
 from __future__ import annotations
 
@@ -79,8 +80,12 @@ def build_optimizer(name: str, hparams: dict, lr: float, weight_decay: float, mo
     return dobb.build_optimizer(name, model, lr=lr, weight_decay=weight_decay, **hparams)
 
 
-def validate_spec(spec: OptimizerSpec) -> None:
-    probe = GPT(ModelConfig(layers=1, width=32, heads=2, seq_len=8))
+def validate_spec(spec: OptimizerSpec, model_cfg: ModelConfig | None = None) -> None:
+    """Builds the optimizer on one layer of ``model_cfg`` (every layer has the same matrix shapes),
+    or on a width-32 probe when no model is given yet."""
+    cfg = replace(model_cfg, layers=1) if model_cfg is not None else ModelConfig(layers=1, width=32, heads=2,
+                                                                                 seq_len=8)
+    probe = GPT(cfg)
     try:
         opt = build_optimizer(spec.name, spec.hparams, 1e-3, 0.0, probe)
     except (ValueError, TypeError, KeyError) as exc:
@@ -138,16 +143,24 @@ def _configs(args) -> tuple[ModelConfig, TrainConfig, dict]:
     torch.set_num_threads(args.threads)
     for flag, value in (("--steps", args.steps), ("--batch-size", args.batch_size),
                         ("--eval-every", args.eval_every), ("--eval-seqs", args.eval_seqs),
-                        ("--micro-batches", args.micro_batches)):
-        if value is not None and value < 1:
+                        ("--micro-batches", args.micro_batches), ("--layers", args.layers),
+                        ("--width", args.width), ("--heads", args.heads), ("--context", args.context),
+                        ("--vocab-size", args.vocab_size)):
+        if value is not None and value < 1:  # 0 must not fall through to the preset's value
             raise CliError(f"{flag} must be a positive integer, got {value}")
+    for flag, value in (("--warmup", args.warmup), ("--checkpoint-every", args.checkpoint_every),
+                        ("--grad-clip", args.grad_clip)):
+        if value is not None and value < 0:
+            raise CliError(f"{flag} must be >= 0, got {value}")
     corpus = load_corpus(args.data, cache_dir=args.cache_dir, tokenizer=args.tokenizer,
                          vocab_size=args.vocab_size, val_fraction=args.val_fraction)
     own = args.preset is None  # the run preset's model overrides apply to its own model preset only
     model_cfg = config_from_preset(args.preset or preset["preset"],
-                                   layers=args.layers or (preset.get("layers") if own else None),
+                                   layers=args.layers if args.layers is not None else (
+                                       preset.get("layers") if own else None),
                                    width=args.width, heads=args.heads,
-                                   seq_len=args.context or (preset.get("context") if own else None),
+                                   seq_len=args.context if args.context is not None else (
+                                       preset.get("context") if own else None),
                                    vocab_size=corpus.vocab_size, fused_qkv=not args.separate_qkv,
                                    tied=not args.untied)
     if args.seq_len is not None and args.seq_len > model_cfg.seq_len:
@@ -326,8 +339,8 @@ def _finish(out: Path, finals: list[dict], model_cfg: ModelConfig, *, grid: bool
 def cmd_train(args) -> int:
     spec = OptimizerSpec(args.optimizer.lower(), parse_hparams(args.hp or [], "--hp"), "")
     spec = replace(spec, label=default_label(spec.name, spec.hparams))
-    validate_spec(spec)
     model_cfg, train_cfg, (corpus, _) = _configs(args)
+    validate_spec(spec, model_cfg)
     out = _out(args, "train")
     env = setup_dist(train_cfg.dist, train_cfg.device)
     final = _run_one(spec, train_cfg.lr, model_cfg, train_cfg, corpus, out, progress=not args.no_progress,
@@ -355,10 +368,10 @@ def cmd_compare(args) -> int:
         raise CliError("--optimizers is empty")
     if len({s.label for s in specs}) != len(specs):
         raise CliError("--optimizers has duplicate labels; add @Label to tell them apart")
-    for spec in specs:
-        validate_spec(spec)
     grid = [float(j) for j in _parse_grid(args.lr_grid)] if args.lr_grid else []
     model_cfg, train_cfg, corpus_info = _configs(args)
+    for spec in specs:
+        validate_spec(spec, model_cfg)
     lrs = [train_cfg.lr] + [lr for lr in map(grid_lr, grid) if abs(lr - train_cfg.lr) > 1e-12]
     jobs = [(s, lr) for s in specs for lr in lrs]
     out = _out(args, "compare")
@@ -373,9 +386,9 @@ def cmd_compare(args) -> int:
 
 def cmd_sweep(args) -> int:
     spec = parse_spec(args.optimizer + "".join(f":{h}" for h in args.hp or []))
-    validate_spec(spec)
     grid = _parse_grid(args.grid)
     model_cfg, train_cfg, corpus_info = _configs(args)
+    validate_spec(spec, model_cfg)
     out = _out(args, "sweep")
     jobs = [(spec, grid_lr(j)) for j in grid]
     finals = run_many(jobs, args, model_cfg, train_cfg, corpus_info, out)

@@ -128,6 +128,12 @@ class DistEnv:
 def setup_dist(mode: str, device: str = "auto") -> DistEnv:
     """Joins the torchrun process group when ``mode`` is ddp/fsdp (gloo on CPU, nccl on GPU)."""
     use_cuda = torch.cuda.is_available() if device == "auto" else device.startswith("cuda")
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if mode == "none" and world > 1:
+        # Without a process group every torchrun process would be a "rank 0" training the whole
+        # model and writing the same files.
+        raise ValueError(f"torchrun started {world} processes but --dist is none: add --dist ddp or "
+                         "--dist fsdp, or run without torchrun")
     if mode == "none":
         return DistEnv(device=torch.device(("cuda" if use_cuda else "cpu") if device == "auto" else device))
     if "RANK" not in os.environ:

@@ -1,0 +1,95 @@
+"""The CLI as a careless user meets it (issue 20, deliverable 4): every mistake is one line with
+exit code 2 (Ctrl-C: one line, exit 130), from every entry point, and no finished result is lost.
+
+The behaviour under test is what a shell sees, so most tests run the real entry points
+(``python -m dobb_bench.cli``, the ``dobb-bench`` script, ``torchrun``) in a subprocess and check
+the exit code, stderr and the files left in ``--out``. Runs use a 1-layer width-32 model and a few
+steps so each test costs seconds (mostly torch's import).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SMALL = ["--layers", "1", "--width", "32", "--heads", "2", "--context", "32", "--steps", "3",
+         "--batch-size", "4", "--eval-every", "3", "--eval-seqs", "4", "--no-progress"]
+SCRIPT = Path(sys.executable).with_name("dobb-bench")
+
+
+def cli(args, *, entry="module", timeout=180, env=None) -> subprocess.CompletedProcess:
+    """Runs the CLI as a user would; ``entry``: ``module`` (python -m, torchrun's entry) or ``script``."""
+    cmd = [sys.executable, "-m", "dobb_bench.cli"] if entry == "module" else [str(SCRIPT)]
+    e = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    e.pop("RANK", None), e.pop("WORLD_SIZE", None)
+    return subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True, timeout=timeout, env=e)
+
+
+def one_line_error(proc, *phrases, code=2) -> str:
+    """The run failed with ``code`` and exactly one stderr line, holding every phrase, no traceback."""
+    err = proc.stderr.strip()
+    assert proc.returncode == code, (proc.returncode, err[-2000:])
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err[-3000:]
+    for p in phrases:
+        assert p in err, (p, err)
+    return err
+
+
+@pytest.fixture
+def data(text_dir, cache_dir):
+    return ["--data", text_dir, "--cache-dir", cache_dir]
+
+
+# ----- one error path ------------------------------------------------------------------------------
+@pytest.mark.parametrize("entry", ["module", "script"])
+def test_user_error_is_one_line_exit_2_from_every_entry_point(entry, data):
+    if entry == "script" and not SCRIPT.exists():
+        pytest.skip("the dobb-bench script is not installed next to this interpreter")
+    proc = cli(["train", "--optimizer", "nosuchopt", *data, *SMALL], entry=entry)
+    one_line_error(proc, "dobb-bench train: error:", "nosuchopt")
+
+
+def test_torchrun_without_dist_is_refused_once(tmp_path, data):
+    """Two processes with --dist none would each train the whole model as "rank 0" into the same
+    files; refused, and only rank 0 says so (one line from us, not one per rank)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "dobb_bench.cli", "train", "--optimizer", "adamw", *map(str, data), *SMALL,
+           "--out", str(tmp_path / "o")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode != 0
+    ours = [x for x in proc.stderr.splitlines() if x.startswith("dobb-bench train:")]
+    assert ours == ["dobb-bench train: error: torchrun started 2 processes but --dist is none: add "
+                    "--dist ddp or --dist fsdp, or run without torchrun"], proc.stderr[-3000:]
+    assert "dobb_bench/" not in proc.stderr  # no traceback through our code (torchrun prints its own)
+    assert not (tmp_path / "o" / "metrics.jsonl").exists()
+
+
+# ----- sizes and optimizer hyperparameters -----------------------------------------------------------
+@pytest.mark.parametrize("flag", ["--layers", "--context", "--width", "--heads"])
+def test_non_positive_model_sizes_are_refused(flag, tmp_path, data):
+    """``--layers 0`` used to fall through to the preset's value (0 is falsy) and train 2 layers."""
+    args = ["train", "--optimizer", "adamw", *data, *SMALL, "--out", tmp_path / "o"]
+    args[args.index(flag) + 1] = "0"
+    one_line_error(cli(args), f"{flag} must be a positive integer, got 0")
+    assert not (tmp_path / "o").exists()
+
+
+def test_blocks_are_validated_on_the_real_model(tmp_path, data):
+    """blocks=64 is valid at width 128 (64 blocks of 2) and was refused by a width-32 probe; at
+    width 32 it is still refused, naming the matrix and its axis."""
+    common = ["train", "--optimizer", "dobb", "--hp", "blocks=64", *data, *SMALL, "--steps", "1",
+              "--eval-every", "1"]
+    wide = common[:]
+    wide[wide.index("--width") + 1] = "128"
+    proc = cli(wide + ["--out", tmp_path / "wide"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    final = json.loads((tmp_path / "wide" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert final["type"] == "final" and final["hparams"] == {"blocks": "64"} and final["model"]["width"] == 128
+    one_line_error(cli(common + ["--out", tmp_path / "narrow"]), "blocks=64 is larger than the axis length 32")
