@@ -17,7 +17,9 @@ from .owner_muon import OwnerMuon
 from .newton_schulz import NS_COEFFICIENTS, newton_schulz, orthogonalize, row_normalize
 from .pr_muon import PeriodicRowMuon
 from .rmnp import RMNP
+from .samuon import SAMuon
 
 __all__ = ["Muon", "Dion", "RMNP", "PeriodicRowMuon", "BlockMuon", "Dion2", "newton_schulz",
            "orthogonalize", "row_normalize", "dion_step", "dion2_step", "NS_COEFFICIENTS",
-           "gram_newton_schulz", "NorMuon", "normuon_normalize", "Dion3", "dion3_step", "OwnerMuon"]
+           "gram_newton_schulz", "NorMuon", "normuon_normalize", "Dion3", "dion3_step", "OwnerMuon",
+           "SAMuon"]

@@ -1,4 +1,7 @@
-"""Block Muon (chunked Muon, CMuon): NS5 on independent contiguous blocks of each matrix.
+"""Block Muon: NS5 on independent contiguous near-equal blocks of each matrix.
+
+Not CMuon: CMuon cuts fused weights along their functional boundaries (Q/K/V, heads), which is
+``split_sizes``/``num_heads`` here (``_split``; Muon, Block Muon and NorMuon take it).
 
 The matrix is cut into ``blocks`` contiguous blocks along ``axis`` (1: column blocks, Dobb's input
 side and the default; 0: row blocks, Dobb-G's side) with ``dobb.functional.block_sizes``, the same
@@ -18,21 +21,22 @@ matrices of a group run as one batched NS5.
 """
 from __future__ import annotations
 
-import torch
-
 from .. import functional as F
 from .._base import _name_of
 from ..placement import layout_for
 from . import _common as C
-from .muon import MUON_DEFAULTS, _MuonFamily, ns_options
-from .newton_schulz import orthogonalize
+from ._split import tiled_directions
+from .muon import MUON_DEFAULTS, SPLIT_DEFAULTS, _MuonFamily
 
 
 class BlockMuon(_MuonFamily):
-    """Block Muon. Args as ``Muon`` plus ``blocks`` (default 4) and ``axis`` (1 columns, 0 rows)."""
+    """Block Muon. Args as ``Muon`` plus ``blocks`` (default 4) and ``axis`` (1 columns, 0 rows).
+
+    With ``split_sizes``/``num_heads`` a split weight's parts are matrices of their own, each cut
+    into ``blocks`` blocks (the parts x blocks tiles are gathered when the weight is sharded)."""
 
     algorithm = "block-muon"
-    matrix_defaults = dict(MUON_DEFAULTS, blocks=4, axis=1)
+    matrix_defaults = dict(MUON_DEFAULTS, blocks=4, axis=1, **SPLIT_DEFAULTS)
 
     def __init__(self, params, *, lr: float, **kwargs):
         self._layouts = {}
@@ -43,45 +47,51 @@ class BlockMuon(_MuonFamily):
         if group["axis"] not in (0, 1) or isinstance(group["axis"], bool):
             raise ValueError(f"axis must be 0 (row blocks) or 1 (column blocks), got {group['axis']!r}")
         side = "input" if group["axis"] == 1 else "output"
+        super()._check_matrix_group(group)
         for i, p in enumerate(group["params"]):
             try:
-                self._layouts[p] = layout_for(p, side, group["blocks"], None)
+                parts = self._row_parts(group, p)
+                if parts is None:
+                    self._layouts[p] = layout_for(p, side, group["blocks"], None)
+                else:
+                    _part_blocks(parts, p.shape[1], group["blocks"], group["axis"])
             except ValueError as exc:
                 raise ValueError(f"{_name_of(p, self._param_names, i)}: {exc}") from None
-        super()._check_matrix_group(group)
 
     def _directions(self, group, active, states, params, u):
-        axis, blocks, tau = group["axis"], group["blocks"], group["tau"]
-        srcs, plan = [], []
-        for p, ut in zip(active, u):
+        axis, blocks = group["axis"], group["blocks"]
+        plans = []
+        for p in active:
+            parts = self._row_parts(group, p)
+            if parts is not None:  # a split (CMuon) weight: blocks within each part, gathered when sharded
+                plans.append((_part_blocks(parts, p.shape[1], blocks, axis), False))
+                continue
             lay = self._layouts[p]
+            # Blocks are computed on the local shard when the unblocked axis is whole on this rank
+            # (a block never straddles shards, block_sizes guarantees it); otherwise gather first.
             local_ok = lay.local_shape[1 - axis] == lay.shape[1 - axis]
-            # Unblocked axis sharded: a block spans ranks, so gather the matrix first.
             sizes = lay.local_sizes if local_ok else F.block_sizes(p.shape[axis], blocks)
-            src = ut if local_ok else C.gather_full(ut, p)
-            plan.append((local_ok, len(srcs), sizes))
-            start = 0
-            for size in sizes:
-                srcs.append(src[:, start:start + size] if axis == 1 else src[start:start + size])
-                start += size
-        outs = orthogonalize(srcs, group["ns_coefficients"], group["ns_steps"], group["eps"], **ns_options(group))
+            plans.append((_blocks(sizes, axis), local_ok))
+        return tiled_directions(group, active, params, u, plans, self._ns(group))
 
-        targets, updates, scales = [], [], []
-        for p, pl, (local_ok, first, sizes) in zip(active, params, plan):
-            block_scales = [C.update_scale(*((p.shape[0], b) if axis == 1 else (b, p.shape[1])), tau)
-                            for b in sizes]
-            mine = outs[first:first + len(sizes)]
-            if local_ok:  # each block is added to its own view of the weight with its own s_b
-                start = 0
-                for size, o, sb in zip(sizes, mine, block_scales):
-                    targets.append(pl[:, start:start + size] if axis == 1 else pl[start:start + size])
-                    updates.append(o)
-                    scales.append(sb)
-                    start += size
-            else:  # fold s_b / s into the full O, keep this rank's shard, add with the matrix's s
-                s = C.update_scale(*p.shape, tau)
-                full = torch.cat([o.float() * (sb / s) for o, sb in zip(mine, block_scales)], dim=axis)
-                targets.append(pl)
-                updates.append(C.local_slice(full, p))
-                scales.append(s)
-        return targets, updates, scales
+
+def _blocks(sizes, axis, rows=slice(None)):
+    """Tiles of contiguous blocks of ``sizes`` along ``axis`` (within ``rows`` for column blocks)."""
+    tiles, start = [], 0
+    for size in sizes:
+        cut = slice(start, start + size)
+        tiles.append((rows, cut) if axis == 1 else (cut, slice(None)))
+        start += size
+    return tiles
+
+
+def _part_blocks(parts, n, blocks, axis):
+    """Each part of a split weight cut into ``blocks`` blocks along ``axis`` (a part is a matrix)."""
+    tiles, start = [], 0
+    for rows in parts:
+        if axis == 1:
+            tiles += _blocks(F.block_sizes(n, blocks), 1, slice(start, start + rows))
+        else:
+            tiles += [(slice(start + t.start, start + t.stop), cs) for t, cs in _blocks(F.block_sizes(rows, blocks), 0)]
+        start += rows
+    return tiles

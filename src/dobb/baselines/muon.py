@@ -11,6 +11,9 @@ when ``tau = 0.2`` (tests compare weights bitwise after several steps):
 
 ``_MuonFamily`` holds steps 1, 2 and 4 for every baseline built on Muon's momentum (PR-Muon,
 Block Muon); subclasses only say how ``U`` becomes a direction (``_directions``).
+
+``split_sizes`` / ``num_heads`` (Muon, Block Muon, NorMuon; see ``_split``) cut a fused weight
+(Q/K/V, per head) into parts that are orthogonalized and scaled as separate matrices (CMuon).
 """
 from __future__ import annotations
 
@@ -19,15 +22,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._base import MatrixOptimizer
+from .._base import MatrixOptimizer, _name_of
 from .._dtensor import to_local
 from . import _common as C
+from ._split import check_split_options, row_parts, row_tiles, tiled_directions
 from .newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_METHODS, NS_STEPS, orthogonalize
 
 MUON_DEFAULTS: dict[str, Any] = dict(
     momentum=0.95, nesterov=True, ns_coefficients=NS_COEFFICIENTS, ns_steps=NS_STEPS, eps=NS_EPS,
     ns_method="standard", ns_dtype="bfloat16",
 )
+# The fused-weight split (CMuon) of the classes that take it: None = every matrix whole.
+SPLIT_DEFAULTS: dict[str, Any] = dict(split_sizes=None, num_heads=None)
 NS_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
              "float64": torch.float64}
 
@@ -60,6 +66,23 @@ class _MuonFamily(MatrixOptimizer):
         if not (isinstance(coeffs, (tuple, list)) and len(coeffs) == 3
                 and all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in coeffs)):
             raise ValueError(f"ns_coefficients must be three numbers (a, b, c), got {coeffs!r}")
+        if "split_sizes" in self.matrix_defaults:
+            check_split_options(group)
+            for i, p in enumerate(group["params"]):
+                try:
+                    row_parts(p.shape, group["split_sizes"], group["num_heads"])
+                except ValueError as exc:
+                    raise ValueError(f"{_name_of(p, self._param_names, i)}: {exc}") from None
+
+    @staticmethod
+    def _row_parts(group: dict[str, Any], p: Tensor) -> list[int] | None:
+        """Row sizes of ``p``'s parts under the group's split (``None``: whole)."""
+        return row_parts(p.shape, group.get("split_sizes"), group.get("num_heads"))
+
+    def _ns(self, group: dict[str, Any]):
+        """The group's NS5 as a function of a list of matrices."""
+        return lambda mats: orthogonalize(mats, group["ns_coefficients"], group["ns_steps"], group["eps"],
+                                          **ns_options(group))
 
     def _init_matrix_state(self, group: dict[str, Any]) -> None:
         for p in group["params"]:
@@ -104,13 +127,17 @@ class Muon(_MuonFamily):
     ``ns_steps`` (5), ``eps`` (1e-7), ``ns_method`` (``"standard"`` NS5 or ``"gram"``: the same
     iteration on the short side's Gram matrix, fewer FLOPs on non-square matrices; see
     ``gram_ns``), ``ns_dtype`` (``"bfloat16"`` as torch; ``"float64"`` for exact comparisons),
-    ``adamw_betas``, ``adamw_eps``.
+    ``adamw_betas``, ``adamw_eps``; ``split_sizes`` and ``num_heads`` (``None``: CMuon's split of
+    fused weights, see ``_split``; ``split_sizes="qkv"`` cuts every ``3n x n`` matrix in three).
     """
 
     algorithm = "muon"
-    matrix_defaults = dict(MUON_DEFAULTS)
+    matrix_defaults = dict(MUON_DEFAULTS, **SPLIT_DEFAULTS)
 
     def _directions(self, group, active, states, params, u):
-        outs = self._orthogonalize(group, active, u)
-        scales = [C.update_scale(*p.shape, group["tau"]) for p in active]
-        return params, outs, scales
+        if group["split_sizes"] is None and group["num_heads"] is None:
+            outs = self._orthogonalize(group, active, u)  # (OwnerMuon routes this one)
+            return params, outs, [C.update_scale(*p.shape, group["tau"]) for p in active]
+        # Whole matrices are one tile each (gathered when sharded); all tiles go to one batched NS5.
+        plans = [(row_tiles(self._row_parts(group, p)), False) for p in active]
+        return tiled_directions(group, active, params, u, plans, self._ns(group))

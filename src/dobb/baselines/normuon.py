@@ -21,8 +21,8 @@ import torch
 from torch import Tensor
 
 from . import _common as C
-from .muon import MUON_DEFAULTS, _MuonFamily, ns_options
-from .newton_schulz import orthogonalize
+from ._split import row_tiles, tiled_directions
+from .muon import MUON_DEFAULTS, SPLIT_DEFAULTS, _MuonFamily
 
 NORMUON_DEFAULTS: dict[str, Any] = dict(MUON_DEFAULTS, beta2=0.95, neuron_eps=1e-8)
 
@@ -50,11 +50,12 @@ def check_neuron_options(group: dict) -> None:
 
 
 class NorMuon(_MuonFamily):
-    """NorMuon. Args as ``Muon`` plus ``beta2`` (0.95, the per-row second moment's EMA) and
-    ``neuron_eps`` (1e-8)."""
+    """NorMuon. Args as ``Muon`` (``split_sizes``/``num_heads`` included: each part is normalized,
+    Frobenius rescale too, as a matrix of its own) plus ``beta2`` (0.95, the per-row second moment's
+    EMA) and ``neuron_eps`` (1e-8)."""
 
     algorithm = "normuon"
-    matrix_defaults = dict(NORMUON_DEFAULTS)
+    matrix_defaults = dict(NORMUON_DEFAULTS, **SPLIT_DEFAULTS)
     _own_dtype_keys = ("neuron_variance",)  # stays fp32 when a bf16 model resumes
 
     def _check_matrix_group(self, group):
@@ -68,13 +69,15 @@ class NorMuon(_MuonFamily):
                 self.state[p]["neuron_variance"] = torch.zeros(p.shape[0], dtype=state_dtype(p), device=p.device)
 
     def _directions(self, group, active, states, params, u):
-        full = [C.gather_full(t, p) for t, p in zip(u, active)]
-        outs = orthogonalize(full, group["ns_coefficients"], group["ns_steps"], group["eps"], **ns_options(group))
-        updates = []
-        for p, st, o in zip(active, states, outs):
-            v = st["neuron_variance"]
-            o_new, v_new = normuon_normalize(o.unsqueeze(0), v.unsqueeze(0), group["beta2"], group["neuron_eps"])
-            v.copy_(v_new[0])
-            updates.append(C.local_slice(o_new[0], p))
-        scales = [C.update_scale(*p.shape, group["tau"]) for p in active]
-        return params, updates, scales
+        def finish(i, tiles, outs):  # per part: its rows' second moments, its own Frobenius rescale
+            v, res = states[i]["neuron_variance"], []
+            for (rows, _), o in zip(tiles, outs):
+                o_new, v_new = normuon_normalize(o.unsqueeze(0), v[rows].unsqueeze(0), group["beta2"],
+                                                 group["neuron_eps"])
+                v[rows] = v_new[0]
+                res.append(o_new[0])
+            return res
+
+        # v is computed from the full O, so sharded matrices are gathered (local=False), as Muon's
+        plans = [(row_tiles(self._row_parts(group, p)), False) for p in active]
+        return tiled_directions(group, active, params, u, plans, self._ns(group), finish)

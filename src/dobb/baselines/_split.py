@@ -1,0 +1,123 @@
+"""Fused matrices cut along functional boundaries before orthogonalizing (CMuon), and the tiled
+update the Muon family uses for them.
+
+``split_sizes`` names the row (output) sizes of the parts of a fused weight: ``(d, d, d)`` for a
+fused Q/K/V projection ``(3d, d)``; ``"qkv"`` means three equal parts of every matrix whose row
+count is three times its column count (the fused QKV of a width-``d`` model, and no MLP matrix).
+A matrix is split only when its row count equals ``sum(split_sizes)`` (for ``"qkv"``: ``m == 3n``);
+every other matrix of the group is left whole, so one hyperparameter can be given to a whole
+model. ``num_heads`` then cuts every part into that many equal row blocks (one per head); with no
+``split_sizes`` it cuts every matrix of the group, so give it per param group (e.g. to q, k, v).
+
+Each tile is a matrix of its own: NS5 of its momentum and the shared protocol's scale of its own
+shape, ``tau*sqrt(max(m_t, n))``, exactly as if the parts were separate ``nn.Linear`` layers.
+Momentum stays one buffer per weight: it is element-wise, so a tile's slice of it *is* the tile's
+own momentum (CMuon's "independent momentum per chunk" needs nothing more).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from .._dtensor import is_dtensor
+from . import _common as C
+
+WHOLE = (slice(None), slice(None))
+Tile = tuple[slice, slice]
+
+
+def check_split_options(group: dict) -> None:
+    """ValueError naming ``split_sizes`` / ``num_heads`` when they are malformed."""
+    sizes, heads = group.get("split_sizes"), group.get("num_heads")
+    if sizes is not None and sizes != "qkv":
+        ok = (isinstance(sizes, (list, tuple)) and len(sizes) >= 1
+              and all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes))
+        if not ok:
+            raise ValueError(f"split_sizes must be None, 'qkv' or a sequence of positive integers "
+                             f"(the row sizes of a fused weight's parts), got {sizes!r}")
+    if heads is not None and (isinstance(heads, bool) or not isinstance(heads, int) or heads < 1):
+        raise ValueError(f"num_heads must be None or a positive integer, got {heads!r}")
+
+
+def row_parts(shape: Sequence[int], split_sizes, num_heads) -> list[int] | None:
+    """Row sizes of the tiles of an ``m x n`` matrix, or ``None`` when it stays whole.
+
+    Raises ``ValueError`` when ``num_heads`` does not divide a part the matrix is cut into.
+    """
+    m, n = shape
+    if split_sizes is None:
+        parts = [m] if num_heads is not None else None
+    elif split_sizes == "qkv":
+        parts = [n, n, n] if m == 3 * n else None
+    else:
+        parts = list(split_sizes) if sum(split_sizes) == m else None
+    if parts is None:
+        return None
+    if num_heads is not None:
+        bad = [p for p in parts if p % num_heads]
+        if bad:
+            raise ValueError(f"num_heads={num_heads} must divide every part of a split {m} x {n} matrix; "
+                             f"parts {parts} (split_sizes={split_sizes!r})")
+        parts = [p // num_heads for p in parts for _ in range(num_heads)]
+    return parts if len(parts) > 1 else None
+
+
+def row_tiles(parts: list[int] | None) -> list[Tile]:
+    if parts is None:
+        return [WHOLE]
+    tiles, start = [], 0
+    for p in parts:
+        tiles.append((slice(start, start + p), slice(None)))
+        start += p
+    return tiles
+
+
+def _extent(sl: slice, size: int) -> int:
+    return len(range(*sl.indices(size)))
+
+
+def tiled_directions(group: dict, active: list[Tensor], params: list[Tensor], u: list[Tensor],
+                     plans: list[tuple[list[Tile], bool]], orthogonalize_fn: Callable,
+                     finish: Callable | None = None) -> tuple[list, list, list]:
+    """``(targets, updates, scales)`` for ``apply_protocol`` when matrix ``i`` is cut into tiles.
+
+    ``plans[i] = (tiles, local)``: with ``local`` the tiles index this rank's shard and are computed
+    from it (no communication); otherwise the full matrix is gathered, tiles index it, and each
+    tile's ``s_t / s`` is folded into the full ``O``, of which this rank keeps its shard. All tiles of
+    all matrices go to one ``orthogonalize_fn`` call (equal shapes batched). ``finish(i, tiles, outs)``
+    may transform matrix ``i``'s tile directions (NorMuon's row normalization).
+    """
+    tau = group["tau"]
+    srcs, spans = [], []
+    for p, ut, (tiles, local) in zip(active, u, plans):
+        src = ut if local else C.gather_full(ut, p)
+        spans.append((len(srcs), src.shape))
+        srcs.extend(src if t == WHOLE else src[t] for t in tiles)
+    outs = orthogonalize_fn(srcs)
+    targets, updates, scales = [], [], []
+    for i, (p, pl, (tiles, local)) in enumerate(zip(active, params, plans)):
+        first, (m, n) = spans[i]
+        mine = outs[first:first + len(tiles)]
+        if finish is not None:
+            mine = finish(i, tiles, mine)
+        tile_scales = [C.update_scale(_extent(rs, m), _extent(cs, n), tau) for rs, cs in tiles]
+        if local or not is_dtensor(p):
+            for t, o, st in zip(tiles, mine, tile_scales):
+                targets.append(pl if t == WHOLE else pl[t])
+                updates.append(o)
+                scales.append(st)
+        elif tiles == [WHOLE]:
+            targets.append(pl)
+            updates.append(C.local_slice(mine[0], p))
+            scales.append(tile_scales[0])
+        else:  # tiles of a gathered matrix: one full O against the matrix's s, this rank's shard of it
+            s = C.update_scale(m, n, tau)
+            full = torch.empty((m, n), dtype=C.upcast(mine[0]).dtype, device=mine[0].device)
+            for t, o, st in zip(tiles, mine, tile_scales):
+                full[t] = o.to(full.dtype) * (st / s)
+            targets.append(pl)
+            updates.append(C.local_slice(full, p))
+            scales.append(s)
+    return targets, updates, scales
