@@ -131,7 +131,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     t.add_argument("--dist", choices=("none", "ddp", "fsdp"), default="none",
                    help="under torchrun: DDP or FSDP2 (gloo on CPU, nccl on GPU)")
     t.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0 = off)")
-    t.add_argument("--no-resume", action="store_true", help="ignore checkpoints/results in --out")
+    t.add_argument("--no-resume", action="store_true",
+                   help="start over: ignore, and replace, the checkpoints and finished results in --out "
+                        "(without it a finished run with other settings is refused, never replaced)")
     t.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     t.add_argument("--out", help="output folder (default bench-out/<command>)")
 
@@ -214,7 +216,10 @@ def _read_final(run_dir: Path, expect: dict | None = None) -> dict | None:
     path = run_dir / METRICS_FILE
     if not path.exists():
         return None
-    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    try:
+        lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    except ValueError:
+        raise CliError(f"{path} is not JSON lines (damaged?); move it away, or use another --out") from None
     final = lines[-1] if lines and lines[-1].get("type") == "final" else None
     if final is not None and expect is not None:
         same = json.loads(json.dumps(expect)) == {k: final.get(k) for k in expect}
@@ -227,6 +232,72 @@ def _settings(spec: OptimizerSpec, lr: float, model_cfg: ModelConfig, train_cfg:
 
     return {"optimizer": spec.name, "hparams": {k: str(v) for k, v in spec.hparams.items()}, "lr": lr,
             "model": model_cfg.to_dict(), "train": asdict(replace(train_cfg, lr=lr))}
+
+
+def _flat(d, pre: str = "") -> dict:
+    out = {}
+    for k, v in (d or {}).items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{pre}{k}."))
+        else:
+            out[pre + k] = v
+    return out
+
+
+def _finished_with(run_dir: Path, expect: dict) -> dict | None:
+    """The finished run in ``run_dir`` if it was made with ``expect``'s settings; None if there is
+    none; a CliError naming the differing settings if it was made with others (a finished result
+    is never replaced by a different configuration without the user asking: --no-resume)."""
+    final = _read_final(run_dir)
+    if final is None:
+        return None
+    want = _flat(json.loads(json.dumps(expect)))
+    got = _flat({k: final.get(k) for k in expect})
+    diff = [k for k in want if got.get(k) != want[k]] + [k for k in got if k not in want]
+    if not diff:
+        return final
+    shown = "; ".join(f"{k}: {got.get(k)!r} there, {want.get(k)!r} now" for k in diff[:4])
+    more = f" and {len(diff) - 4} more" if len(diff) > 4 else ""
+    raise CliError(f"{run_dir} holds a finished run with other settings ({shown}{more}); use --out <new "
+                   "folder> to keep it, or --no-resume to retrain and replace it")
+
+
+def _check_out(out: Path, command: str) -> None:
+    """Refuses an --out that would replace another command's results, and makes the folder (so a
+    path under a file or without permission fails here, in one line, before any work)."""
+    if command == "train" and ((out / "results.jsonl").exists() or (out / "runs").is_dir()):
+        raise CliError(f"{out} is a compare/sweep output folder (results.jsonl, runs/); train would "
+                       "replace its results.md: use another --out")
+    if command != "train" and (out / METRICS_FILE).exists():
+        raise CliError(f"{out} holds a train run ({METRICS_FILE}); {command} would mix its results with "
+                       "it: use another --out")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise CliError(f"--out {out}: it or a folder above it is a file, not a folder; choose another "
+                       "--out") from None
+    except PermissionError as exc:
+        raise CliError(f"--out {out}: {exc.strerror or 'permission denied'} ({exc.filename}); choose "
+                       "another --out or fix its permissions") from None
+
+
+def _check_rows(out: Path, jobs) -> None:
+    """A finished compare/sweep folder keeps its rows: ``results.md`` is rewritten only by a command
+    that covers every (label, lr) it lists (more rows are fine: a finished run is reused)."""
+    path = out / "results.jsonl"
+    if not path.exists():
+        return
+    try:
+        rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    except ValueError:
+        raise CliError(f"{path} is not JSON lines (damaged?); move it away, or use another --out") from None
+    have = {(r.get("run"), round(float(r.get("lr") or 0), 12)) for r in rows if r.get("type") == "final"}
+    asked = {(s.label, round(lr, 12)) for s, lr in jobs}
+    lost = sorted(f"{label} (lr {lr:.3g})" for label, lr in have - asked)
+    if lost:
+        raise CliError(f"{out} holds finished results for {', '.join(lost)}, which this command does not "
+                       "run; its results.md would lose them: use --out <new folder>, name those runs too, "
+                       "or --no-resume to replace the results")
 
 
 def run_many(jobs: list[tuple[OptimizerSpec, float]], args, model_cfg, train_cfg, corpus_info, out: Path) -> list[dict]:
@@ -248,7 +319,7 @@ def run_many(jobs: list[tuple[OptimizerSpec, float]], args, model_cfg, train_cfg
     for i, (spec, lr) in enumerate(jobs):
         run_dir = out / "runs" / _slug(f"{spec.label}" + (f"_lr{lr:.3g}" if several else ""))
         expect = _settings(spec, lr, model_cfg, train_cfg)
-        final = _read_final(run_dir, expect) if resume else None
+        final = _finished_with(run_dir, expect) if resume else None
         if final is not None:
             _done(finals, i, final, run_dir, jobs, env, 0.0)
         else:
@@ -343,6 +414,9 @@ def cmd_train(args) -> int:
     validate_spec(spec, model_cfg)
     out = _out(args, "train")
     env = setup_dist(train_cfg.dist, train_cfg.device)
+    _check_out(out, "train")
+    if not args.no_resume:
+        _finished_with(out, _settings(spec, train_cfg.lr, model_cfg, train_cfg))
     final = _run_one(spec, train_cfg.lr, model_cfg, train_cfg, corpus, out, progress=not args.no_progress,
                      resume=not args.no_resume, env=env, stop_after=args.stop_after,
                      prov=provenance(getattr(args, "argv", None)))
@@ -375,6 +449,9 @@ def cmd_compare(args) -> int:
     lrs = [train_cfg.lr] + [lr for lr in map(grid_lr, grid) if abs(lr - train_cfg.lr) > 1e-12]
     jobs = [(s, lr) for s in specs for lr in lrs]
     out = _out(args, "compare")
+    _check_out(out, "compare")
+    if not args.no_resume:
+        _check_rows(out, jobs)
     t0 = time.perf_counter()
     finals = run_many(jobs, args, model_cfg, train_cfg, corpus_info, out)
     _finish(out, finals, model_cfg, grid=bool(grid), shared_lr=train_cfg.lr)
@@ -391,6 +468,9 @@ def cmd_sweep(args) -> int:
     validate_spec(spec, model_cfg)
     out = _out(args, "sweep")
     jobs = [(spec, grid_lr(j)) for j in grid]
+    _check_out(out, "sweep")
+    if not args.no_resume:
+        _check_rows(out, jobs)
     finals = run_many(jobs, args, model_cfg, train_cfg, corpus_info, out)
     _finish(out, finals, model_cfg, grid=True, shared_lr=None)
     _close_dist()

@@ -70,8 +70,10 @@ def test_compare_smoke_writes_jsonl_and_markdown(capsys, tmp_path, text_dir, cac
     assert main(argv) == 0
     again = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
     assert [r.get("final_val_loss") for r in again] == [r.get("final_val_loss") for r in records]
-    # changed settings are not mistaken for finished runs
-    assert main(argv[:-len(SMALL)] + [x if x != "3" else "4" for x in SMALL]) == 0
+    # changed settings are not mistaken for finished runs: refused (test_cli_safety), or on request
+    # (--no-resume) retrained and replaced
+    assert main(argv[:-len(SMALL)] + [x if x != "3" else "4" for x in SMALL]) == 2
+    assert main(argv[:-len(SMALL)] + [x if x != "3" else "4" for x in SMALL] + ["--no-resume"]) == 0
     finals = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
     assert [f["steps"] for f in finals if f["type"] == "final"] == [4, 4]
 

@@ -93,3 +93,61 @@ def test_blocks_are_validated_on_the_real_model(tmp_path, data):
     final = json.loads((tmp_path / "wide" / "metrics.jsonl").read_text().splitlines()[-1])
     assert final["type"] == "final" and final["hparams"] == {"blocks": "64"} and final["model"]["width"] == 128
     one_line_error(cli(common + ["--out", tmp_path / "narrow"]), "blocks=64 is larger than the axis length 32")
+
+
+# ----- finished results are never replaced by another configuration ------------------------------------
+def _snapshot(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.suffix in (".md", ".jsonl")}
+
+
+def test_finished_compare_is_not_replaced_by_other_settings(tmp_path, data):
+    from dobb_bench.cli import main
+
+    out = tmp_path / "cmp"
+    base = ["compare", "--optimizers", "adamw,adamw:betas=(0.9,0.9)@Other", *map(str, data), "--no-isolate",
+            "--out", str(out), *SMALL]
+    assert main(base) == 0
+    before = _snapshot(out)
+    assert "results.md" in before and "runs/Other/metrics.jsonl" in before
+    steps4 = [x if x != "3" else "4" for x in base]  # --steps 4 --eval-every 4: one setting changed
+    err = one_line_error(cli(steps4), "holds a finished run with other settings", "train.steps: 3 there, 4 now",
+                         "--out <new folder>", "--no-resume")
+    assert str(out / "runs") in err
+    # a command that drops a finished row would rewrite results.md without it
+    one_line_error(cli(base[:2] + ["adamw"] + base[3:]), "holds finished results for Other (lr 0.00354)")
+    # train into the compare folder would replace its results.md
+    one_line_error(cli(["train", "--optimizer", "adamw", *data, *SMALL, "--out", out]),
+                   "is a compare/sweep output folder", "use another --out")
+    assert _snapshot(out) == before
+    # the way out the message names: --no-resume retrains and replaces, on request
+    proc = cli(steps4 + ["--no-resume"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    finals = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    assert [f["steps"] for f in finals if f["type"] == "final"] == [4, 4]
+
+
+def test_finished_train_run_is_not_replaced_by_other_settings(tmp_path, data):
+    from dobb_bench.cli import main
+
+    out = tmp_path / "tr"
+    base = ["train", "--optimizer", "adamw", *map(str, data), "--out", str(out), *SMALL]
+    assert main(base) == 0
+    before = _snapshot(out)
+    # --eval-seqs is outside the checkpoint's fingerprint: the finished run used to be re-finalised
+    # with the new evaluation set and its record replaced
+    seqs = base[:]
+    seqs[seqs.index("--eval-seqs") + 1] = "8"
+    one_line_error(cli(seqs), "holds a finished run with other settings", "train.eval_seqs: 4 there, 8 now")
+    one_line_error(cli(["compare", "--optimizers", "adamw", "--no-isolate", *data, *SMALL, "--out", out]),
+                   "holds a train run", "use another --out")
+    assert _snapshot(out) == before
+
+
+def test_out_that_cannot_be_a_folder_is_one_line(tmp_path, data):
+    (tmp_path / "file").write_text("x")
+    common = ["train", "--optimizer", "adamw", *data, *SMALL]
+    one_line_error(cli(common + ["--out", tmp_path / "file" / "sub"]), "is a file, not a folder",
+                   str(tmp_path / "file" / "sub"), "choose another --out")
+    # /sys refuses new folders even to root (the tests may run as root, for whom chmod is no barrier)
+    one_line_error(cli(common + ["--out", "/sys/dobb-bench-test"]), "/sys/dobb-bench-test", "choose another --out")
