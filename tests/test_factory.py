@@ -36,14 +36,15 @@ def run(model, opt, X, Y, steps, sched=None):
 
 
 def test_names():
-    assert list(dobb.OPTIMIZER_NAMES) == NAMES
+    # the registry may grow; the names the docs and records use stay
+    assert set(NAMES) <= set(dobb.OPTIMIZER_NAMES) and dobb.OPTIMIZER_NAMES[0] == "adamw"
 
 
 def test_unknown_name_lists_valid_names():
     model, _, _ = model_and_data()
     with pytest.raises(ValueError) as err:
-        dobb.build_optimizer("soap", model, lr=0.1, weight_decay=0.0)
-    assert "soap" in str(err.value) and all(n in str(err.value) for n in NAMES)
+        dobb.build_optimizer("adamx", model, lr=0.1, weight_decay=0.0)
+    assert "adamx" in str(err.value) and all(n in str(err.value) for n in NAMES)
 
 
 @pytest.mark.parametrize("name", NAMES)

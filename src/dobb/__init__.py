@@ -2,14 +2,16 @@
 
 ``Dobb`` is the flagship (block-diagonal eigenbases of the input-activation second moment, sign of
 the projected momentum); ``build_optimizer`` gives it and the baselines under one update-scale
-protocol; ``param_groups`` splits a model between a matrix optimizer and AdamW.
+protocol, by the names of ``dobb.registry`` (every optimizer declared once); ``param_groups``
+splits a model between a matrix optimizer and AdamW.
 """
-from . import functional
-from .baselines import RMNP, BlockMuon, Dion, Dion2, Muon, PeriodicRowMuon
+from . import functional, registry
+from .baselines import RMNP, BlockMuon, Dion, Dion2, Dion3, Muon, NorMuon, OwnerMuon, PeriodicRowMuon
 from .dobb import Dobb
-from .factory import OPTIMIZER_NAMES, build_optimizer
+from .factory import OPTIMIZER_NAMES, build_optimizer, valid_hparams
 from .groups import param_groups, split_parameters
 
-__all__ = ["Dobb", "Muon", "Dion", "RMNP", "PeriodicRowMuon", "BlockMuon", "Dion2", "build_optimizer",
-           "OPTIMIZER_NAMES", "param_groups", "split_parameters", "functional"]
+__all__ = ["Dobb", "Muon", "Dion", "RMNP", "PeriodicRowMuon", "BlockMuon", "Dion2", "NorMuon", "Dion3",
+           "OwnerMuon", "build_optimizer", "valid_hparams", "OPTIMIZER_NAMES", "param_groups",
+           "split_parameters", "functional", "registry"]
 __version__ = "0.1.0"

@@ -27,6 +27,7 @@ import torch
 from torch.optim.adamw import adamw as _torch_adamw
 
 from ._dtensor import is_dtensor, to_local
+from ._hparams import COMMON_DEFAULTS, check_kinds
 
 _BUILDER_KEYS = frozenset({"params", "param_names", "initial_lr", "fused", "foreach"})
 
@@ -95,6 +96,10 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 self._init_matrix_state(logical)
 
     def _check_group(self, group: dict[str, Any]) -> None:
+        # kinds first (a string where a number belongs is a ValueError naming it, never a TypeError)
+        check_kinds(group, COMMON_DEFAULTS)
+        if group["algorithm"] == self.algorithm:
+            check_kinds(group, self.matrix_defaults)
         for key in ("lr", "weight_decay"):
             value = group[key]
             if not isinstance(value, torch.Tensor) and (not math.isfinite(value) or value < 0):

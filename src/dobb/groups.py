@@ -106,13 +106,16 @@ def split_parameters(model: nn.Module, *, head_names=DEFAULT_HEAD_NAMES,
 
 def param_groups(model: nn.Module, algorithm: str = "dobb", *, head_names=DEFAULT_HEAD_NAMES,
                  is_matrix: Callable[[str, nn.Module, nn.Parameter], bool] | None = None,
-                 experts=(), **matrix_overrides):
+                 experts=(), decay_names=None, **matrix_overrides):
     """Param groups for any optimizer of this package: ``[{matrix group}, {"algorithm": "adamw"}]``,
     with a second matrix group (``transposed=True``) when the model has transposed layers.
 
     Parameters are given as ``(name, tensor)`` pairs so errors can name them. Extra keyword
     arguments become per-group overrides of the matrix groups (e.g. ``blocks=4``). ``experts``: full
     names of 3-D expert stacks besides those declared by ``dobb_experts`` (see the module docstring).
+    ``decay_names``: names of the AdamW-part parameters that get weight decay (Hugging Face's
+    ``Trainer.get_decay_parameter_names``); the others go to a second AdamW group with
+    ``weight_decay=0``. ``None``: all of them decay. Matrices always decay (the paper's protocol).
     """
     matrix, other = split_parameters(model, head_names=head_names, is_matrix=is_matrix, experts=experts,
                                      stacks=algorithm in STACK_ALGORITHMS)
@@ -124,8 +127,15 @@ def param_groups(model: nn.Module, algorithm: str = "dobb", *, head_names=DEFAUL
         groups.append({"params": plain, "algorithm": algorithm, **matrix_overrides})
     if flipped:
         groups.append({"params": flipped, "algorithm": algorithm, **matrix_overrides, "transposed": True})
-    if other:
-        groups.append({"params": other, "algorithm": "adamw"})
+    if decay_names is None:
+        decay_names = {name for name, _ in other}
+    decay_names = set(decay_names)
+    decayed = [np for np in other if np[0] in decay_names]
+    if decayed:
+        groups.append({"params": decayed, "algorithm": "adamw"})
+    if len(decayed) < len(other):
+        groups.append({"params": [np for np in other if np[0] not in decay_names], "algorithm": "adamw",
+                       "weight_decay": 0.0})
     if not groups:
         raise ValueError("model has no trainable parameters")
     return groups

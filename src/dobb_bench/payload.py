@@ -54,14 +54,17 @@ matrices (q, k, v, o: ``d x d``; fc ``4d x d``; proj ``d x 4d``) the aggregate D
 from __future__ import annotations
 
 import math
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import dobb
-from dobb.baselines import Dion3, NorMuon, OwnerMuon
+from dobb import registry
 from dobb.baselines.dion import dion_rank
+from dobb.functional import block_sizes
 
 __all__ = [
     "PAYLOAD_NAMES",
+    "PAYLOAD_FORMULAS",
+    "STATE_FORMULAS",
     "canonical_name",
     "optimizer_defaults",
     "payload_entries",
@@ -71,19 +74,13 @@ __all__ = [
     "forward_backward_entries",
 ]
 
-PAYLOAD_NAMES = ("adamw", "muon", "dion", "rmnp", "pr-muon", "block-muon", "dion2",
-                 "dobb", "dobb-l2", "dobb-g", "dobb-g-l2", "owner-muon", "owner-placement", "normuon", "dion3")
-# Names that are a placement of an optimizer, not an optimizer of their own (no build_optimizer name).
-PLACEMENT_NAMES = ("owner-placement",)
+# Names that are a placement of an optimizer, not an optimizer of their own (no build_optimizer
+# name): the optimizer whose math and state they keep; the step exchanges nothing.
+PLACEMENTS = {"owner-placement": "muon"}
+PLACEMENT_NAMES = tuple(PLACEMENTS)
+# Every optimizer of dobb.registry (declared there once), then the placements.
+PAYLOAD_NAMES = (*registry.OPTIMIZER_NAMES, *PLACEMENT_NAMES)
 _ALIASES = {"torch-adamw": "adamw", "torch-muon": "muon", "dobb-ell2": "dobb-l2", "dobb-g-ell2": "dobb-g-l2"}
-_CLASSES = {"muon": dobb.Muon, "dion": dobb.Dion, "rmnp": dobb.RMNP, "pr-muon": dobb.PeriodicRowMuon,
-            "block-muon": dobb.BlockMuon, "dion2": dobb.Dion2, "dobb": dobb.Dobb, "dobb-l2": dobb.Dobb,
-            "dobb-g": dobb.Dobb, "dobb-g-l2": dobb.Dobb, "owner-muon": OwnerMuon, "owner-placement": dobb.Muon,
-            "normuon": NorMuon, "dion3": Dion3}
-# dobb.build_optimizer's presets of the Dobb variants (tests/bench/test_payload.py checks them
-# against the optimizers it builds)
-_VARIANTS = {"dobb-l2": {"norm": "l2"}, "dobb-g": {"side": "output", "source": "output_grad"},
-             "dobb-g-l2": {"side": "output", "source": "output_grad", "norm": "l2"}}
 _AXES = ("output", "input")
 
 
@@ -96,13 +93,17 @@ def canonical_name(name: str) -> str:
     return key
 
 
+def _entry(key: str) -> registry.Entry:
+    return registry.get(PLACEMENTS.get(key, key))
+
+
 def optimizer_defaults(name: str) -> dict:
     """The hyperparameters ``dobb.build_optimizer(name, ...)`` uses when a spec leaves them out:
-    the class' ``matrix_defaults`` with the variant's preset on top (``{}`` for AdamW)."""
-    key = canonical_name(name)
-    if key == "adamw":
+    the class' ``matrix_defaults`` with the registry entry's preset on top (``{}`` for AdamW)."""
+    entry = _entry(canonical_name(name))
+    if not entry.is_matrix:
         return {}
-    return {**_CLASSES[key].matrix_defaults, **_VARIANTS.get(key, {})}
+    return {**entry.cls.matrix_defaults, **entry.defaults, **entry.preset}
 
 
 def _with_defaults(name: str, hparams: dict | None) -> tuple[str, dict]:
@@ -110,15 +111,22 @@ def _with_defaults(name: str, hparams: dict | None) -> tuple[str, dict]:
     return key, {**optimizer_defaults(key), **(hparams or {})}
 
 
-def _split(size: int, parts: int) -> list[int]:
-    q, r = divmod(size, parts)
-    return [q + 1] * r + [q] * (parts - r)
+def _split(size: int, blocks: int) -> list[int]:
+    """Dobb's (and block Muon's) block sizes: the library's own partition (``dobb.functional``)."""
+    return block_sizes(size, min(blocks, size))
 
 
 def _shard_bounds(size: int, shards: int) -> list[int]:
-    """Interior boundaries of ``torch.chunk``-style shards (FSDP2, DTensor ``Shard``)."""
-    chunk = math.ceil(size / shards)
-    return [b for b in range(chunk, size, chunk)]
+    """Interior boundaries of ``torch.chunk``-style shards (FSDP2, DTensor ``Shard``): the
+    library's ``dobb.sharding.chunk_sizes``, imported here only (it loads torch.distributed.tensor)."""
+    from dobb.sharding import chunk_sizes
+
+    ends, out = 0, []
+    for s in chunk_sizes(size, shards)[:-1]:
+        ends += s
+        if 0 < ends < size:
+            out.append(ends)
+    return out
 
 
 def _straddling(size: int, blocks: int, shards: int) -> list[int]:
@@ -127,7 +135,7 @@ def _straddling(size: int, blocks: int, shards: int) -> list[int]:
         return []
     bounds = _shard_bounds(size, shards)
     out, start = [], 0
-    for s in _split(size, min(blocks, size)):
+    for s in _split(size, blocks):
         if any(start < b < start + s for b in bounds):
             out.append(s)
         start += s
@@ -154,43 +162,49 @@ def _blocks(hparams: dict) -> int:
     return b
 
 
-def payload_entries(name: str, m: int, n: int, hparams: dict | None = None, *, sharded: str = "output",
-                    shards: int = 4) -> float:
-    """Leading logical cross-shard entries per optimizer step for one ``m x n`` matrix."""
-    key, hp = _with_defaults(name, hparams)
-    _check_axis(sharded)
-    if int(shards) < 1:
-        raise ValueError(f"shards must be >= 1, got {shards}")
-    if m < 1 or n < 1:
-        raise ValueError(f"matrix shape must be positive, got {(m, n)}")
-    if shards == 1 or key == "adamw":
-        return 0.0
-    if key in ("muon", "normuon"):
+# ----- payload formulas: f(m, n, hparams, sharded, shards) -> entries; named by registry entries
+def _pay_none(m, n, hp, sharded, shards):
+    return 0.0
+
+
+def _pay_dense(m, n, hp, sharded, shards):  # every rank needs the whole matrix (Muon, NorMuon)
+    return float(m * n)
+
+
+def _pay_owner(m, n, hp, sharded, shards):  # shards to the owner and the result back
+    return float(2 * m * n)
+
+
+def _pay_dion(m, n, hp, sharded, shards):
+    return float(dion_rank(m, n, _fraction(hp, "rank_fraction")) * (m + n))
+
+
+def _pay_rmnp(m, n, hp, sharded, shards):  # row norms cross shards only when columns are split
+    return float(m) if sharded == "input" else 0.0
+
+
+def _pay_pr_muon(m, n, hp, sharded, shards):
+    period = int(hp["period"])
+    if period < 1:
+        raise ValueError(f"period must be >= 1, got {period}")
+    cheap = m if sharded == "input" else 0
+    return (m * n + (period - 1) * cheap) / period
+
+
+def _pay_selected_rows(m, n, hp, sharded, shards):  # k selected rows (dobb.baselines.dion2)
+    return float(max(1, round(_fraction(hp, "fraction") * m)) * n)
+
+
+def _pay_block_muon(m, n, hp, sharded, shards):
+    axis = int(hp["axis"])  # 1: column blocks (input axis), 0: row blocks (output axis)
+    blocked = "input" if axis == 1 else "output"
+    if blocked != sharded:
         return float(m * n)
-    if key == "owner-muon":
-        return float(2 * m * n)
-    if key == "owner-placement":
-        return 0.0
-    if key == "dion":
-        return float(dion_rank(m, n, _fraction(hp, "rank_fraction")) * (m + n))
-    if key == "rmnp":
-        return float(m) if sharded == "input" else 0.0
-    if key == "pr-muon":
-        period = int(hp["period"])
-        if period < 1:
-            raise ValueError(f"period must be >= 1, got {period}")
-        cheap = m if sharded == "input" else 0
-        return (m * n + (period - 1) * cheap) / period
-    if key in ("dion2", "dion3"):
-        return float(max(1, round(_fraction(hp, "fraction") * m)) * n)  # k selected rows (dobb.baselines.dion2)
-    if key == "block-muon":
-        axis = int(hp["axis"])  # 1: column blocks (input axis), 0: row blocks (output axis)
-        blocked = "input" if axis == 1 else "output"
-        if blocked != sharded:
-            return float(m * n)
-        size, other = (n, m) if blocked == "input" else (m, n)
-        return float(sum(_straddling(size, _blocks(hp), shards)) * other)
-    # Dobb family
+    size, other = (n, m) if blocked == "input" else (m, n)
+    return float(sum(_straddling(size, _blocks(hp), shards)) * other)
+
+
+def _pay_dobb(m, n, hp, sharded, shards):
     blocked, norm = hp["side"], hp["norm"]  # "input": blocks over n (columns); "output": blocks over m (rows)
     size, other = (n, m) if blocked == "input" else (m, n)
     total = 0.0
@@ -202,6 +216,27 @@ def payload_entries(name: str, m: int, n: int, hparams: dict | None = None, *, s
         # G^T G (G G^T) blocks sum over the sharded axis: the statistic itself crosses shards
         total += _stat_size(size, _blocks(hp)) / int(hp["refresh_every"])
     return float(total)
+
+
+PAYLOAD_FORMULAS: dict[str, Callable[..., float]] = {
+    "none": _pay_none, "dense": _pay_dense, "owner": _pay_owner, "dion": _pay_dion, "rmnp": _pay_rmnp,
+    "pr-muon": _pay_pr_muon, "selected-rows": _pay_selected_rows, "block-muon": _pay_block_muon,
+    "dobb": _pay_dobb,
+}
+
+
+def payload_entries(name: str, m: int, n: int, hparams: dict | None = None, *, sharded: str = "output",
+                    shards: int = 4) -> float:
+    """Leading logical cross-shard entries per optimizer step for one ``m x n`` matrix."""
+    key, hp = _with_defaults(name, hparams)
+    _check_axis(sharded)
+    if int(shards) < 1:
+        raise ValueError(f"shards must be >= 1, got {shards}")
+    if m < 1 or n < 1:
+        raise ValueError(f"matrix shape must be positive, got {(m, n)}")
+    if shards == 1 or key in PLACEMENTS:
+        return 0.0
+    return PAYLOAD_FORMULAS[_entry(key).payload](m, n, hp, sharded, int(shards))
 
 
 def forward_backward_entries(name: str, m: int, n: int, *, shards: int = 4) -> float:
@@ -221,7 +256,7 @@ def dp_stat_entries(name: str, m: int, n: int, hparams: dict | None = None, per_
     ``/T`` per step with ``per_step``); 0 for every other optimizer and for ``source="grad_gram"``
     (the reduced gradient needs no extra data-parallel exchange)."""
     key, hp = _with_defaults(name, hparams)
-    if _CLASSES.get(key) is not dobb.Dobb or hp["source"] == "grad_gram":
+    if not issubclass(_entry(key).cls, dobb.Dobb) or hp["source"] == "grad_gram":
         return 0.0
     entries = _stat_size(n if hp["side"] == "input" else m, _blocks(hp))
     return entries / int(hp["refresh_every"]) if per_step else float(entries)
@@ -265,20 +300,40 @@ def derived_state_bytes(name: str, m: int, n: int, hparams: dict | None = None, 
     """
     key, hp = _with_defaults(name, hparams)
     mn = m * n * param_bytes / (out_shards * in_shards)
-    if key == "adamw":
-        return 2 * mn
-    if key in ("muon", "rmnp", "pr-muon", "block-muon", "dion2", "owner-muon", "owner-placement"):
-        return mn
-    if key in ("normuon", "dion3"):
-        return mn + m * 4  # + the fp32 row second moments, whole on every rank
-    if key == "dion":
-        return mn + max(m, n) * dion_rank(m, n, _fraction(hp, "rank_fraction")) * 4
+    return float(STATE_FORMULAS[_entry(key).state](m, n, hp, mn, out_shards, in_shards))
+
+
+# ----- state formulas: f(m, n, hparams, mn, out_shards, in_shards) -> bytes per rank; ``mn`` is the
+# weight-shaped buffer's bytes on this rank; named by registry entries
+def _state_adamw(m, n, hp, mn, out_shards, in_shards):  # exp_avg, exp_avg_sq
+    return 2 * mn
+
+
+def _state_momentum(m, n, hp, mn, out_shards, in_shards):
+    return mn
+
+
+def _state_momentum_rows(m, n, hp, mn, out_shards, in_shards):  # + the fp32 row second moments, whole on every rank
+    return mn + m * 4
+
+
+def _state_dion(m, n, hp, mn, out_shards, in_shards):  # + the fp32 Q, replicated
+    return mn + max(m, n) * dion_rank(m, n, _fraction(hp, "rank_fraction")) * 4
+
+
+def _state_dobb(m, n, hp, mn, out_shards, in_shards):
     side = hp["side"]
     stat_b = _dtype_bytes(hp["stat_dtype"])
     basis_b = _dtype_bytes(hp["basis_dtype"])
     k = n if side == "input" else m
     stored = k * -(-k // min(_blocks(hp), k))  # row-stacked (k, s_max) buffers: k^2/B for equal blocks
     return mn + stored * (stat_b + basis_b) / (in_shards if side == "input" else out_shards)
+
+
+STATE_FORMULAS: dict[str, Callable[..., float]] = {
+    "adamw": _state_adamw, "momentum": _state_momentum, "momentum+rows": _state_momentum_rows,
+    "dion": _state_dion, "dobb": _state_dobb,
+}
 
 
 def _dtype_bytes(dtype) -> int:

@@ -12,6 +12,8 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
+import dobb.registry
+
 
 def _fmt(x, spec: str) -> str:
     if x is None or (isinstance(x, float) and not math.isfinite(x)):
@@ -178,8 +180,8 @@ def _typed(hparams: dict) -> dict:
 
 
 # ----- normalised reading of a loss table ----------------------------------------------------------
-_BLOCKED = {"dobb": "input", "dobb-l2": "input", "dobb-g": "output", "dobb-g-l2": "output",
-            "block-muon": "input"}
+# The axis each optimizer blocks by default (dobb.registry's blocks_side; None: it does not block)
+_BLOCKED = {name: e.blocks_side for name, e in dobb.registry.OPTIMIZERS.items() if e.blocks_side}
 
 
 def block_widths(optimizer: str, hparams: dict, model: dict) -> str | None:

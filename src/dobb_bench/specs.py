@@ -18,12 +18,12 @@ from fractions import Fraction
 
 import torch
 
+import dobb.registry
+
 __all__ = ["OptimizerSpec", "parse_spec", "parse_hparams", "parse_value", "default_label", "PRETTY"]
 
-PRETTY = {"adamw": "AdamW", "muon": "Muon", "dion": "Dion", "rmnp": "RMNP", "pr-muon": "PR-Muon",
-          "block-muon": "Block Muon", "dion2": "Dion2", "dobb": "Dobb", "dobb-l2": "Dobb-l2",
-          "dobb-g": "Dobb-G", "dobb-g-l2": "Dobb-G-l2", "owner-muon": "Owner-compute Muon", "normuon": "NorMuon",
-          "dion3": "Dion3"}
+# Display names: each optimizer's label in dobb.registry (declared there once).
+PRETTY = {name: entry.label for name, entry in dobb.registry.OPTIMIZERS.items()}
 HP_SHORT = {"blocks": "B", "rank_fraction": "rho"}
 _KEY = re.compile(r"[A-Za-z_]\w*")
 _COMMA_KEY = re.compile(r",\s*[A-Za-z_]\w*\s*=")  # ",qr=" inside a value: the old comma grammar

@@ -49,7 +49,8 @@ from .timing_report import jsonable, merge_ranks, summarize
 
 TIMING_ONLY = ("torch-adamw", "torch-muon")
 DEFAULT_OPTIMIZERS = ("torch-adamw", "torch-muon", "dion:rank_fraction=1/16", "dobb", "dobb:stagger=false")
-DOBB_NAMES = ("dobb", "dobb-l2", "dobb-g", "dobb-g-l2")
+# The optimizers that refresh a basis from captured statistics (dobb.registry: Dobb and its presets)
+DOBB_NAMES = tuple(name for name, entry in dobb.registry.OPTIMIZERS.items() if entry.refreshes)
 
 
 # ----------------------------------------------------------------------------- optimizers

@@ -6,7 +6,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
 
 import dobb  # noqa: E402
-from dobb.integrations.hf import DobbTrainer, build_optimizer, param_groups  # noqa: E402
+from dobb.integrations.hf import DobbTrainer  # noqa: E402
 
 VOCAB, SEQ, ROWS = 48, 16, 64
 
@@ -78,12 +78,12 @@ def test_decay_split_follows_the_trainer_and_plain_trainer_accepts_the_optimizer
     model = _llama()
     args = _args(tmp_path, 2)
     decay = set(Trainer(model=model, args=args).get_decay_parameter_names(model))
-    groups = param_groups(model, decay_names=decay)
+    groups = dobb.param_groups(model, decay_names=decay)
     by_wd = {(g["algorithm"], g.get("weight_decay")): {id(p) for _, p in g["params"]} for g in groups}
     norms = {id(p) for n, p in model.named_parameters() if "norm" in n}
     assert norms and norms <= by_wd[("adamw", 0.0)]
     assert id(model.model.embed_tokens.weight) in by_wd[("adamw", None)]
-    opt = build_optimizer(model, "muon", lr=1e-3, weight_decay=0.1, decay_names=decay)
+    opt = dobb.build_optimizer("muon", model, lr=1e-3, weight_decay=0.1, decay_names=decay)
     trainer = Trainer(model=model, args=args, train_dataset=_dataset(), optimizers=(opt, None))
     before = model.model.layers[0].mlp.up_proj.weight.detach().clone()
     trainer.train()
@@ -91,4 +91,45 @@ def test_decay_split_follows_the_trainer_and_plain_trainer_accepts_the_optimizer
     with pytest.raises(ValueError, match="weight_decay"):
         DobbTrainer(model=model, args=args, optimizer_kwargs={"weight_decay": 0.1})
     with pytest.raises(ValueError, match="unknown optimizer"):
-        build_optimizer(model, "adam", lr=1e-3)
+        dobb.build_optimizer("adam", model, lr=1e-3)
+
+
+class _Experts(torch.nn.Module):
+    """A 3-D expert stack declared by full name only (``experts=``), beside a linear layer."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(8, 8)
+        self.w = torch.nn.Parameter(torch.randn(2, 8, 8) / 8)
+        self.norm = torch.nn.LayerNorm(8)
+
+    def forward(self, input_ids=None, labels=None):
+        return {"loss": self.norm(self.proj(torch.ones(1, 8))).sum()}
+
+
+def _groups_by_name(opt, model):
+    names = {id(p): n for n, p in model.named_parameters()}
+    return sorted((g.get("algorithm", "adamw"), g["weight_decay"], g.get("blocks"), tuple(sorted(names[id(p)] for p in g["params"])))
+                  for g in opt.param_groups)
+
+
+@pytest.mark.parametrize("name", ["dobb", "muon", "adamw"])
+def test_trainer_forwards_what_build_optimizer_takes(name, tmp_path):
+    """DobbTrainer builds exactly what dobb.build_optimizer builds from the same arguments, the
+    grouping ones included (``experts=`` reached Dobb as an unknown argument before the one builder)."""
+    model = _Experts()
+    kwargs = {"dobb": {"experts": ["w"], "blocks": 2, "source": "grad_gram"}, "muon": {"experts": ["w"]},
+              "adamw": {}}[name]
+    args = _args(tmp_path, 1)
+    trainer = DobbTrainer(model=model, args=args, optimizer_name=name, optimizer_kwargs=kwargs)
+    opt = trainer.create_optimizer()
+    decay = Trainer(model=model, args=args).get_decay_parameter_names(model)
+    ref = dobb.build_optimizer(name, model, lr=args.learning_rate, weight_decay=args.weight_decay,
+                               decay_names=decay, **kwargs)
+    assert type(opt) is type(ref)
+    assert _groups_by_name(opt, model) == _groups_by_name(ref, model)
+    if name == "dobb":  # the stack is a Dobb matrix; the norm gets no weight decay (the Trainer's rule)
+        assert ("dobb", args.weight_decay, 2, ("proj.weight", "w")) in _groups_by_name(opt, model)
+    with pytest.raises(ValueError, match="blocks"):  # the registry's validation, at construction
+        DobbTrainer(model=model, args=args, optimizer_name="dobb", optimizer_kwargs={"blocks": "4"})

@@ -1,0 +1,166 @@
+"""Every optimizer of this package, declared once: ``dobb.build_optimizer``, the integrations and the bench read this.
+
+To add an optimizer (five lines of work):
+1. write its class: a ``dobb._base.MatrixOptimizer`` subclass with ``algorithm`` and ``matrix_defaults``;
+2. add one ``Entry(name, Class, label, payload=..., state=...)`` line to ``_ENTRIES`` below (``preset``: fixed kwargs of a variant);
+3. ``payload``/``state`` name formulas in ``dobb_bench.payload.PAYLOAD_FORMULAS``/``STATE_FORMULAS`` (add one there if none fits);
+4. export the class from ``dobb/__init__.py``; ``tests/test_registry.py`` then builds, validates and steps it.
+
+An entry's accepted hyperparameters are its class' ``matrix_defaults`` and constructor keywords, the
+shared ones (``tau``, ``adamw_betas``, ``adamw_eps``), the grouping ones passed to
+``dobb.param_groups`` (``head_names``, ``is_matrix``, ``experts``, ``decay_names``), less the
+``preset`` (fixed by the variant: ``dobb-l2`` is ``Dobb`` with ``norm="l2"``, and asking it for
+another ``norm`` is an error). Validation (``validate``) is one style for all: unknown names and
+hyperparameters, and values of the wrong kind (``dobb._hparams.check_kind``), are ``ValueError``s
+naming the parameter and what is valid, raised before anything is built; the class then checks
+ranges and choices the same way.
+"""
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from ._hparams import COMMON_DEFAULTS, check_kind
+from .baselines import RMNP, BlockMuon, Dion, Dion2, Dion3, Muon, NorMuon, OwnerMuon, PeriodicRowMuon
+from .dobb import Dobb
+
+__all__ = ["Entry", "OPTIMIZERS", "OPTIMIZER_NAMES", "GROUPING_KEYS", "get", "valid_hparams",
+           "hparam_defaults", "validate"]
+
+# Passed to ``dobb.param_groups`` (which parameters are matrices, stacks, decayed), not to the class.
+GROUPING_KEYS = ("head_names", "is_matrix", "experts", "decay_names")
+# Constructor arguments that are not hyperparameters of a group (the builder supplies them).
+_NOT_HPARAMS = ("self", "params", "model", "lr", "weight_decay", "param_names")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One optimizer as ``build_optimizer(name, ...)`` builds it and the bench labels and prices it.
+
+    ``preset``: constructor kwargs the name fixes (a variant of a class). ``defaults``: builder
+    defaults the user may override (AdamW's betas). ``payload``/``state``: names of the formulas
+    of ``dobb_bench.payload`` (cross-shard entries per step; state bytes per matrix).
+    ``blocks_side``: the matrix axis the optimizer cuts into ``blocks`` (``"input"``/``"output"``;
+    ``side``/``axis`` hyperparameters override it), ``None`` when it does not block.
+    """
+    name: str
+    cls: type
+    label: str
+    payload: str
+    state: str
+    preset: Mapping[str, Any] = field(default_factory=dict)
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    blocks_side: str | None = None
+
+    def __post_init__(self):  # read-only, so no caller can change a preset for everyone
+        object.__setattr__(self, "preset", MappingProxyType(dict(self.preset)))
+        object.__setattr__(self, "defaults", MappingProxyType(dict(self.defaults)))
+
+    @property
+    def is_matrix(self) -> bool:
+        """Whether the class is one of this package's matrix optimizers (else: ``torch.optim.AdamW``)."""
+        return self.cls is not torch.optim.AdamW
+
+    @property
+    def refreshes(self) -> bool:
+        """Whether the optimizer keeps a basis refreshed every ``refresh_every`` steps from captured
+        statistics (Dobb and its presets; the timing bench gives them ``--blocks``/``--refresh-every``)."""
+        return issubclass(self.cls, Dobb)
+
+    def hparam_defaults(self) -> dict[str, Any]:
+        """Every accepted hyperparameter with its default (``None``: no default of a checkable kind)."""
+        if not self.is_matrix:
+            sig = inspect.signature(torch.optim.AdamW.__init__)
+            out = {k: p.default for k, p in sig.parameters.items() if k not in _NOT_HPARAMS}
+            out["decay_names"] = None  # Hugging Face's decay rule (the others without weight decay)
+        else:
+            out = dict(COMMON_DEFAULTS)
+            out.pop("lr"), out.pop("weight_decay")
+            out.update(_ctor_keywords(self.cls))
+            out.update(self.cls.matrix_defaults)
+            out.update(dict.fromkeys(GROUPING_KEYS))
+        out.update(self.defaults)
+        for key in self.preset:
+            out.pop(key, None)
+        return out
+
+
+def _ctor_keywords(cls: type) -> dict[str, Any]:
+    """Named keyword arguments of ``cls.__init__`` (and its bases) that are not hyperparameters of a group."""
+    out = {}
+    for klass in reversed(cls.__mro__):
+        init = klass.__dict__.get("__init__")
+        if init is None or klass is object or not issubclass(klass, torch.optim.Optimizer) \
+                or klass is torch.optim.Optimizer:
+            continue
+        for k, p in inspect.signature(init).parameters.items():
+            if k not in _NOT_HPARAMS and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD):
+                out[k] = None if p.default is inspect.Parameter.empty else p.default
+    return out
+
+
+_SIDE_OUT = {"side": "output", "source": "output_grad"}
+_ENTRIES = (
+    Entry("adamw", torch.optim.AdamW, "AdamW", payload="none", state="adamw", defaults={"betas": (0.9, 0.95)}),
+    Entry("muon", Muon, "Muon", payload="dense", state="momentum"),
+    Entry("owner-muon", OwnerMuon, "Owner-compute Muon", payload="owner", state="momentum"),
+    Entry("dion", Dion, "Dion", payload="dion", state="dion"),
+    Entry("rmnp", RMNP, "RMNP", payload="rmnp", state="momentum"),
+    Entry("pr-muon", PeriodicRowMuon, "PR-Muon", payload="pr-muon", state="momentum"),
+    Entry("block-muon", BlockMuon, "Block Muon", payload="block-muon", state="momentum", blocks_side="input"),
+    Entry("dion2", Dion2, "Dion2", payload="selected-rows", state="momentum"),
+    Entry("normuon", NorMuon, "NorMuon", payload="dense", state="momentum+rows"),
+    Entry("dion3", Dion3, "Dion3", payload="selected-rows", state="momentum+rows"),
+    Entry("dobb", Dobb, "Dobb", payload="dobb", state="dobb", blocks_side="input"),
+    Entry("dobb-l2", Dobb, "Dobb-l2", payload="dobb", state="dobb", preset={"norm": "l2"}, blocks_side="input"),
+    Entry("dobb-g", Dobb, "Dobb-G", payload="dobb", state="dobb", preset=_SIDE_OUT, blocks_side="output"),
+    Entry("dobb-g-l2", Dobb, "Dobb-G-l2", payload="dobb", state="dobb", preset={**_SIDE_OUT, "norm": "l2"},
+          blocks_side="output"),
+)
+
+OPTIMIZERS: Mapping[str, Entry] = MappingProxyType({e.name: e for e in _ENTRIES})
+OPTIMIZER_NAMES: tuple[str, ...] = tuple(OPTIMIZERS)
+
+
+def get(name: str) -> Entry:
+    """The entry of ``name``; ``ValueError`` listing the valid names otherwise."""
+    entry = OPTIMIZERS.get(name) if isinstance(name, str) else None
+    if entry is None:
+        raise ValueError(f"unknown optimizer {name!r}; valid names: {list(OPTIMIZER_NAMES)}")
+    return entry
+
+
+def hparam_defaults(name: str) -> dict[str, Any]:
+    return get(name).hparam_defaults()
+
+
+def valid_hparams(name: str) -> list[str]:
+    """Hyperparameter names ``build_optimizer(name, ...)`` accepts besides ``lr``/``weight_decay``."""
+    return sorted(hparam_defaults(name))
+
+
+def validate(name: str, hparams: Mapping[str, Any], *, lr=None, weight_decay=None) -> Entry:
+    """Check ``name`` and ``hparams`` before anything is built; returns the entry.
+
+    Unknown keys (a preset's fixed key among them) and values of the wrong kind raise a
+    ``ValueError`` naming the parameter and what is valid.
+    """
+    entry = get(name)
+    accepted = entry.hparam_defaults()
+    unknown = sorted(set(hparams) - set(accepted))
+    if unknown:
+        fixed = [k for k in unknown if k in entry.preset]
+        why = f" ({name!r} fixes {', '.join(f'{k}={entry.preset[k]!r}' for k in fixed)})" if fixed else ""
+        raise ValueError(f"{name!r} does not take {unknown}{why}; valid hyperparameters: {sorted(accepted)}")
+    for key, value in (("lr", lr), ("weight_decay", weight_decay)):
+        if value is not None:
+            check_kind(key, value, 0.0)
+    for key, value in hparams.items():
+        if accepted[key] is not None:
+            check_kind(key, value, accepted[key])
+    return entry
