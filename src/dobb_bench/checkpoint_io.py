@@ -3,7 +3,8 @@
 Why: a run folder may be shared, so nothing in it may run code when loaded. Our own files go
 through ``torch.load(weights_only=True)`` (extras are tensors and plain types: the RNG states are
 converted below); DCP's ``.metadata``, which torch unpickles with plain ``pickle``, is vetted
-with an allowlist first. ``DOBB_BENCH_FAULT`` kills a rank at a chosen point so the preemption
+with an allowlist first. A file that is merely damaged (empty, truncated, overwritten) is told
+apart from one that would run code: the user's way out differs (start over vs. distrust the folder). ``DOBB_BENCH_FAULT`` kills a rank at a chosen point so the preemption
 tests can show that a killed run resumes exactly and that a half-written save never loads.
 """
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import pickle
 import random
 import signal
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -59,15 +61,37 @@ class UnsafeCheckpoint(ValueError):
     """A checkpoint file holds objects other than tensors and plain types."""
 
 
+class UnreadableCheckpoint(ValueError):
+    """A checkpoint file is empty, truncated or not a checkpoint at all."""
+
+
+_START_OVER = "delete it to start the run over, or rerun with --no-resume or another --out"
+
+
+def _unreadable(path, why: str) -> UnreadableCheckpoint:
+    return UnreadableCheckpoint(f"cannot resume from {path}: {why}; {_START_OVER}")
+
+
 def safe_load(path: Path, map_location=None):
-    """``torch.load(weights_only=True)``: a file that would run code when unpickled is refused."""
+    """``torch.load(weights_only=True)``: a file that would run code when unpickled is refused; an
+    empty, truncated or foreign file is reported as unreadable (``torch.save`` writes a zip archive,
+    so a file that is not one was never a whole checkpoint)."""
+    path = Path(path)
+    if path.stat().st_size == 0:
+        raise _unreadable(path, "the file is empty (a save cut short?)")
+    if not zipfile.is_zipfile(path):
+        raise _unreadable(path, "the file is not a torch checkpoint (truncated or overwritten)")
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
+        if "Unsupported global" not in str(exc) and "Unsupported class" not in str(exc):
+            raise _unreadable(path, "its contents are damaged") from None
+        detail = next((x.strip() for x in str(exc).splitlines() if "Unsupported" in x), "")[:200]
         raise UnsafeCheckpoint(
             f"refusing to load {path}: it holds objects other than tensors and plain types, and "
-            f"unpickling it could run code from the file ({str(exc).splitlines()[0][:200]}); "
-            "delete it or use another --out") from None
+            f"unpickling it could run code from the file ({detail}); delete it or use another --out") from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, KeyError) as exc:
+        raise _unreadable(path, f"its contents are damaged ({str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__})") from None
 
 
 _DCP_CLASSES = ("torch.distributed.checkpoint.", "torch.distributed.tensor.")
@@ -97,12 +121,18 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def check_dcp_metadata(folder: Path) -> None:
     path = Path(folder) / ".metadata"
+    if not path.exists():
+        raise _unreadable(folder, "its .metadata file is missing")
     try:
         with open(path, "rb") as f:
             _MetadataUnpickler(f).load()
     except pickle.UnpicklingError as exc:
-        raise UnsafeCheckpoint(f"refusing to load {folder}: its .metadata holds objects other than "
-                               f"checkpoint metadata ({exc}); delete it or use another --out") from None
+        if "is not allowed in DCP metadata" in str(exc):
+            raise UnsafeCheckpoint(f"refusing to load {folder}: its .metadata holds objects other than "
+                                   f"checkpoint metadata ({exc}); delete it or use another --out") from None
+        raise _unreadable(folder, "its .metadata is damaged") from None
+    except (EOFError, ValueError, TypeError, AttributeError, IndexError, ImportError):
+        raise _unreadable(folder, "its .metadata is damaged") from None
 
 
 def _fqn_to_index(optim_sd: dict) -> dict:

@@ -299,7 +299,17 @@ class Run:
         if self.out is None:
             return False
         if self.env.mode == "fsdp":
-            return self._dcp_folder() is not None
+            if self._dcp_folder() is not None:
+                return True
+            # checkpoint_dcp (or .old) without COMPLETE was never a whole checkpoint; restarting at
+            # step 0 in silence would discard the run's progress without a word. (A .tmp folder
+            # without it is an interrupted save, expected: the previous checkpoint is the one used.)
+            torn = [f for f in (self.out / CKPT_DIR, self.out / (CKPT_DIR + ".old")) if f.exists()]
+            if torn:
+                raise ValueError(f"cannot resume from {torn[0]}: it has no {COMPLETE} marker (its save "
+                                 "did not finish, or it was copied in part); delete it to start the run "
+                                 "over, or rerun with --no-resume or another --out")
+            return False
         return (self.out / CKPT_FILE).exists()
 
     def _materialize_optimizer_state(self) -> None:

@@ -151,3 +151,52 @@ def test_out_that_cannot_be_a_folder_is_one_line(tmp_path, data):
                    str(tmp_path / "file" / "sub"), "choose another --out")
     # /sys refuses new folders even to root (the tests may run as root, for whom chmod is no barrier)
     one_line_error(cli(common + ["--out", "/sys/dobb-bench-test"]), "/sys/dobb-bench-test", "choose another --out")
+
+
+# ----- checkpoints that cannot be read ----------------------------------------------------------------
+@pytest.mark.parametrize("damage", ["empty", "truncated", "random"])
+def test_unreadable_checkpoint_is_one_line_naming_the_file(damage, tmp_path, data):
+    """A damaged checkpoint.pt is not "could run code" (that is for a planted pickle: test_bench_train)."""
+    from dobb_bench.cli import main
+
+    out = tmp_path / "tr"
+    args = ["train", "--optimizer", "adamw", *map(str, data), "--out", str(out), *SMALL]
+    assert main(args + ["--stop-after", "1"]) == 0
+    ckpt = out / "checkpoint.pt"
+    whole = ckpt.read_bytes()
+    ckpt.write_bytes({"empty": b"", "truncated": whole[: len(whole) // 2], "random": os.urandom(len(whole))}[damage])
+    err = one_line_error(cli(args), f"cannot resume from {ckpt}", "delete it to start the run over", "--no-resume")
+    assert "could run code" not in err
+    proc = cli(args + ["--no-resume"])  # the way out the message names
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_dcp_folder_without_complete_is_reported_not_restarted(tmp_path, data):
+    """FSDP checkpoints are DCP folders; one without COMPLETE used to be skipped in silence and the
+    run restarted at step 0. One process in a gloo group of one (what torchrun would set up)."""
+    out = tmp_path / "fsdp"
+    args = ["train", "--optimizer", "adamw", "--dist", "fsdp", *data, *SMALL, "--steps", "4", "--eval-every", "2",
+            "--checkpoint-every", "2", "--out", out]
+
+    def launch(extra=()):
+        env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(_free_port())}
+        cmd = [sys.executable, "-m", "dobb_bench.cli", *map(str, args), *extra]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=180,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+
+    proc = launch(["--stop-after", "2"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (out / "checkpoint_dcp" / "COMPLETE").unlink()
+    one_line_error(launch(), f"cannot resume from {out / 'checkpoint_dcp'}: it has no COMPLETE marker",
+                   "--no-resume")
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(lines[-1])["step"] == 2  # nothing was retrained over the run's progress
