@@ -27,6 +27,7 @@ import torch
 
 from ._hparams import COMMON_DEFAULTS, check_kind
 from .baselines import RMNP, BlockMuon, Dion, Dion2, Dion3, Muon, NorMuon, OwnerMuon, PeriodicRowMuon
+from .baselines.dash import Dash, Shampoo
 from .dobb import Dobb
 
 __all__ = ["Entry", "OPTIMIZERS", "OPTIMIZER_NAMES", "GROUPING_KEYS", "get", "valid_hparams",
@@ -121,6 +122,9 @@ _ENTRIES = (
     Entry("dobb-g", Dobb, "Dobb-G", payload="dobb", state="dobb", preset=_SIDE_OUT, blocks_side="output"),
     Entry("dobb-g-l2", Dobb, "Dobb-G-l2", payload="dobb", state="dobb", preset={**_SIDE_OUT, "norm": "l2"},
           blocks_side="output"),
+    # block Shampoo as DASH does it (tiles within shards: no cross-shard exchange); Shampoo = one tile per matrix
+    Entry("dash", Dash, "DASH", payload="none", state="dash"),
+    Entry("shampoo", Shampoo, "Shampoo", payload="none", state="dash"),
 )
 
 OPTIMIZERS: Mapping[str, Entry] = MappingProxyType({e.name: e for e in _ENTRIES})

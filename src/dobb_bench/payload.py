@@ -28,6 +28,7 @@ dion3 (fraction a)  ``k n`` (as dion2)                  ``k n``
 normuon             ``mn`` (as muon)                    ``mn``
 owner-muon          ``2 mn`` (shards to owner, back)    ``2 mn``
 owner-placement     0 (whole matrix on its owner)       0
+dash, shampoo       0 (tiles within shards)             0 (tiles within shards)
 ==================  ==================================  ==================================
 
 Owner compute (``owner-muon``, the ``dion`` package's megabatching) moves each matrix's shards to
@@ -330,9 +331,19 @@ def _state_dobb(m, n, hp, mn, out_shards, in_shards):
     return mn + stored * (stat_b + basis_b) / (in_shards if side == "input" else out_shards)
 
 
+def _state_dash(m, n, hp, mn, out_shards, in_shards):
+    """Gradient EMA and Adam-graft second moment (weight-shaped), plus fp32 ``L``, ``R`` and their
+    inverse roots for every tile of this rank's shard (``r^2 + c^2`` each: ``2 mn`` for full square tiles)."""
+    from dobb.baselines.dash import tile_specs
+
+    ml, nl = -(-m // out_shards), -(-n // in_shards)
+    block = hp.get("block_size") or max(ml, nl)  # shampoo: one tile per matrix
+    return 2 * mn + 2 * 4 * sum(k * (r * r + c * c) for k, r, c in tile_specs(ml, nl, int(block)))
+
+
 STATE_FORMULAS: dict[str, Callable[..., float]] = {
     "adamw": _state_adamw, "momentum": _state_momentum, "momentum+rows": _state_momentum_rows,
-    "dion": _state_dion, "dobb": _state_dobb,
+    "dion": _state_dion, "dobb": _state_dobb, "dash": _state_dash,
 }
 
 

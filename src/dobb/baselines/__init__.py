@@ -7,6 +7,7 @@ from a model. The math is in pure functions beside each class (``newton_schulz``
 ``dion2_step``) so it can be tested and timed on plain tensors.
 """
 from .block_muon import BlockMuon
+from .dash import Dash, Shampoo
 from .dion import Dion, dion_step
 from .dion2 import Dion2, dion2_step
 from .dion3 import Dion3, dion3_step
@@ -22,4 +23,4 @@ from .samuon import SAMuon
 __all__ = ["Muon", "Dion", "RMNP", "PeriodicRowMuon", "BlockMuon", "Dion2", "newton_schulz",
            "orthogonalize", "row_normalize", "dion_step", "dion2_step", "NS_COEFFICIENTS",
            "gram_newton_schulz", "NorMuon", "normuon_normalize", "Dion3", "dion3_step", "OwnerMuon",
-           "SAMuon"]
+           "SAMuon", "Dash", "Shampoo"]

@@ -52,7 +52,7 @@ GRAFTS = ("adam", "none")
 ROOT = 4  # Shampoo's two-sided exponent: L^{-1/4} G R^{-1/4}
 NORM_EPS = 1e-16  # Distributed Shampoo's guard: a zero gradient tile gives a zero update, not NaN
 
-__all__ = ["Dash", "GRAFTS", "tile_specs", "to_tiles", "from_tiles"]
+__all__ = ["Dash", "Shampoo", "GRAFTS", "tile_specs", "to_tiles", "from_tiles"]
 
 
 def tile_specs(m: int, n: int, block_size: int) -> list[tuple[int, int, int]]:
@@ -136,8 +136,12 @@ class Dash(MatrixOptimizer):
                            newton_steps=10)
     _own_dtype_keys = ("L", "R", "L_root", "R_root")
 
+    def _block_size(self, group, shape) -> int:
+        return group["block_size"]
+
     def _check_matrix_group(self, group):
-        C.check_int(group, "block_size", 1)
+        if "block_size" in self.matrix_defaults:
+            C.check_int(group, "block_size", 1)
         C.check_unit_interval(group, "beta_g")
         C.check_unit_interval(group, "beta_graft")
         b = group["beta_lr"]
@@ -169,7 +173,7 @@ class Dash(MatrixOptimizer):
             st["momentum"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             st["graft_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             local = to_local(p)
-            specs = tile_specs(*local.shape, group["block_size"])
+            specs = tile_specs(*local.shape, self._block_size(group, local.shape))
             kw = dict(dtype=_factor_dtype(p), device=local.device)
             for key, side in (("L", 1), ("R", 2)):
                 numel = sum(s[0] * s[side] ** 2 for s in specs)
@@ -177,7 +181,7 @@ class Dash(MatrixOptimizer):
                 st[key + "_root"] = torch.zeros(numel, **kw)
 
     def _matrix_step(self, group, active):
-        B, graft = group["block_size"], group["graft"]
+        graft = group["graft"]
         b_lr, b_g, b_a = group["beta_lr"], group["beta_g"], group["beta_graft"]
         states = [self.state[p] for p in active]
         for st in states:
@@ -196,6 +200,7 @@ class Dash(MatrixOptimizer):
         # 1. factor EMAs, tile by tile, in place in the flat buffers
         plans = []
         for p, g, st in zip(active, grads, states):
+            B = self._block_size(group, g.shape)
             specs = tile_specs(*g.shape, B)
             views = {k: _factor_views(st[k], specs, 1 if k[0] == "L" else 2) for k in ("L", "R", "L_root", "R_root")}
             for t, lf, rf in zip(to_tiles(g.to(st["L"].dtype), B), views["L"], views["R"]):
@@ -205,11 +210,11 @@ class Dash(MatrixOptimizer):
                 else:
                     lf.baddbmm_(t, t.mT, beta=b_lr, alpha=1 - b_lr)
                     rf.baddbmm_(t.mT, t, beta=b_lr, alpha=1 - b_lr)
-            plans.append((specs, views))
+            plans.append((B, specs, views))
 
         # 2. inverse roots of every due factor: one batched call per factor size (and dtype)
         due = defaultdict(lambda: ([], []))
-        for st, (specs, views) in zip(states, plans):
+        for st, (_, specs, views) in zip(states, plans):
             t = st["step"]
             if t == 1 or t % group["precondition_every"] == 0:
                 # graft="none" uses the root's scale: bias-correct the EMA (graft="adam" rescales anyway)
@@ -226,7 +231,7 @@ class Dash(MatrixOptimizer):
 
         # 3. the preconditioned, grafted (or protocol-scaled) tile updates
         updates = []
-        for m, st, (specs, views) in zip(moms, states, plans):
+        for m, st, (B, specs, views) in zip(moms, states, plans):
             t = st["step"]
             bc_g = 1 - b_g ** t if b_g > 0 else 1.0
             m32 = m.to(st["L"].dtype)
@@ -244,3 +249,15 @@ class Dash(MatrixOptimizer):
             updates.append(from_tiles(tiles, *m.shape, B, like=m32))
         params = [to_local(p) for p in active]
         C.apply_protocol(params, params, updates, [1.0] * len(params), group["lr"], group["weight_decay"])
+
+
+class Shampoo(Dash):
+    """Two-sided Shampoo with DASH's options on whole matrices: ``Dash`` with one tile per matrix
+    (``block_size`` is the matrix; no other argument changes). Under sharding the tile is this
+    rank's shard, so the step stays local: sharded Shampoo is block-diagonal over the shards."""
+
+    algorithm = "shampoo"
+    matrix_defaults = {k: v for k, v in Dash.matrix_defaults.items() if k != "block_size"}
+
+    def _block_size(self, group, shape) -> int:
+        return max(1, *shape)
