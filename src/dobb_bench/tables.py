@@ -241,6 +241,17 @@ TABLES = {
 }
 
 
+def _operating_point_tables():
+    """Issue 23's tables (operating points, robust statistics): generators in ``operating_point``."""
+    from . import operating_point
+
+    return operating_point.TABLES
+
+
+TABLES.update({name: (lambda name=name: _operating_point_tables()[name]())
+               for name in ("operating-point", "robust-headline", "block-width-robust")})
+
+
 # ----- plots from records ---------------------------------------------------------------------------
 LAYOUTS = (("output", "FSDP: output axis (rows) sharded over 4 ranks"),
            ("input", "input axis (columns) sharded over 4 ranks, B a multiple of 4"))
@@ -275,10 +286,14 @@ def plot_study(study: str, out_dir=None) -> list[str]:
     from .payload import relative_payload
     from .report import _pyplot, _typed
 
-    recs = _headline()[1] if study == "headline" else R.load(study)
+    recs = _headline()[1] if study == "headline" else [] if study == "operating-point" else R.load(study)
     out_dir = R.RECORDS.parent if out_dir is None else out_dir
     if study == "block-width":
         return [plot_block_width(recs, out_dir)]
+    if study == "operating-point":
+        from .operating_point import plot
+
+        return [plot(out_dir)]
     plt = _pyplot()
     by = _group(recs, lambda r: r["run"])
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -330,8 +345,18 @@ def cmd_report(args) -> int:
     changed = R.regenerate_docs(write=not args.check)
     for name, tabs in changed.items():
         print(f"{'differs' if args.check else 'rewrote'}: docs/{name}: {', '.join(tabs)}")
-    if args.check and changed:
-        return 1
+    if args.check:  # figures outside the marked tables (README.md, docs/**/*.md): listed (issue 23 item 7)
+        from .figure_check import scan
+
+        figures = scan()
+        for path, hits in figures.items():
+            for line, text in hits:
+                print(f"unsourced figure: {path}:{line}: {text[:100]}")
+        if figures:
+            print(f"report: {sum(map(len, figures.values()))} figure(s) name no record and are not marked "
+                  "'not measured here'" + ("" if args.strict_figures else " (listed; --strict-figures fails on them)"))
+        if changed or (figures and args.strict_figures):
+            return 1
     if not changed:
         print("report: every docs table matches its records")
     return 0
@@ -339,7 +364,9 @@ def cmd_report(args) -> int:
 
 def add_report_parser(sub) -> None:
     p = sub.add_parser("report", help="regenerate the docs tables from docs/results/records")
-    p.add_argument("--check", action="store_true", help="only compare; exit 1 if a table differs")
+    p.add_argument("--check", action="store_true", help="only compare; exit 1 if a table differs; also list "
+                   "figures in README.md and docs/**/*.md that name no record")
+    p.add_argument("--strict-figures", action="store_true", help="with --check: exit 1 on unsourced figures too")
     p.add_argument("--collect", metavar="RUN_DIR", help="add a compare/sweep output folder's runs to the records")
     p.add_argument("--study", help="records file to collect into (docs/results/records/STUDY.jsonl)")
     p.add_argument("--runs", metavar="LABEL[,LABEL]", help="with --collect: only the runs with these labels")
