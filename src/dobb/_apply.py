@@ -25,8 +25,8 @@ class DirectionKernels:
 
     @classmethod
     def _decay_in_update(cls, pt: torch.Tensor, layout: MatrixLayout, group: dict) -> bool:
-        if isinstance(layout, ExpertLayout):
-            return False  # a stack is decayed by one foreach pass, then updated by apply_stack
+        if isinstance(layout, ExpertLayout) or group["side"] == "both":
+            return False  # decayed by one foreach pass, then updated by apply_stack / _apply_two_sided
         rows = pt.shape[1 - layout.blocked_axis]
         return (pt.device.type == "cpu" and not isinstance(group["lr"], torch.Tensor)
                 and pt.dtype == F.matmul_dtype(group["basis_dtype"], pt.device, group["product_dtype"])

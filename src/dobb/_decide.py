@@ -29,7 +29,7 @@ class StepDecisions:
         params = [p for g in self.param_groups for p in g["params"]]
         self._idle.clear()
         buckets: dict[tuple, SumBucket] = {}
-        slots = []  # (param, layout, bucket, index of sums, index of count, local row count) per due matrix
+        slots = []  # (param, layout, bucket, index of sums, index of count, local row count, destination)
         for g in self._dobb_groups():
             if g["source"] not in HOOK_SOURCES or self._hooks is None:
                 continue
@@ -44,18 +44,22 @@ class StepDecisions:
                     continue
                 if not self._is_refresh(p, g):
                     continue
-                pending = self._hooks.pending.get(p)
-                device = layout.local(p).device
-                sums = pending.sums if pending is not None else torch.zeros(layout.capture_shape, dtype=dtype, device=device)
-                # a stack counts rows per expert of its span (a list), a matrix in one int
-                n = pending.count if pending is not None else (
-                    [0] * layout.span_count if isinstance(layout, ExpertLayout) else 0)
-                count = torch.tensor(n if isinstance(n, list) else [n], dtype=dtype, device=device)
-                key = (id(layout.stat_group), dtype, device)
-                bucket = buckets.get(key)
-                if bucket is None:
-                    bucket = buckets[key] = SumBucket(layout.stat_group, dtype, device)
-                slots.append((p, layout, bucket, bucket.add(sums), bucket.add(count), n))
+                sides = [(layout, self._hooks.pending, self._reduced)]
+                if p in self._out_layouts:  # side="both": the output-gradient statistic joins the same buckets
+                    sides.append((self._out_layouts[p], self._hooks.pending_out, self._reduced_out))
+                for lay, pendings, dest in sides:
+                    pending = pendings.get(p)
+                    device = lay.local(p).device
+                    sums = pending.sums if pending is not None else torch.zeros(lay.capture_shape, dtype=dtype, device=device)
+                    # a stack counts rows per expert of its span (a list), a matrix in one int
+                    n = pending.count if pending is not None else (
+                        [0] * lay.span_count if isinstance(lay, ExpertLayout) else 0)
+                    count = torch.tensor(n if isinstance(n, list) else [n], dtype=dtype, device=device)
+                    key = (id(lay.stat_group), dtype, device)
+                    bucket = buckets.get(key)
+                    if bucket is None:
+                        bucket = buckets[key] = SumBucket(lay.stat_group, dtype, device)
+                    slots.append((p, lay, bucket, bucket.add(sums), bucket.add(count), n, dest))
         flags = self._local_nonfinite(params) if self.check_finite else None
         flag_slot = None
         if flags is not None and self._step_group is not None:
@@ -73,11 +77,11 @@ class StepDecisions:
             if bad:
                 self._rearm()  # the next forward passes capture afresh
                 self._raise_nonfinite(params[bad[0]], int(flags[bad[0]].item()))
-        counts = [reduced[id(b)][c] for _, _, b, _, c, _ in slots]
-        if all(b.group is None for _, _, b, _, _, _ in slots):
+        counts = [reduced[id(b)][c] for _, _, b, _, c, _, _ in slots]
+        if all(b.group is None for _, _, b, _, _, _, _ in slots):
             # no statistic group (one process): the totals are this rank's row counts, known on the
             # host, so a step with check_finite=False reads no tensor value
-            totals = [n for *_, n in slots]
+            totals = [n for *_, n, _ in slots]
         elif self.check_finite or any(self._unseen(p) for p, *_ in slots):
             # host read: a first statistic needs it (schedule, exact eigh); with the flag read, exact captures
             flat = torch.cat(counts).tolist() if counts else []
@@ -87,15 +91,16 @@ class StepDecisions:
         else:  # every due matrix has a statistic: keep-or-update is decided on the device
             totals = [None] * len(slots)
         self._reduced.clear()
-        for (p, layout, b, i, _, _), total, count in zip(slots, totals, counts):
+        self._reduced_out.clear()
+        for (p, layout, b, i, _, _, dest), total, count in zip(slots, totals, counts):
             sums = reduced[id(b)][i]
             if total is None:  # (means, has-rows on the device): rows nowhere keep statistic and basis
-                self._reduced[p] = (layout.mean_on_device(sums, count) if isinstance(layout, ExpertLayout)
-                                    else (layout.stat_to_state(sums / count.clamp_min(1)), count > 0))
+                dest[p] = (layout.mean_on_device(sums, count) if isinstance(layout, ExpertLayout)
+                           else (layout.stat_to_state(sums / count.clamp_min(1)), count > 0))
             elif isinstance(layout, ExpertLayout):  # (local means, has-rows per span expert), or None
-                self._reduced[p] = layout.mean(sums, total)
+                dest[p] = layout.mean(sums, total)
             else:  # None: no rank saw a token for this layer, keep its statistic and basis
-                self._reduced[p] = None if total == 0 else layout.stat_to_state(sums / total)
+                dest[p] = None if total == 0 else layout.stat_to_state(sums / total)
 
     @staticmethod
     def _local_nonfinite(params: list[torch.Tensor]) -> torch.Tensor | None:

@@ -46,7 +46,8 @@ class PendingStat:
 class CaptureHooks:
     """Owns the hooks on ``model`` and the pending statistics of the armed parameters."""
 
-    def __init__(self, model: nn.Module, params: dict[torch.Tensor, dict], layouts: dict[torch.Tensor, MatrixLayout]):
+    def __init__(self, model: nn.Module, params: dict[torch.Tensor, dict], layouts: dict[torch.Tensor, MatrixLayout],
+                 out_layouts: dict[torch.Tensor, MatrixLayout] | None = None):
         owner: dict[int, nn.Module] = {}
         for module in model.modules():
             for p in module.parameters(recurse=False):
@@ -62,9 +63,13 @@ class CaptureHooks:
             self._module_params.setdefault(module, []).append(p)
         self.groups = params  # param -> its param group (reads source/capture/stat_dtype live)
         self.layouts = layouts
+        # side="both" with source="activation": the output side's layout; its output-gradient sums
+        # go to ``pending_out`` (the input side's activation sums to ``pending``)
+        self.out_layouts = out_layouts or {}
         self.armed: set[torch.Tensor] = set()
         self.paused = 0  # > 0 inside Dobb.capture_paused()
         self.pending: dict[torch.Tensor, PendingStat] = {}
+        self.pending_out: dict[torch.Tensor, PendingStat] = {}
         # A module with ``dobb_capture = False`` gets no hook: its weights' statistics come only from
         # ``Dobb.capture`` (a layer whose first input is not the weight's input, e.g. routed experts).
         self.handles = [m.register_forward_hook(self._forward_hook) for m in self._module_params
@@ -87,8 +92,10 @@ class CaptureHooks:
                 self.armed.discard(p)
             if group["source"] == "activation":
                 self._accumulate(p, args[0].detach(), group)
-            elif isinstance(output, torch.Tensor) and output.requires_grad:
-                output.register_hook(functools.partial(self._grad_hook, p))
+            out_side = group["source"] == "activation" and p in self.out_layouts
+            if (group["source"] == "output_grad" or out_side) and isinstance(output, torch.Tensor) \
+                    and output.requires_grad:
+                output.register_hook(functools.partial(self._grad_hook, p, out_side))
 
     def capture(self, p: torch.Tensor, features: torch.Tensor) -> bool:
         """``Dobb.capture``: the forward hook's decision and accumulation for given features."""
@@ -127,20 +134,22 @@ class CaptureHooks:
             pending.taken[j] = recorded = True
         return recorded
 
-    def _grad_hook(self, p: torch.Tensor, grad: torch.Tensor) -> None:
+    def _grad_hook(self, p: torch.Tensor, out_side: bool, grad: torch.Tensor) -> None:
         # Data parallelism averages gradients over the P ranks of the statistic's group (DDP/FSDP:
         # each rank's loss is a mean over its own rows), so the output gradient that forms the
         # averaged weight gradient is grad / P. Scaling by it keeps the statistic independent of
         # how many ranks share the batch, so a checkpoint resumed at another world size continues
         # the same EMA (the basis itself is scale-invariant).
         grad = grad.detach()
-        group = self.layouts[p].stat_group
+        layout = (self.out_layouts if out_side else self.layouts)[p]
+        group = layout.stat_group
         if group is not None and dist.get_world_size(group) > 1:
             grad = grad / dist.get_world_size(group)
-        self._accumulate(p, grad, self.groups[p])
+        self._accumulate(p, grad, self.groups[p], out_side)
 
-    def _accumulate(self, p: torch.Tensor, feats: torch.Tensor, group: dict) -> None:
-        layout = self.layouts[p]
+    def _accumulate(self, p: torch.Tensor, feats: torch.Tensor, group: dict, out_side: bool = False) -> None:
+        layout = (self.out_layouts if out_side else self.layouts)[p]
+        pending = self.pending_out if out_side else self.pending
         # The span is the local blocks, or the whole axis when its shards are spread over the
         # data-parallel ranks (see MatrixLayout.span_sizes); stat_to_state() cuts it to the local rows.
         feats = layout.capture_features(feats)
@@ -151,9 +160,9 @@ class CaptureHooks:
             sums, count = F.second_moment_blocks(feats, sizes, dtype)
         else:  # an empty shard: nothing to sum, but its rows count towards the token-weighted mean
             sums, count = feats.new_zeros(0, layout.state_cols, dtype=dtype), math.prod(feats.shape[:-1])
-        prev = self.pending.get(p)
+        prev = pending.get(p)
         if prev is None:
-            self.pending[p] = PendingStat(sums, count)
+            pending[p] = PendingStat(sums, count)
         else:
             prev.sums.add_(sums)
             prev.count += count

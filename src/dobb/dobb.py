@@ -22,6 +22,7 @@ from torch import nn
 
 from . import functional as F
 from ._apply import DirectionKernels
+from ._two_sided import TwoSidedKernels, two_sided_layouts
 from ._decide import HOOK_SOURCES as _HOOK_SOURCES, StepDecisions
 from ._base import MatrixOptimizer, _name_of
 from ._dtensor import is_dtensor
@@ -34,8 +35,8 @@ from .placement import layout_for
 _CHOICES = {
     "basis": ("orthogonal_iteration", "eigh"),
     "qr": ("householder", "cholesky"),
-    "norm": ("sign", "l2"),
-    "side": ("input", "output"),
+    "norm": ("sign", "l2", "adam"),
+    "side": ("input", "output", "both"),
     "source": ("activation", "output_grad", "grad_gram"),
     "capture": ("first", "all"),
     "init_basis": ("eigh", "identity"),
@@ -44,7 +45,7 @@ _FLIP = {"input": "output", "output": "input"}
 _UNRESOLVED = object()
 
 
-class Dobb(DirectionKernels, StepDecisions, MatrixOptimizer):
+class Dobb(DirectionKernels, TwoSidedKernels, StepDecisions, MatrixOptimizer):
     """Distributed Optimizer with Block-diagonal Eigenbases (see README and SPEC for every option).
 
     Args (beyond ``torch.optim`` conventions; every one may be overridden per param group):
@@ -56,9 +57,14 @@ class Dobb(DirectionKernels, StepDecisions, MatrixOptimizer):
         basis: ``"orthogonal_iteration"`` (``ortho_steps`` rounds of ``Q <- qr(A Q)``, warm-started)
             or ``"eigh"`` (exact eigendecomposition at every refresh).
         qr: ``"householder"`` or ``"cholesky"`` (Cholesky QR; failed blocks redone by Householder).
-        norm: ``"sign"`` (Dobb) or ``"l2"`` (Dobb-ell2: unit-norm coefficient columns).
-        side: ``"input"`` (column blocks, basis over ``n``) or ``"output"`` (row blocks, Dobb-G).
-        source: ``"activation"`` (input side), ``"output_grad"`` (output side) or ``"grad_gram"``
+        norm: ``"sign"`` (Dobb), ``"l2"`` (Dobb-ell2: unit-norm coefficient columns) or, with
+            ``side="both"``, ``"adam"`` (SOAP's second-moment rule on the two-sided coefficients).
+        side: ``"input"`` (column blocks, basis over ``n``), ``"output"`` (row blocks, Dobb-G) or
+            ``"both"`` (two-sided Dobb: ``C_bc = Q_out_b^T U_bc Q_in_c``, see ``_two_sided``).
+        out_blocks: row blocks of the output side of ``side="both"`` (``blocks`` stays the input side's).
+        beta2, eps: ``norm="adam"``'s second-moment decay and denominator epsilon.
+        source: ``"activation"`` (input side; with ``side="both"`` activations for the input side and
+            output gradients for the output side), ``"output_grad"`` (output side) or ``"grad_gram"``
             (``G^T G`` / ``G G^T`` blocks; no hooks).
         capture: ``"first"`` micro-batch after the previous step, or ``"all"`` micro-batches.
         stat_decay: EMA decay of the statistic across captures, ``A <- d A + (1-d) A_new``; the
@@ -96,7 +102,7 @@ class Dobb(DirectionKernels, StepDecisions, MatrixOptimizer):
         blocks=1, refresh_every=9, basis="orthogonal_iteration", ortho_steps=1, qr="householder",
         norm="sign", side="input", source="activation", capture="first", stat_decay=0.9,
         momentum=0.95, nesterov=False, basis_dtype=torch.bfloat16, stat_dtype=torch.float32,
-        init_basis="eigh", stagger=True, product_dtype="auto",
+        init_basis="eigh", stagger=True, product_dtype="auto", out_blocks=1, beta2=0.95, eps=1e-8,
     )
 
     def __init__(self, params, model: nn.Module | None = None, *, lr: float, weight_decay: float = 0.0,
@@ -105,10 +111,12 @@ class Dobb(DirectionKernels, StepDecisions, MatrixOptimizer):
         self.check_finite = check_finite
         self._stat_group = stat_group
         self._layouts: dict[torch.Tensor, MatrixLayout] = {}
+        self._out_layouts: dict[torch.Tensor, MatrixLayout] = {}  # side="both": the output side's
         self._offsets: dict[torch.Tensor, int] = {}
         self._hooks: CaptureHooks | None = None
         self._plain_group = _UNRESOLVED
         self._reduced: dict[torch.Tensor, torch.Tensor | None] = {}
+        self._reduced_out: dict[torch.Tensor, torch.Tensor | None] = {}  # side="both": output-side means
         self._idle: list[tuple[dict, torch.Tensor]] = []  # (group, param): shared statistic, no grad here
         self._constructed = False
         super().__init__(params, lr=lr, weight_decay=weight_decay, **kwargs)
@@ -121,15 +129,25 @@ class Dobb(DirectionKernels, StepDecisions, MatrixOptimizer):
         for key, options in _CHOICES.items():
             if group[key] not in options:
                 raise ValueError(f"{key} must be one of {options}, got {group[key]!r}")
-        for key in ("blocks", "refresh_every", "ortho_steps"):
+        for key in ("blocks", "refresh_every", "ortho_steps", "out_blocks"):
             value = group[key]
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{key} must be an integer >= 1, got {value!r}")
-        for key in ("stat_decay", "momentum"):
+        for key in ("stat_decay", "momentum", "beta2"):
             if not 0.0 <= group[key] < 1.0:
                 raise ValueError(f"{key} must lie in [0, 1), got {group[key]}")
-        if group["source"] == "activation" and group["side"] != "input":
-            raise ValueError("source='activation' gives an n x n statistic: it needs side='input'")
+        if not group["eps"] > 0:
+            raise ValueError(f"eps must be > 0, got {group['eps']}")
+        if group["source"] == "activation" and group["side"] == "output":
+            raise ValueError("source='activation' gives an n x n statistic: it needs side='input' (or 'both')")
+        if group["side"] == "both":
+            if group["norm"] == "l2":
+                raise ValueError("norm='l2' normalizes one side's coefficient columns; side='both' takes norm='sign' or 'adam'")
+            if group["source"] == "output_grad":
+                raise ValueError("side='both' takes source='activation' (activations for the input side, output "
+                                 "gradients for the output side) or source='grad_gram' (G^T G and G G^T blocks)")
+        elif group["norm"] == "adam":
+            raise ValueError("norm='adam' is the second moment of the two-sided coefficients: it needs side='both'")
         if group["source"] == "output_grad" and group["side"] != "output":
             raise ValueError("source='output_grad' gives an m x m statistic: it needs side='output' (Dobb-G)")
         for key in ("basis_dtype", "stat_dtype"):
@@ -138,6 +156,12 @@ class Dobb(DirectionKernels, StepDecisions, MatrixOptimizer):
         if group["product_dtype"] not in F.PRODUCT_DTYPES:
             raise ValueError(f"product_dtype must be one of {F.PRODUCT_DTYPES}, got {group['product_dtype']!r}")
         for i, p in enumerate(group["params"]):
+            if p.dim() == 3 and group["side"] == "both":
+                raise ValueError(
+                    f"{_name_of(p, self._param_names, i)} is an expert stack (E, out, in): side='both' is not "
+                    f"implemented for stacks; use side='input' for it (its own param group), or store each expert "
+                    f"as a 2-D parameter"
+                )
             if p.dim() == 3 and group["source"] == "output_grad":
                 raise ValueError(
                     f"{_name_of(p, self._param_names, i)} is an expert stack (E, out, in): its output gradients are "
@@ -161,8 +185,10 @@ class Dobb(DirectionKernels, StepDecisions, MatrixOptimizer):
                     stat_group = None
                 # a transposed weight, stored (in, out): its input axis is dim 0, so the "input" side
                 # blocks dim 0 (what "output" blocks on an (out, in) weight) and vice versa
-                side = _FLIP[group["side"]] if group["transposed"] else group["side"]
-                if p.dim() == 3:
+                side = _FLIP.get(group["side"], "both") if group["transposed"] else group["side"]
+                if side == "both":
+                    layout, self._out_layouts[p] = two_sided_layouts(p, group, stat_group, group["transposed"], layout_for)
+                elif p.dim() == 3:
                     layout = expert_layout(p, side, group["blocks"], stat_group)
                 else:
                     layout = layout_for(p, side, group["blocks"], stat_group)
@@ -175,7 +201,8 @@ class Dobb(DirectionKernels, StepDecisions, MatrixOptimizer):
             # global (rank-invariant) block sizes: every rank must pick the same refresh offsets
             def work(q):  # an expert stack refreshes its E experts together
                 lay = self._layouts[q]
-                return sum(s**3 for s in lay.global_sizes) * (lay.experts if isinstance(lay, ExpertLayout) else 1)
+                out = sum(s**3 for s in self._out_layouts[q].global_sizes) if q in self._out_layouts else 0
+                return sum(s**3 for s in lay.global_sizes) * (lay.experts if isinstance(lay, ExpertLayout) else 1) + out
 
             for p in sorted(group["params"], key=lambda q: -work(q)):
                 off = min(range(T), key=lambda o: cost[o])
@@ -184,7 +211,7 @@ class Dobb(DirectionKernels, StepDecisions, MatrixOptimizer):
 
     def _new_state(self, p: torch.Tensor, group: dict, layout: MatrixLayout) -> dict[str, Any]:
         # Created eagerly and identically on every rank, so distributed checkpoints see one key set.
-        return {
+        state = {
             "step": 0,
             # per expert of the captured span for a stack (each expert's statistic has its own count)
             "captures": [0] * layout.span_count if isinstance(layout, ExpertLayout) else 0,
@@ -192,12 +219,19 @@ class Dobb(DirectionKernels, StepDecisions, MatrixOptimizer):
             "stat": layout.new_block_state(group["stat_dtype"], identity=False, like=p),
             "basis": layout.new_block_state(group["basis_dtype"], identity=True, like=p),
         }
+        out = self._out_layouts.get(p)
+        if out is not None:  # side="both": the output side's blocks, and a count per side [input, output]
+            state.update(captures=[0, 0], out_stat=out.new_block_state(group["stat_dtype"], identity=False, like=p),
+                         out_basis=out.new_block_state(group["basis_dtype"], identity=True, like=p))
+            if group["norm"] == "adam":  # EMA of the squared rotated gradient, in the statistic dtype
+                state["second_moment"] = torch.zeros_like(p, dtype=group["stat_dtype"])
+        return state
 
     def _install_hooks(self) -> None:
         hooked = {p: g for g in self._dobb_groups() for p in g["params"] if g["source"] in _HOOK_SOURCES}
         if self._hooks is not None:
             self._hooks.remove()
-        self._hooks = CaptureHooks(self.model, hooked, self._layouts) if hooked else None
+        self._hooks = CaptureHooks(self.model, hooked, self._layouts, self._out_layouts) if hooked else None
         self._rearm()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -308,6 +342,7 @@ class Dobb(DirectionKernels, StepDecisions, MatrixOptimizer):
         if self._hooks is None:
             return
         self._hooks.pending.clear()
+        self._hooks.pending_out.clear()
         self._hooks.armed = {p for p, g in self._hooks.groups.items() if self._is_refresh(p, g)}
 
     def is_refresh_step(self) -> bool:
@@ -328,6 +363,7 @@ class Dobb(DirectionKernels, StepDecisions, MatrixOptimizer):
             self._refresh(items[0][0], [p for _, p in items], [None] * len(items))
         self._idle.clear()
         self._reduced.clear()
+        self._reduced_out.clear()
         self._rearm()
 
     def _matrix_step(self, group: dict[str, Any], active: list[torch.Tensor]) -> None:
@@ -353,46 +389,41 @@ class Dobb(DirectionKernels, StepDecisions, MatrixOptimizer):
         fused = [self._decay_in_update(pt, lay, group) for pt, lay in zip(params, layouts)]
         if wd != 0 and not all(fused):
             torch._foreach_mul_([pt for pt, f in zip(params, fused) if not f], 1.0 - lr * wd)
-        self._apply_directions(group, active, u, params, [1.0 - lr * wd if f else None for f in fused])
+        if group["side"] == "both":
+            self._apply_two_sided(group, active, u, grads, params)
+        else:
+            self._apply_directions(group, active, u, params, [1.0 - lr * wd if f else None for f in fused])
         for s in states:
             s["step"] += 1
 
     def _refresh(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-        decay = group["stat_decay"]
         batches: dict[tuple, list[tuple]] = defaultdict(list)  # (size, exact) -> [(A blocks, Q blocks, put)]
+        gram = group["source"] == "grad_gram"
+        dtype = torch.promote_types(group["stat_dtype"], torch.float32)
         for p, g in zip(params, grads):
             layout, state = self._layouts[p], self.state[p]
-            stack = isinstance(layout, ExpertLayout)
-            if group["source"] == "grad_gram":
-                dtype = torch.promote_types(group["stat_dtype"], torch.float32)
-                new = stack_gram_statistic(g, layout, dtype) if stack else gram_statistic(g, layout, dtype)
-                has = [True] * layout.span_count if stack else None
-            else:
-                new = self._reduced.get(p)
+            if isinstance(layout, ExpertLayout):
+                new, has = (stack_gram_statistic(g, layout, dtype), [True] * layout.span_count) if gram else (
+                    self._reduced.get(p), None)
                 if new is None:
                     continue  # no rank captured it (layer unused in this step's forward): keep the basis
-                has = None
-                if isinstance(new, tuple):  # a stack's per-expert flags, or a matrix's device flag
+                if isinstance(new, tuple):  # a stack's per-expert flags
                     new, has = new
-            if stack:
                 refresh_stack(state, layout, new, has, self._due_experts(p, group), group,
                               lambda key, a, q0, put: batches[key].append((a, q0, put)))
                 continue
-            stat = layout.local(state["stat"])
-            basis = layout.local(state["basis"])
-            new = new.to(stat.dtype)
-            if state["captures"] == 0:
-                stat.copy_(new)
-            elif has is None:
-                stat.lerp_(new, 1.0 - decay)
-            else:  # decided on the device: a refresh without a row on any rank keeps the statistic
-                stat.copy_(torch.where(has, stat.lerp(new, 1.0 - decay), stat))
-            exact = group["basis"] == "eigh" or (state["captures"] == 0 and group["init_basis"] == "eigh")
-            state["captures"] += 1  # on the device path: counted whether or not any rank had a row
-            for run in F.block_runs(layout.local_sizes):
-                q_view = F.block_view(basis, run)
-                put = q_view.copy_ if has is None else (lambda q, v=q_view, h=has: v.copy_(torch.where(h, q, v)))
-                batches[(run.size, exact)].append((F.block_view(stat, run), q_view, put))
+            sides = [(layout, "stat", "basis", self._reduced)]
+            if p in self._out_layouts:  # side="both": captures = [input, output]
+                sides.append((self._out_layouts[p], "out_stat", "out_basis", self._reduced_out))
+            for side, (lay, stat_key, basis_key, reduced) in enumerate(sides):
+                new = gram_statistic(g, lay, dtype) if gram else reduced.get(p)
+                if new is None:
+                    continue  # no rank captured it (layer unused in this step's forward): keep the basis
+                has = None
+                if isinstance(new, tuple):  # a matrix's device flag
+                    new, has = new
+                self._fold(group, state, side if len(sides) > 1 else None, lay, state[stat_key], state[basis_key],
+                           new, has, batches)
         for (size, exact), items in batches.items():
             a = torch.cat([a for a, _, _ in items])
             a = a.to(torch.promote_types(a.dtype, torch.float32))
@@ -404,9 +435,32 @@ class Dobb(DirectionKernels, StepDecisions, MatrixOptimizer):
             for (_, _, put), q_new in zip(items, q.split([a_.shape[0] for a_, _, _ in items])):
                 put(q_new)
 
+    def _fold(self, group, state, side, layout, stat, basis, new, has, batches) -> None:
+        """Fold a new statistic into one side's EMA and queue its blocks for the batched basis
+        refresh. ``side``: the index into ``state["captures"]`` of a two-sided matrix, else None."""
+        stat, basis = layout.local(stat), layout.local(basis)
+        new = new.to(stat.dtype)
+        count = state["captures"] if side is None else state["captures"][side]
+        if count == 0:
+            stat.copy_(new)
+        elif has is None:
+            stat.lerp_(new, 1.0 - group["stat_decay"])
+        else:  # decided on the device: a refresh without a row on any rank keeps the statistic
+            stat.copy_(torch.where(has, stat.lerp(new, 1.0 - group["stat_decay"]), stat))
+        exact = group["basis"] == "eigh" or (count == 0 and group["init_basis"] == "eigh")
+        # on the device path: counted whether or not any rank had a row
+        if side is None:
+            state["captures"] += 1
+        else:
+            state["captures"][side] += 1
+        for run in F.block_runs(layout.local_sizes):
+            q_view = F.block_view(basis, run)
+            put = q_view.copy_ if has is None else (lambda q, v=q_view, h=has: v.copy_(torch.where(h, q, v)))
+            batches[(run.size, exact)].append((F.block_view(stat, run), q_view, put))
+
     # ------------------------------------------------------------------ state dict
     # statistics (fp32) and bases (bf16) keep their own precision on load
-    _own_dtype_keys = ("stat", "basis")
+    _own_dtype_keys = ("stat", "basis", "out_stat", "out_basis", "second_moment")
 
     def _after_load(self) -> None:
         self._install_hooks()  # torch replaced the group dicts the hooks read

@@ -1,0 +1,139 @@
+"""Two-sided Dobb (``side="both"``): block eigenbases on the input *and* the output side.
+
+Per matrix ``W`` (``m x n``, stored ``(out, in)``) with input-side bases ``Q_in_c`` (``blocks``
+column blocks, from the activation statistic or ``G^T G``) and output-side bases ``Q_out_b``
+(``out_blocks`` row blocks, from the output-gradient statistic or ``G G^T``), the coefficients of
+block pair ``(b, c)`` are ``C_bc = Q_out_b^T U_bc Q_in_c``. With ``Q_in``/``Q_out`` the
+block-diagonal matrices of the bases that is ``C = Q_out^T U Q_in``: two one-sided projections, each
+batched over the runs of equal blocks of its axis (``bmm``), never a dense ``m x m`` or ``n x n``.
+The direction is ``O = Q_out D Q_in^T / sqrt(m)`` with
+
+- ``norm="sign"``: ``D = sign(C)``. The ``1/sqrt(m)`` is one-sided Dobb's, so ``||O||_F^2 = n``
+  (no zero coefficient) as for Dobb [T9], and the shared protocol's ``tau * sqrt(max(m, n))``
+  applies unchanged;
+- ``norm="adam"`` (SOAP's rule in Dobb's bases): ``V <- beta2 V + (1 - beta2) (Q_out^T G Q_in)^2``
+  (the rotated *gradient*), ``D = C_hat / (sqrt(V_hat) + eps)`` with both bias corrections
+  (``C_hat = C / (1 - mu^t)``: the momentum is kept in EMA form; ``V_hat = V / (1 - beta2^t)``).
+  ``D`` replaces ``sign(C)`` under the same ``1/sqrt(m)`` factor: ``|D_ij| <= 1`` while the basis
+  stays fixed and ``beta2 = momentum`` (Cauchy-Schwarz on the two EMAs; the defaults), equal to
+  ``sign`` for a constant rotated gradient, so the update is at most sign's. No global norm is
+  taken, so the step stays element-wise and shard-local (a Frobenius rescale would need a
+  collective under sharding). Over a basis refresh ``V`` is carried unchanged, as SOAP does: the
+  warm-started orthogonal iteration keeps column ``j`` near the previous ``j``-th eigenvector
+  (descending order), so ``V_ij`` keeps describing the same coefficient.
+
+Shard-local by construction: each side's blocks come from ``placement.layout_for`` on its own
+axis, which cuts the axis at its shard boundaries (FSDP2 ``Shard(0)`` rows, tensor parallel
+``Shard(0)``/``Shard(1)``), so every block pair is either wholly on a rank or wholly absent, and
+the step issues no collective. A placement that would split a block (a strided shard, one axis
+over two mesh dims, a block count that does not divide the non-empty shards) is the
+``ValueError`` of that layout, prefixed here with the way out.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from . import functional as F
+
+__all__ = ["blockwise", "rotate", "unrotate", "adam_direction", "two_sided_direction", "two_sided_layouts",
+           "TwoSidedKernels"]
+
+
+# ----------------------------------------------------------------------------- pure math
+def blockwise(x: Tensor, basis: Tensor, sizes: Sequence[int], transpose: bool = False) -> Tensor:
+    """``x @ blockdiag(Q_c)`` (or ``Q_c^T``) over the last axis of ``x`` (``(..., r, k)``), one
+    batched product per run of equal blocks. ``basis`` is row-stacked ``(k, s_max)`` (``functional``)."""
+    out = torch.empty_like(x)
+    for run in F.block_runs(sizes):
+        q = F.block_view(basis, run).to(x.dtype)
+        if transpose:
+            q = q.transpose(-1, -2)
+        xs = x[..., run.start : run.stop].unflatten(-1, (run.count, run.size)).transpose(-3, -2)
+        out[..., run.start : run.stop].unflatten(-1, (run.count, run.size)).transpose(-3, -2).copy_(torch.matmul(xs, q))
+    return out
+
+
+def rotate(u: Tensor, rows: tuple[Tensor, Sequence[int]], cols: tuple[Tensor, Sequence[int]]) -> Tensor:
+    """``C = Q_rows^T U Q_cols`` for block-diagonal bases given as ``(row-stacked basis, sizes)``;
+    ``u`` may carry leading batch dims (``(..., r, k)``)."""
+    y = blockwise(u, *cols)
+    return blockwise(y.transpose(-1, -2), *rows).transpose(-1, -2)
+
+
+def unrotate(d: Tensor, rows: tuple[Tensor, Sequence[int]], cols: tuple[Tensor, Sequence[int]]) -> Tensor:
+    """``O = Q_rows D Q_cols^T`` (the inverse of ``rotate``)."""
+    z = blockwise(d, *cols, transpose=True)
+    return blockwise(z.transpose(-1, -2), *rows, transpose=True).transpose(-1, -2)
+
+
+def adam_direction(c: Tensor, v: Tensor, step: int, momentum: float, beta2: float, eps: float) -> Tensor:
+    """SOAP's element-wise rule on rotated coefficients: ``(c / (1 - mu^t)) / (sqrt(v / (1 - b2^t)) + eps)``
+    (``c``: the rotated EMA momentum, ``v``: the EMA of the squared rotated gradient, ``t = step``)."""
+    denom = (v / (1.0 - beta2**step)).sqrt_().add_(eps)
+    return c.div(1.0 - momentum**step).div_(denom)
+
+
+def two_sided_direction(u: Tensor, q_out: Tensor, out_sizes: Sequence[int], q_in: Tensor, in_sizes: Sequence[int],
+                        norm: str = "sign", v: Tensor | None = None, **adam) -> Tensor:
+    """The raw two-sided update of an ``(out, in)`` matrix: ``Q_out D Q_in^T / sqrt(m)`` with
+    ``D = sign(Q_out^T U Q_in)`` (``norm="sign"``) or ``adam_direction(C, v, **adam)``."""
+    c = rotate(u, (q_out, out_sizes), (q_in, in_sizes))
+    if norm == "sign":
+        d = c.sign_()
+    elif norm == "adam":
+        d = adam_direction(c, v, **adam)
+    else:
+        raise ValueError(f"norm must be 'sign' or 'adam' for side='both', got {norm!r}")
+    return unrotate(d, (q_out, out_sizes), (q_in, in_sizes)) / math.sqrt(u.shape[-2])
+
+
+# ----------------------------------------------------------------------------- layouts
+_WAY_OUT = ("side='both' blocks both axes, so each must be cut at its own shard boundaries: shard each axis "
+            "with a plain Shard over at most one mesh dim and give each side a block count that divides its "
+            "non-empty shards (or use side='input' / side='output')")
+
+
+def two_sided_layouts(p: Tensor, group: dict, stat_group, transposed: bool, layout_for):
+    """``(input-side layout, output-side layout)`` of a matrix; a ``ValueError`` with the way out when
+    either axis cannot be blocked locally. ``layout_for`` is passed in so tests can fix partitions."""
+    in_side, out_side = ("output", "input") if transposed else ("input", "output")
+    try:
+        lin = layout_for(p, in_side, group["blocks"], stat_group)
+    except ValueError as exc:
+        raise ValueError(f"input side: {exc}. {_WAY_OUT}") from None
+    try:
+        lout = layout_for(p, out_side, group["out_blocks"], stat_group)
+    except ValueError as exc:
+        raise ValueError(f"output side: {str(exc).replace('blocks=', 'out_blocks=', 1)}. {_WAY_OUT}") from None
+    return lin, lout
+
+
+# ----------------------------------------------------------------------------- the step
+class TwoSidedKernels:
+    """The apply step of ``side="both"`` groups (a mixin of ``dobb.Dobb``, which owns ``_layouts``,
+    ``_out_layouts`` and ``state``)."""
+
+    def _apply_two_sided(self, group: dict, active: list, u: list, grads: list, params: list) -> None:
+        norm, lr, tau, mu = group["norm"], group["lr"], group["tau"], group["momentum"]
+        b2, eps = group["beta2"], group["eps"]
+        for p, ut, gt, pt in zip(active, u, grads, params):
+            lin, lout, state = self._layouts[p], self._out_layouts[p], self.state[p]
+            dtype = F.matmul_dtype(group["basis_dtype"], pt.device, group["product_dtype"])
+            sides = sorted(((lin, "basis"), (lout, "out_basis")), key=lambda s: s[0].blocked_axis)
+            rows, cols = ((lay.local(state[key]), lay.local_sizes) for lay, key in sides)
+            if norm == "sign":
+                d = rotate(ut.to(dtype), rows, cols).sign_()
+            else:  # rotate the momentum and the gradient in one pass; V and the ratio in fp32 at least
+                c, gr = rotate(torch.stack([ut, gt]).to(dtype), rows, cols).unbind(0)
+                v = lin.local(state["second_moment"])
+                gr = gr.to(v.dtype)
+                v.mul_(b2).addcmul_(gr, gr, value=1.0 - b2)
+                d = adam_direction(c.to(v.dtype), v, state["step"] + 1, mu, b2, eps).to(dtype)
+            o = unrotate(d, rows, cols)
+            # sign's 1/sqrt(m) with m = the global output axis (lin.rows), as one-sided Dobb
+            o.mul_(-lr * F.update_scale(*lin.shape, tau) / math.sqrt(lin.rows))
+            pt.add_(o.to(pt.dtype))
