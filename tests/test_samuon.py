@@ -122,7 +122,7 @@ def test_default_top_k_is_the_papers():
 
 
 @pytest.mark.parametrize("kw,name", [
-    (dict(gamma=0.0, gamma_warmup=0.0), "gamma"), (dict(gamma=5.0), "total_steps"),
+    (dict(gamma=0.0, gamma_warmup=0.0), "gamma"),
     (dict(gamma=5.0, gamma_warmup=1.5, total_steps=10), "gamma_warmup"),
     (dict(gamma_warmup=0.0, top_k=0), "top_k"), (dict(gamma_warmup=0.0, topk_method="svd"), "topk_method"),
     (dict(gamma_warmup=0.0, topk_method="power"), "top_k"), (dict(gamma=5.0, total_steps=0), "total_steps"),
@@ -131,6 +131,14 @@ def test_default_top_k_is_the_papers():
 def test_bad_arguments_name_themselves(kw, name):
     with pytest.raises(ValueError, match=name):
         SAMuon([nn.Parameter(torch.zeros(4, 3))], lr=0.1, **kw)
+
+
+def test_without_total_steps_warns_and_applies_gamma_from_the_start(monkeypatch):
+    shape = (12, 10)
+    G = torch.randn(*shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    with pytest.warns(UserWarning, match="total_steps"):
+        o, _ = raw_update(shape, [G], monkeypatch, gamma=6.0, top_k=2, topk_method="exact")
+    assert torch.linalg.svdvals(o)[0].item() == pytest.approx(6.0, rel=1e-9)
 
 
 def test_state_dict_round_trip_resumes_bitwise():

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ._hparams import COMMON_DEFAULTS, check_kind
-from .baselines import RMNP, BlockMuon, Dion, Dion2, Dion3, Muon, NorMuon, OwnerMuon, PeriodicRowMuon
+from .baselines import RMNP, BlockMuon, Dion, Dion2, Dion3, Muon, NorMuon, OwnerMuon, PeriodicRowMuon, SAMuon
 from .baselines.dash import Dash, Shampoo
 from .dobb import Dobb
 
@@ -117,6 +117,12 @@ _ENTRIES = (
     Entry("dion2", Dion2, "Dion2", payload="selected-rows", state="momentum"),
     Entry("normuon", NorMuon, "NorMuon", payload="dense", state="momentum+rows"),
     Entry("dion3", Dion3, "Dion3", payload="selected-rows", state="momentum+rows"),
+    # CMuon: Muon with Q/K/V of every fused (3n x n) weight as three matrices (other sizes: muon's split_sizes)
+    Entry("cmuon", Muon, "CMuon", payload="dense", state="momentum", preset={"split_sizes": "qkv"}),
+    # Spectral-Aware Muon; lite = one top pair by warm-started power iteration
+    Entry("samuon", SAMuon, "SAMuon", payload="dense", state="momentum"),
+    Entry("samuon-lite", SAMuon, "SAMuon-lite", payload="dense", state="momentum",
+          preset={"top_k": 1, "topk_method": "power"}),
     Entry("dobb", Dobb, "Dobb", payload="dobb", state="dobb", blocks_side="input"),
     Entry("dobb-l2", Dobb, "Dobb-l2", payload="dobb", state="dobb", preset={"norm": "l2"}, blocks_side="input"),
     Entry("dobb-g", Dobb, "Dobb-G", payload="dobb", state="dobb", preset=_SIDE_OUT, blocks_side="output"),

@@ -10,7 +10,7 @@ singular pairs of ``U``:
 With an exact polar factor ``NS(U) = P Q^T`` the singular values of ``O`` are the prior: ``s_i`` on
 the top ``k`` directions, ``gamma_t`` on every other one (NS5's own band, ~[0.7, 1.2], multiplies
 both). ``gamma_t`` warms up from 1 to ``gamma`` with a cosine over the first ``gamma_warmup``
-(0.3) of ``total_steps``; at ``gamma_t = 1`` the update is Muon's bit for bit (no pair is computed).
+(0.3) of ``total_steps`` (not given: a warning, and ``gamma`` from the first step); at ``gamma_t = 1`` the update is Muon's bit for bit (no pair is computed).
 
 The top pairs (``topk_method``): ``"exact"`` (``torch.linalg.svd``), ``"lowrank"`` (randomized
 subspace iteration, ``k + oversample`` columns, two power steps, a Gaussian sketch seeded by
@@ -27,6 +27,7 @@ with its own lr). The bulk then moves ``gamma`` times Muon's RMS, so SAMuon's up
 from __future__ import annotations
 
 import math
+import warnings
 from collections import defaultdict
 from typing import Any
 
@@ -114,7 +115,7 @@ def samuon_direction(o: Tensor, u: Tensor, v: Tensor, prior: Tensor, gamma: floa
 class SAMuon(_MuonFamily):
     """Spectral-Aware Muon. Args as ``Muon`` (no split) plus ``gamma`` (5.0; the paper's grid is
     3.54-14.1; 1 is Muon), ``gamma_warmup`` (0.3, the fraction of ``total_steps`` over which gamma
-    rises from 1; 0: none), ``total_steps`` (the run's length; required when gamma warms up),
+    rises from 1; 0: none), ``total_steps`` (the run's length; without it a warning, and no warmup),
     ``top_k`` (``None``: ``round(32 sqrt(min(m, n) / 512))``), ``topk_method`` (``"auto"``,
     ``"exact"``, ``"lowrank"``, ``"power"``), ``power_iters`` (2), ``oversample`` (8), ``seed`` (0).
     """
@@ -132,12 +133,13 @@ class SAMuon(_MuonFamily):
         w = group["gamma_warmup"]
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w <= 1:
             raise ValueError(f"gamma_warmup must be a fraction of total_steps in [0, 1], got {w!r}")
-        t = group["total_steps"]
-        if t is not None:
+        if group["total_steps"] is not None:
             C.check_int(group, "total_steps", 1)
         elif g != 1 and w > 0:
-            raise ValueError("total_steps is required when gamma warms up (gamma != 1 and gamma_warmup > 0): "
-                             "pass the run's number of steps, or gamma_warmup=0")
+            # Built without the run's length (a generic builder, a trainer that does not pass it):
+            # the warmup cannot be placed, so gamma applies from the first step, and we say so.
+            warnings.warn("SAMuon: total_steps not given, so gamma is not warmed up (the published method "
+                          "warms it up over gamma_warmup of the run): pass total_steps", stacklevel=6)
         if group["top_k"] is not None:
             C.check_int(group, "top_k", 1)
         C.check_choice(group, "topk_method", TOPK_METHODS)
