@@ -185,6 +185,9 @@ class NewtonMuon(_MuonFamily):
     def _after_step(self) -> None:
         self._rearm()
 
+    def _after_load(self) -> None:  # a loaded step count moves the refresh schedule
+        self._rearm()
+
     # ------------------------------------------------------------------ the step
     def _refresh(self, group: dict, active: list[Tensor]) -> None:
         """New statistics and preconditioners of the due matrices that captured rows, batched by
