@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch.optim.adamw import adamw as _torch_adamw
 
+from ._copies import Views, portable, shallow_items
 from ._dtensor import is_dtensor, to_local
 from ._hparams import COMMON_DEFAULTS, check_kinds
 
@@ -35,12 +36,31 @@ _BUILDER_KEYS = frozenset({"params", "param_names", "initial_lr", "fused", "fore
 _INT_STATE_KEYS = ("step", "captures")
 # Earlier releases kept the Muon family's and RMNP's momentum under torch's key.
 _LEGACY_KEYS = {"momentum_buffer": "momentum"}
+# The key under which __getstate__ passes a subclass' own attributes to a copy.
+_OWN_ATTRIBUTES = "_matrix_optimizer_attributes"
 
 
 def _name_of(param: torch.Tensor, names: dict[int, str] | None, index: int) -> str:
     if names and id(param) in names:
         return names[id(param)]
     return f"parameter #{index} (shape {tuple(param.shape)})"
+
+
+def _check_rate(key: str, value) -> None:
+    """``lr``/``weight_decay``: a finite number >= 0, or a one-element tensor holding one.
+
+    A tensor is read on the host here, as ``torch.optim.AdamW.__init__`` does (``0.0 <= lr``):
+    this runs at construction, ``add_param_group`` and ``load_state_dict``, never inside
+    ``step()``. A value a scheduler writes into the tensor later (``fill_``) is not checked, as
+    ``torch.optim.AdamW`` does not check it either: that would be a host read every step.
+    """
+    number = value
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex():
+            raise ValueError(f"{key} given as a tensor must hold one real number, got {value!r}")
+        number = float(value)
+    if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number) or number < 0:
+        raise ValueError(f"{key} must be a finite number >= 0, got {value!r}")
 
 
 class MatrixOptimizer(torch.optim.Optimizer):
@@ -101,9 +121,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
         if group["algorithm"] == self.algorithm:
             check_kinds(group, self.matrix_defaults)
         for key in ("lr", "weight_decay"):
-            value = group[key]
-            if not isinstance(value, torch.Tensor) and (not math.isfinite(value) or value < 0):
-                raise ValueError(f"{key} must be a finite number >= 0, got {value}")
+            _check_rate(key, group[key])
         if group["tau"] <= 0:
             raise ValueError(f"tau must be > 0, got {group['tau']}")
         b1, b2 = group["adamw_betas"]
@@ -116,6 +134,12 @@ class MatrixOptimizer(torch.optim.Optimizer):
             raise ValueError(f"algorithm must be 'adamw' or {self.algorithm!r}, got {algo!r}")
         if algo == self.algorithm:
             for i, p in enumerate(group["params"]):
+                if p.is_complex():  # the matrix updates are real: the imaginary part would be dropped
+                    raise ValueError(
+                        f"{_name_of(p, self._param_names, i)} is complex ({p.dtype}); {type(self).__name__} "
+                        f"updates real matrices only: put it in an 'adamw' group (torch's AdamW handles complex "
+                        f"parameters), or store its real and imaginary parts as real parameters"
+                    )
                 if p.dim() == 3 and not self._expert_stacks:
                     raise ValueError(
                         f"{_name_of(p, self._param_names, i)} is a 3-D expert stack (E, out, in) = {tuple(p.shape)}; "
@@ -157,10 +181,14 @@ class MatrixOptimizer(torch.optim.Optimizer):
         # A step called inside an autocast region (a whole loop under autocast) must not run its
         # statistics, QR, eigh or projections in bf16: the update is computed in the state dtypes.
         with torch.autocast(device_type=self._device_type(), enabled=False):
+            # Every group is checked before any weight changes (torch.optim.AdamW checks group by
+            # group, so its earlier groups are already stepped when a later one fails).
+            adamw_work = [self._adamw_inputs(g) for g in self.param_groups if g["algorithm"] == "adamw"]
+            self._check_matrix_grads()
             self._prepare_step()
-            for group in self.param_groups:
-                if group["algorithm"] == "adamw":
-                    self._adamw_step(group)
+            for lists, kwargs in adamw_work:
+                if lists[0]:
+                    _torch_adamw(*lists, **kwargs)
             for group in self.param_groups:
                 if group["algorithm"] != "adamw":
                     active = [p for p in group["params"] if p.grad is not None]
@@ -224,34 +252,98 @@ class MatrixOptimizer(torch.optim.Optimizer):
     def _after_step(self) -> None:
         """Run after every group has been updated."""
 
-    def _adamw_step(self, group: dict[str, Any]) -> None:
-        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = self._init_adamw_state(p)
-            params.append(p)
-            grads.append(p.grad)
-            exp_avgs.append(state["exp_avg"])
-            exp_avg_sqs.append(state["exp_avg_sq"])
-            steps.append(state["step"])
-        if not params:
-            return
-        beta1, beta2 = group["adamw_betas"]
+    def _adamw_inputs(self, group: dict[str, Any]) -> tuple[list, dict]:
+        """Arguments of ``torch.optim.adamw.adamw`` for an ``"adamw"`` group, gathered by
+        ``torch.optim.AdamW``'s own ``_init_group``: its checks (sparse gradients refused with its
+        ``RuntimeError``) and its ``has_complex`` flag (complex parameters stepped as real pairs)."""
+        lr = group["lr"]
+        with_grad = [p for p in group["params"] if p.grad is not None]
         # DTensor parameters and a tensor lr (a scheduler holding tensors) go through the
         # single-tensor path, as torch.optim.AdamW does.
-        foreach = not any(is_dtensor(p) for p in params) and not isinstance(group["lr"], torch.Tensor)
-        _torch_adamw(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=foreach, amsgrad=False,
-                     beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
-                     eps=group["adamw_eps"], maximize=False,
-                     # compiled (torch.compile(opt.step)): bias corrections as tensors, as Dynamo
-                     # makes torch.optim.AdamW do; eager: torch's default host-side path
-                     capturable=torch.compiler.is_compiling())
+        foreach = not any(is_dtensor(p) for p in with_grad) and not isinstance(lr, torch.Tensor)
+        # compiled (torch.compile(opt.step)): bias corrections as tensors, as Dynamo makes
+        # torch.optim.AdamW do; eager: torch's default host-side path
+        capturable = torch.compiler.is_compiling()
+        flags = dict(amsgrad=False, maximize=False, foreach=foreach, capturable=capturable,
+                     differentiable=False, fused=False)
+        lists: tuple[list, ...] = ([], [], [], [], [], [])  # params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps
+        for p in with_grad:
+            self._init_adamw_state(p)
+        has_complex = torch.optim.AdamW._init_group(self, dict(group, **flags), *lists)
+        beta1, beta2 = group["adamw_betas"]
+        return list(lists), dict(flags, has_complex=has_complex, beta1=beta1, beta2=beta2, lr=lr,
+                                 weight_decay=group["weight_decay"], eps=group["adamw_eps"])
+
+    def _check_matrix_grads(self) -> None:
+        # torch.optim.Muon refuses sparse gradients too; here before any weight changes
+        for group in self.param_groups:
+            if group["algorithm"] == "adamw":
+                continue
+            for i, p in enumerate(group["params"]):
+                if p.grad is not None and p.grad.layout != torch.strided:
+                    raise RuntimeError(
+                        f"{type(self).__name__} does not support sparse gradients ({_name_of(p, self._param_names, i)} "
+                        f"has a {p.grad.layout} gradient): give the matrix a dense gradient, or put it in an 'adamw' group"
+                    )
 
     def iter_matrix_params(self) -> Iterable[torch.Tensor]:
         for group in self.param_groups:
             if group["algorithm"] != "adamw":
                 yield from group["params"]
+
+    # ------------------------------------------------------------------ copies (copy.deepcopy, pickle)
+    # torch.optim.Optimizer.__getstate__ keeps only defaults, state and param_groups, so a copy of
+    # a subclass lost every attribute of its own and failed at its first step(). Here a copy keeps
+    # them, as torch's copy keeps its state: copied with the parameters (a deepcopy of the
+    # optimizer copies its parameters too, as torch's does; deepcopy((model, opt)) keeps them the
+    # model's). Left out, as torch leaves them out: its hook registries; rebuilt: _views (views of
+    # the weights, which a copy of a view would not share). An optimizer that holds a model (hooks on its layers) or a process
+    # group is refused with a TypeError: a copy could not keep capturing for the original model.
+    def __getstate__(self) -> dict[str, Any]:
+        why = self._copy_refusal()
+        if why is not None:
+            raise TypeError(
+                f"{type(self).__name__} cannot be copied or pickled: it holds {why}. Save opt.state_dict() "
+                f"instead and load it with load_state_dict() into a new {type(self).__name__} built on the "
+                f"(copied) model"
+            )
+        state = super().__getstate__()
+        views = Views(list(self._views))
+        # what an id may name: a parameter, or the transposed view of one (Dion's splits of a
+        # transposed group are keyed by the view's id)
+        by_id = {id(v): (p, views) for p, v in self._views.items()}
+        by_id.update((id(p), (p, None)) for g in self.param_groups for p in g["params"])
+        own = {}
+        for key, value in vars(self).items():
+            if key in state or key.startswith("_optimizer_"):
+                continue
+            own[key] = views if key == "_views" else portable(value, by_id, type(self))
+        state[_OWN_ATTRIBUTES] = own
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # torch's load_state_dict calls this too, with state and param_groups only
+        own = state.pop(_OWN_ATTRIBUTES, None)
+        super().__setstate__(state)
+        if own is not None:
+            self.__dict__.update(own)
+
+    def _copy_refusal(self) -> str | None:
+        """Why this optimizer cannot be copied (``None``: it can): what it holds that a copy cannot
+        carry (a model with hooks, hook handles, a process group), looked for two levels deep."""
+        pg = getattr(torch.distributed, "ProcessGroup", None) if torch.distributed.is_available() else None
+        kinds = [(torch.nn.Module, "a model ({}), whose layers it hooks"),
+                 (torch.utils.hooks.RemovableHandle, "hook handles ({})")]
+        if pg is not None:
+            kinds.append((pg, "a process group ({})"))
+        for key, value in vars(self).items():
+            if key in ("state", "param_groups", "defaults") or key.startswith("_optimizer_"):
+                continue
+            for item in shallow_items(value):
+                for kind, what in kinds:
+                    if isinstance(item, kind):
+                        return what.format(repr(key))
+        return None
 
     # ------------------------------------------------------------------ state dict
     # State tensors that keep their own dtype on load (torch casts floating state to the
@@ -260,6 +352,12 @@ class MatrixOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state_dict = _rename_legacy_keys(state_dict)
+        # checked before anything loads (torch loads group values unchecked): a bad rate refused here
+        # leaves this optimizer as it was
+        for i, saved in enumerate(state_dict["param_groups"]):
+            for key in ("lr", "weight_decay"):
+                if key in saved:
+                    _check_rate(f"{key} of saved param group {i}", saved[key])
         self._check_saved_shapes(state_dict)
         own = {key: saved_state_by_param(self, state_dict, key) for key in self._own_dtype_keys}
         layouts = {(p, key): self.state[p][key] for key, saved in own.items() for p in saved
