@@ -146,6 +146,12 @@ def fsdp_costs(path: Path | None = None) -> tuple[dict[str, dict], dict | None]:
     return {x["label"]: x for x in lines if x.get("kind") == "summary" and x.get("amortized_ms")}, run
 
 
+def _payload(summary: dict | None) -> str | None:
+    """Rank 0's metered ``step()`` collectives / bytes (a refresh step for Dobb), as in the record."""
+    step = ((summary or {}).get("metered") or {}).get("step")
+    return None if step is None else f"{step['collectives']} / {step['bytes']:,}"
+
+
 def _ms(summary: dict | None) -> float | None:
     if not summary:
         return None
@@ -170,6 +176,7 @@ def operating_rows(loop=None, fsdp=None) -> list[dict]:
         out.append({"row": row, "stats": s, "loop_ms": _ms(ls),
                     "loop_x": (ls or {}).get("ratio_to_adamw", {}).get("median") if ls else None,
                     "fsdp_ms": _ms(fsdp.get(fspec)), "fsdp_spec": fspec, "loop_spec": lspec,
+                    "fsdp_payload": _payload(fsdp.get(fspec)),
                     "gap": gap(s["median"], adamw["median"], muon["median"]) if s and adamw and muon else None})
     for key, col in (("loop_ms", "front_loop"), ("fsdp_ms", "front_fsdp")):
         pts = {r["row"]: (r[key], r["stats"]["median"]) for r in out
@@ -186,8 +193,9 @@ def operating_table() -> tuple[str, list[dict]]:
     fsdp, frun = fsdp_costs()
     rows = operating_rows(loop, fsdp)
     head = ["| optimizer | seeds (stuck) | final val loss: median | mean ± std | gap closure (medians) | "
-            "loop ms/step [x AdamW] | front (loop) | FSDP2 4 ranks ms/step | front (FSDP2) |",
-            "|---|---|---|---|---|---|---|---|---|"]
+            "loop ms/step [x AdamW] | front (loop) | FSDP2 4 ranks ms/step | front (FSDP2) | "
+            "FSDP2 step collectives / bytes (rank 0) |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         s = r["stats"]
         seeds = "—" if not s else f"{s['n']}" + (f" ({', '.join(map(str, s['stuck']))} stuck)" if s["stuck"] else "")
@@ -198,7 +206,7 @@ def operating_table() -> tuple[str, list[dict]]:
         fs = "not timed" if r["fsdp_ms"] is None else f"{r['fsdp_ms']:.1f}"
         mark = {True: "**yes**", False: "no", None: "—"}
         head.append(f"| {r['row']} | {seeds} | {loss} | {ms} | {g} | {lp} | {mark[r['front_loop']]} | {fs} | "
-                    f"{mark[r['front_fsdp']]} |")
+                    f"{mark[r['front_fsdp']]} | {r['fsdp_payload'] or '—'} |")
     used = [r for r in recs if r["run"] in {x["row"] for x in rows}]
     foot = [""]
     revs = sorted({(r.get("provenance") or {}).get("git_rev", "?")[:7] for r in used})
