@@ -144,14 +144,15 @@ def test_copy_steps_as_the_original_or_refuses_naming_state_dict(name, how):
             opt2.step()
 
 
-def test_copy_of_a_dobb_without_model_steps_as_the_original():
+@pytest.mark.parametrize("how", COPIES)
+def test_copy_of_a_dobb_without_model_steps_as_the_original(how):
     """Dobb with source='grad_gram' holds no model: its copy works, module-level sentinels kept
     (adding a group to the copy resolves its statistic group as the original would)."""
     model = Net()
     opt = dobb.Dobb(dobb.param_groups(model, algorithm="dobb", source="grad_gram"), lr=0.01, weight_decay=0.1,
                     refresh_every=2)
     train(model, opt, 3)
-    model2, opt2 = copy.deepcopy((model, opt))
+    model2, opt2 = COPIES[how]((model, opt))
     for m, o in ((model, opt), (model2, opt2)):
         torch.manual_seed(1)
         extra = nn.Linear(D, D, bias=False)
