@@ -34,6 +34,10 @@ class CliError(Exception):
     """A user-facing error: printed as one line, exit code 2."""
 
 
+class Interrupted(Exception):
+    """A run stopped by Ctrl-C/SIGTERM with its state saved: the message (one line), exit code 130."""
+
+
 def build_parser(modules=None) -> argparse.ArgumentParser:
     """``modules``: a subset of ``_COMMAND_MODULES`` (``python -m dobb_bench.timing`` imports only its own)."""
     parser = argparse.ArgumentParser(prog="dobb-bench", description=__doc__.splitlines()[0])
@@ -69,6 +73,9 @@ def main(argv: list[str] | None = None, modules=None) -> int:
     args.argv = ["dobb-bench", *(sys.argv[1:] if argv is None else argv)]  # for run records' provenance
     try:
         return int(args.func(args) or 0)
+    except Interrupted as exc:
+        _say(args.command, _one_line(exc))
+        return 130
     except KeyboardInterrupt:
         _say(args.command, "interrupted (Ctrl-C); finished runs and checkpoints in --out are kept: "
                            "rerun the same command to resume")

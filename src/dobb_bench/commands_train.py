@@ -23,19 +23,19 @@ import functools
 import json
 import multiprocessing as mp
 import re
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from . import report
-from .cli import CliError
+from . import children, report
+from .cli import CliError, Interrupted
 from .data import load_corpus
 from .model import GPT, PRESETS, ModelConfig, config_from_preset
 from .provenance import provenance
 from .specs import OptimizerSpec, default_label, parse_hparams, parse_spec  # noqa: F401 (re-exported)
+from .outdir import _check_out, _check_rows, _finished_with, _read_final  # noqa: F401 (_read_final re-exported)
 from .train import METRICS_FILE, TrainConfig, run_training, setup_dist, write_jsonl
 
 GRID_BASE = 5e-3
@@ -204,27 +204,12 @@ def _run_one(spec: OptimizerSpec, lr: float, model_cfg, train_cfg, corpus, run_d
                         stop_after=stop_after)
 
 
-def _child(spec, lr, model_cfg, train_cfg, data_args, run_dir, progress, resume, threads, prov=None):
+def _child(spec, lr, model_cfg, train_cfg, data_args, run_dir, progress, resume, threads, prov=None) -> int:
     torch.set_num_threads(threads)
     corpus = load_corpus(data_args.pop("data"), **data_args)
-    _run_one(spec, lr, model_cfg, train_cfg, corpus, run_dir, progress=progress, resume=resume,
-             keep_checkpoint=False, prov=prov)
-
-
-def _read_final(run_dir: Path, expect: dict | None = None) -> dict | None:
-    """The run's final record, or None; with ``expect``, only if it was made with those settings."""
-    path = run_dir / METRICS_FILE
-    if not path.exists():
-        return None
-    try:
-        lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-    except ValueError:
-        raise CliError(f"{path} is not JSON lines (damaged?); move it away, or use another --out") from None
-    final = lines[-1] if lines and lines[-1].get("type") == "final" else None
-    if final is not None and expect is not None:
-        same = json.loads(json.dumps(expect)) == {k: final.get(k) for k in expect}
-        return final if same else None
-    return final
+    final = _run_one(spec, lr, model_cfg, train_cfg, corpus, run_dir, progress=progress, resume=resume,
+                     keep_checkpoint=False, prov=prov)
+    return 130 if final["type"] == "interrupted" else 0  # stopped by SIGTERM, checkpoint saved
 
 
 def _settings(spec: OptimizerSpec, lr: float, model_cfg: ModelConfig, train_cfg: TrainConfig) -> dict:
@@ -232,72 +217,6 @@ def _settings(spec: OptimizerSpec, lr: float, model_cfg: ModelConfig, train_cfg:
 
     return {"optimizer": spec.name, "hparams": {k: str(v) for k, v in spec.hparams.items()}, "lr": lr,
             "model": model_cfg.to_dict(), "train": asdict(replace(train_cfg, lr=lr))}
-
-
-def _flat(d, pre: str = "") -> dict:
-    out = {}
-    for k, v in (d or {}).items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{pre}{k}."))
-        else:
-            out[pre + k] = v
-    return out
-
-
-def _finished_with(run_dir: Path, expect: dict) -> dict | None:
-    """The finished run in ``run_dir`` if it was made with ``expect``'s settings; None if there is
-    none; a CliError naming the differing settings if it was made with others (a finished result
-    is never replaced by a different configuration without the user asking: --no-resume)."""
-    final = _read_final(run_dir)
-    if final is None:
-        return None
-    want = _flat(json.loads(json.dumps(expect)))
-    got = _flat({k: final.get(k) for k in expect})
-    diff = [k for k in want if got.get(k) != want[k]] + [k for k in got if k not in want]
-    if not diff:
-        return final
-    shown = "; ".join(f"{k}: {got.get(k)!r} there, {want.get(k)!r} now" for k in diff[:4])
-    more = f" and {len(diff) - 4} more" if len(diff) > 4 else ""
-    raise CliError(f"{run_dir} holds a finished run with other settings ({shown}{more}); use --out <new "
-                   "folder> to keep it, or --no-resume to retrain and replace it")
-
-
-def _check_out(out: Path, command: str) -> None:
-    """Refuses an --out that would replace another command's results, and makes the folder (so a
-    path under a file or without permission fails here, in one line, before any work)."""
-    if command == "train" and ((out / "results.jsonl").exists() or (out / "runs").is_dir()):
-        raise CliError(f"{out} is a compare/sweep output folder (results.jsonl, runs/); train would "
-                       "replace its results.md: use another --out")
-    if command != "train" and (out / METRICS_FILE).exists():
-        raise CliError(f"{out} holds a train run ({METRICS_FILE}); {command} would mix its results with "
-                       "it: use another --out")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):
-        raise CliError(f"--out {out}: it or a folder above it is a file, not a folder; choose another "
-                       "--out") from None
-    except PermissionError as exc:
-        raise CliError(f"--out {out}: {exc.strerror or 'permission denied'} ({exc.filename}); choose "
-                       "another --out or fix its permissions") from None
-
-
-def _check_rows(out: Path, jobs) -> None:
-    """A finished compare/sweep folder keeps its rows: ``results.md`` is rewritten only by a command
-    that covers every (label, lr) it lists (more rows are fine: a finished run is reused)."""
-    path = out / "results.jsonl"
-    if not path.exists():
-        return
-    try:
-        rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-    except ValueError:
-        raise CliError(f"{path} is not JSON lines (damaged?); move it away, or use another --out") from None
-    have = {(r.get("run"), round(float(r.get("lr") or 0), 12)) for r in rows if r.get("type") == "final"}
-    asked = {(s.label, round(lr, 12)) for s, lr in jobs}
-    lost = sorted(f"{label} (lr {lr:.3g})" for label, lr in have - asked)
-    if lost:
-        raise CliError(f"{out} holds finished results for {', '.join(lost)}, which this command does not "
-                       "run; its results.md would lose them: use --out <new folder>, name those runs too, "
-                       "or --no-resume to replace the results")
 
 
 def run_many(jobs: list[tuple[OptimizerSpec, float]], args, model_cfg, train_cfg, corpus_info, out: Path) -> list[dict]:
@@ -330,35 +249,43 @@ def run_many(jobs: list[tuple[OptimizerSpec, float]], args, model_cfg, train_cfg
             final = _run_one(spec, lr, model_cfg, train_cfg, corpus, run_dir, progress=progress,
                              resume=resume, env=env, keep_checkpoint=False, prov=prov)
             final.pop("evals", None)
+            if final["type"] == "interrupted":
+                raise Interrupted(f"interrupted: run {spec.label!r} stopped after step {final['step']} with a "
+                                  f"checkpoint in {run_dir}; finished runs are kept in {out / 'runs'}: rerun "
+                                  "the same command to resume")
             _done(finals, i, final, run_dir, jobs, env, time.perf_counter() - t0)
         return finals
     # Newton-Schulz rows cost ~10x an AdamW step on CPU (bf16 matmuls; records' train_cpu_s):
     # starting them first keeps the two job slots balanced. Table order stays the spec order.
     todo.sort(key=lambda t: t[1].name not in ("muon", "block-muon", "pr-muon", "dion2"))
     ctx, active = mp.get_context("spawn"), []
-    while todo or active:
-        while todo and len(active) < n_jobs:
-            i, spec, lr, run_dir, expect = todo.pop(0)
-            proc = ctx.Process(target=_child, args=(spec, lr, model_cfg, train_cfg, dict(data_args), run_dir,
-                                                    progress, resume, torch.get_num_threads(), prov))
-            proc.start()
-            active.append((proc, i, spec, run_dir, expect, time.perf_counter()))
-        proc, i, spec, run_dir, expect, t0 = active[0]
-        for item in active:  # wait for whichever finishes first
-            if not item[0].is_alive():
-                proc, i, spec, run_dir, expect, t0 = item
-                break
-        else:
-            time.sleep(0.5)
-            continue
-        proc.join()
-        active.remove((proc, i, spec, run_dir, expect, t0))
-        final = _read_final(run_dir, expect)
-        if proc.exitcode != 0 or final is None:
-            for other in active:
-                other[0].terminate()
-            raise CliError(f"run {spec.label!r} failed in its child process (exit code {proc.exitcode})")
-        _done(finals, i, final, run_dir, jobs, env, time.perf_counter() - t0)
+    try:
+        while todo or active:
+            while todo and len(active) < n_jobs:
+                i, spec, lr, run_dir, expect = todo.pop(0)
+                proc, pipe = children.start(ctx, _child, (spec, lr, model_cfg, train_cfg, dict(data_args), run_dir,
+                                                          progress, resume, torch.get_num_threads(), prov))
+                active.append((proc, pipe, i, spec, run_dir, expect, time.perf_counter()))
+            done = next((item for item in active if not item[0].is_alive()), None)  # whichever ends first
+            if done is None:
+                time.sleep(0.5)
+                continue
+            proc, pipe, i, spec, run_dir, expect, t0 = done
+            proc.join()
+            active.remove(done)
+            final = _read_final(run_dir, expect)
+            if proc.exitcode != 0 or final is None:
+                why = children.message(pipe) or f"exit code {proc.exitcode}"
+                raise CliError(f"run {spec.label!r} failed in its child process: {why}")
+            _done(finals, i, final, run_dir, jobs, env, time.perf_counter() - t0)
+    except KeyboardInterrupt:
+        children.stop([a[0] for a in active])
+        kept = sum(f is not None for f in finals)
+        raise Interrupted(f"interrupted: {kept} of {len(jobs)} runs finished and kept in {out / 'runs'}; the "
+                          f"{len(active)} running stopped with a checkpoint: rerun the same command to resume"
+                          ) from None
+    finally:
+        children.stop([a[0] for a in active])
     return finals
 
 
@@ -421,6 +348,9 @@ def cmd_train(args) -> int:
                      resume=not args.no_resume, env=env, stop_after=args.stop_after,
                      prov=provenance(getattr(args, "argv", None)))
     final.pop("evals", None)
+    if final.get("signal"):
+        raise Interrupted(f"interrupted ({final['signal']}) after step {final['step']}, with a checkpoint in "
+                          f"{out}: rerun the same command to resume")
     if final["type"] == "interrupted":
         if env.rank == 0:
             print(f"stopped after step {final['step']} with a checkpoint in {out}; rerun the same "

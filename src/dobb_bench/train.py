@@ -22,6 +22,8 @@ import math
 import os
 import random
 import shutil
+import signal
+import threading
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
@@ -43,6 +45,44 @@ from .provenance import provenance
 CKPT_FILE = "checkpoint.pt"
 CKPT_DIR = "checkpoint_dcp"
 METRICS_FILE = "metrics.jsonl"
+
+
+class _StopRequest:
+    """Ctrl-C (SIGINT) or SIGTERM while a single-process loop runs: honoured between steps, where
+    model, optimizer, scheduler and RNG are whole, so the checkpoint written then resumes exactly.
+    A second signal, or one outside the loop, raises ``KeyboardInterrupt`` at once."""
+
+    def __init__(self):
+        self.active, self.signal = False, None
+
+    def __call__(self, signum, frame):
+        if self.active and self.signal is None:
+            self.signal = signum
+            return
+        raise KeyboardInterrupt
+
+    def install(self) -> list:
+        """Handlers for SIGINT/SIGTERM; returns what to restore. Not under torchrun (ranks would
+        stop at different steps and hang in a collective) nor off the main thread (Python allows
+        handlers only there). A SIGINT ignored by the parent (``compare``'s children: the parent
+        stops them) stays ignored."""
+        self.signal = None
+        if threading.current_thread() is not threading.main_thread():
+            return []
+        saved = []
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            if signal.getsignal(sig) is not signal.SIG_IGN:
+                saved.append((sig, signal.signal(sig, self)))
+        self.active = bool(saved)
+        return saved
+
+    def restore(self, saved: list) -> None:
+        self.active = False
+        for sig, handler in saved:
+            signal.signal(sig, handler)
+
+
+_STOP = _StopRequest()
 
 
 
@@ -411,7 +451,18 @@ class Run:
             write_jsonl(self.out / METRICS_FILE, self.evals + ([final] if final else []))
 
     def run(self, stop_after: int | None = None, keep_checkpoint: bool = True) -> dict:
-        """Trains to ``cfg.steps`` (or until ``stop_after`` steps, to simulate an interruption)."""
+        """Trains to ``cfg.steps`` (or until ``stop_after`` steps, to simulate an interruption).
+
+        In one process, SIGINT/SIGTERM stop it after the current step with a checkpoint and return
+        ``{"type": "interrupted", "signal": ...}``: rerunning resumes where it stopped.
+        """
+        saved = _STOP.install() if self.env.world == 1 else []
+        try:
+            return self._run(stop_after, keep_checkpoint)
+        finally:
+            _STOP.restore(saved)
+
+    def _run(self, stop_after: int | None, keep_checkpoint: bool) -> dict:
         cfg, env = self.cfg, self.env
         if self.out is not None and env.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -430,7 +481,7 @@ class Run:
             bar = tqdm(total=cfg.steps, initial=self.step, desc=self.meta.get("run", "train"),
                        leave=False, dynamic_ncols=True)
         while self.step < cfg.steps and not self.diverged:
-            if stop_after is not None and self.step >= stop_after:
+            if stop_after is not None and self.step >= stop_after or _STOP.signal is not None:
                 break
             t0, c0 = time.perf_counter(), time.process_time()
             loss = self._train_step()
@@ -453,6 +504,10 @@ class Run:
             _fault("step", self.step, env.rank)
         if bar is not None:
             bar.close()
+        if _STOP.signal is not None and self.step < cfg.steps and not self.diverged:
+            self.save_checkpoint()  # whatever --checkpoint-every says: the stop must be resumable
+            return {"type": "interrupted", **self.meta, "step": self.step,
+                    "signal": signal.Signals(_STOP.signal).name}
         if stop_after is not None and self.step < cfg.steps and not self.diverged:
             self.save_checkpoint()
             return {"type": "interrupted", **self.meta, "step": self.step}

@@ -200,3 +200,105 @@ def test_dcp_folder_without_complete_is_reported_not_restarted(tmp_path, data):
                    "--no-resume")
     lines = (out / "metrics.jsonl").read_text().splitlines()
     assert json.loads(lines[-1])["step"] == 2  # nothing was retrained over the run's progress
+
+
+# ----- Ctrl-C and a killed parent ---------------------------------------------------------------------
+LONG = [*SMALL, "--steps", "100000", "--eval-every", "20"]  # runs until stopped (tiny steps, ms each)
+
+
+def _start(args, tmp_path):
+    """The CLI in its own session (so a signal to its process group is what a terminal's Ctrl-C does)."""
+    cmd = [sys.executable, "-m", "dobb_bench.cli", *map(str, args)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
+
+
+def _wait_for(path: Path, proc, timeout=240):
+    t0 = time.monotonic()
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() - t0 < timeout, f"{path} never appeared"
+        time.sleep(0.2)
+
+
+def _training_children(parent: int) -> list[int]:
+    """Pids of ``parent``'s multiprocessing-spawned children (not its resource tracker)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and b"spawn_main" in cmdline:
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _checkpoint_step(path: Path) -> int:
+    import torch
+
+    return torch.load(path, weights_only=True)["step"]
+
+
+def test_ctrl_c_stops_train_with_one_line_and_a_resumable_checkpoint(tmp_path, data):
+    out = tmp_path / "tr"
+    proc = _start(["train", "--optimizer", "adamw", *data, *LONG, "--out", out], tmp_path)
+    _wait_for(out / "metrics.jsonl", proc)
+    time.sleep(1.0)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    one_line_error(subprocess.CompletedProcess([], proc.returncode, "", err), "interrupted (SIGINT) after step",
+                   f"with a checkpoint in {out}", "rerun the same command to resume", code=130)
+    step = int(err.split("after step ")[1].split(",")[0])
+    assert step >= 1 and _checkpoint_step(out / "checkpoint.pt") == step  # checkpointing was off (--checkpoint-every 0)
+    evals = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert evals[0]["step"] == 0 and all(e["type"] == "eval" for e in evals)  # partial results kept
+
+
+def test_ctrl_c_stops_compare_and_its_child_with_one_line(tmp_path, data):
+    out = tmp_path / "cmp"
+    proc = _start(["compare", "--optimizers", "adamw", "--isolate", "--jobs", "1", *data, *LONG, "--out", out],
+                  tmp_path)
+    _wait_for(out / "runs" / "AdamW" / "metrics.jsonl", proc)
+    kids = _training_children(proc.pid)
+    assert len(kids) == 1
+    time.sleep(1.0)
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal does: parent and child alike
+    _, err = proc.communicate(timeout=120)
+    one_line_error(subprocess.CompletedProcess([], proc.returncode, "", err), "interrupted: 0 of 1 runs finished",
+                   "stopped with a checkpoint", "rerun the same command to resume", code=130)
+    assert not _alive(kids[0])
+    assert _checkpoint_step(out / "runs" / "AdamW" / "checkpoint.pt") >= 1
+
+
+def test_sigkilled_compare_parent_takes_its_child_down(tmp_path, data):
+    out = tmp_path / "cmp"
+    proc = _start(["compare", "--optimizers", "adamw", "--isolate", "--jobs", "1", *data, *LONG, "--out", out],
+                  tmp_path)
+    metrics = out / "runs" / "AdamW" / "metrics.jsonl"
+    _wait_for(metrics, proc)
+    kids = _training_children(proc.pid)
+    assert len(kids) == 1
+    try:
+        proc.kill()  # SIGKILL: the parent gets no chance to clean up
+        proc.communicate(timeout=60)
+        t0 = time.monotonic()
+        while _alive(kids[0]) and time.monotonic() - t0 < 60:
+            time.sleep(0.2)
+        assert not _alive(kids[0]), "the training child outlived its SIGKILLed parent"
+        size = metrics.stat().st_size
+        time.sleep(2.0)
+        assert metrics.stat().st_size == size  # nothing writes into --out any more
+    finally:
+        for pid in kids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
