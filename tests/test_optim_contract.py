@@ -235,7 +235,8 @@ def test_complex_matrix_is_a_value_error_naming_it(name):
 
 
 # ----------------------------------------------------------------------------- tensor lr
-BAD_LRS = {"negative": torch.tensor(-0.01), "nan": torch.tensor(float("nan")), "two-element": torch.tensor([0.01, 0.02])}
+BAD_LRS = {"negative": torch.tensor(-0.01), "nan": torch.tensor(float("nan")),
+           "two-element": torch.tensor([0.01, 0.02])}
 
 
 @pytest.mark.parametrize("bad", BAD_LRS)

@@ -266,7 +266,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
         capturable = torch.compiler.is_compiling()
         flags = dict(amsgrad=False, maximize=False, foreach=foreach, capturable=capturable,
                      differentiable=False, fused=False)
-        lists: tuple[list, ...] = ([], [], [], [], [], [])  # params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps
+        # params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps
+        lists: tuple[list, ...] = ([], [], [], [], [], [])
         for p in with_grad:
             self._init_adamw_state(p)
         has_complex = torch.optim.AdamW._init_group(self, dict(group, **flags), *lists)
@@ -281,9 +282,10 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 continue
             for i, p in enumerate(group["params"]):
                 if p.grad is not None and p.grad.layout != torch.strided:
+                    name = _name_of(p, self._param_names, i)
                     raise RuntimeError(
-                        f"{type(self).__name__} does not support sparse gradients ({_name_of(p, self._param_names, i)} "
-                        f"has a {p.grad.layout} gradient): give the matrix a dense gradient, or put it in an 'adamw' group"
+                        f"{type(self).__name__} does not support sparse gradients ({name} has a {p.grad.layout} "
+                        f"gradient): give the matrix a dense gradient, or put it in an 'adamw' group"
                     )
 
     def iter_matrix_params(self) -> Iterable[torch.Tensor]:
@@ -297,8 +299,9 @@ class MatrixOptimizer(torch.optim.Optimizer):
     # them, as torch's copy keeps its state: copied with the parameters (a deepcopy of the
     # optimizer copies its parameters too, as torch's does; deepcopy((model, opt)) keeps them the
     # model's). Left out, as torch leaves them out: its hook registries; rebuilt: _views (views of
-    # the weights, which a copy of a view would not share). An optimizer that holds a model (hooks on its layers) or a process
-    # group is refused with a TypeError: a copy could not keep capturing for the original model.
+    # the weights, which a copy of a view would not share). An optimizer that holds a model (hooks
+    # on its layers) or a process group is refused with a TypeError naming state_dict(): a copy
+    # could not keep capturing for the original model, nor carry a process group.
     def __getstate__(self) -> dict[str, Any]:
         why = self._copy_refusal()
         if why is not None:
