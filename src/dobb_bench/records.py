@@ -7,6 +7,10 @@ into compact records (final values, the eval curve, every hyperparameter, proven
 that sits between ``<!-- table:NAME -->`` and ``<!-- /table -->`` from those records
 (generators in ``tables.py``). ``tests/bench/test_docs_tables.py`` fails when a docs table
 differs from its regeneration or rests on a record from a dirty tree.
+
+``report`` checks every record and renders every table before it writes a byte (a bad record in one
+study must not leave another file half-regenerated), and ``--docs DIR`` points it at another docs
+folder (its ``*.md`` and its ``results/records``), so it edits the source tree only when asked.
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-RECORDS = ROOT / "docs" / "results" / "records"
+RECORDS = ROOT / "docs" / "results" / "records"  # read at call time: use_docs() moves both
 DOCS = ROOT / "docs"
 _KEEP = ("run", "optimizer", "hparams", "lr", "weight_decay", "steps", "tokens", "diverged",
          "final_val_loss", "final_val_bpb", "best_val_loss", "final_train_loss", "tokens_per_s",
@@ -56,7 +60,35 @@ def read_run_dir(out_dir: Path) -> list[dict]:
     return out
 
 
-def collect(out_dir, study: str, records_dir: Path = RECORDS, runs: list[str] | None = None) -> list[dict]:
+def use_docs(docs) -> None:
+    """Points this module's readers and writers at another docs folder (``report --docs DIR``)."""
+    global DOCS, RECORDS
+    docs = Path(docs)
+    if not docs.is_dir():
+        raise ValueError(f"--docs {docs}: no such folder (it should hold the *.md files and results/records)")
+    DOCS, RECORDS = docs, docs / "results" / "records"
+
+
+# What every table generator may rely on: key -> accepted types (None: the value may be null).
+_REQUIRED = {"run": (str,), "optimizer": (str,), "hparams": (dict,), "lr": (int, float), "seed": (int,),
+             "steps": (int,), "diverged": (bool,), "final_val_loss": (int, float, type(None)),
+             "model": (dict,), "train": (dict,), "corpus": (dict,), "provenance": (dict,)}
+
+
+def check_record(rec, where: str) -> None:
+    """A ValueError naming ``where`` (file:line) and the key, if ``rec`` is not a usable record."""
+    if not isinstance(rec, dict):
+        raise ValueError(f"{where}: a record must be a JSON object, got {type(rec).__name__}")
+    for key, types in _REQUIRED.items():
+        if key not in rec:
+            raise ValueError(f"{where}: record {rec.get('run')!r} has no {key!r}; fix or remove that line")
+        value = rec[key]
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            raise ValueError(f"{where}: record {rec.get('run')!r} has {key}={value!r} "
+                             f"(expected {' or '.join(t.__name__ for t in types)}); fix or remove that line")
+
+
+def collect(out_dir, study: str, records_dir: Path | None = None, runs: list[str] | None = None) -> list[dict]:
     """Adds the runs in ``out_dir`` to ``records_dir/study.jsonl`` (a rerun replaces its record);
     ``runs``: only the runs with these labels (a folder may hold rows that belong to other studies)."""
     if not re.fullmatch(r"[\w.-]+", study):
@@ -70,6 +102,9 @@ def collect(out_dir, study: str, records_dir: Path = RECORDS, runs: list[str] | 
         new = [r for r in new if r.get("run") in runs]
     if not new:
         raise ValueError(f"no finished runs under {out_dir}/runs/*/metrics.jsonl")
+    records_dir = RECORDS if records_dir is None else records_dir
+    for r in new:
+        check_record(r, f"{out_dir} run {r.get('run')!r}")
     path = Path(records_dir) / f"{study}.jsonl"
     old = load(study, records_dir) if path.exists() else []
     merged = {_key(r): r for r in old}
@@ -79,11 +114,28 @@ def collect(out_dir, study: str, records_dir: Path = RECORDS, runs: list[str] | 
     return new
 
 
-def load(study: str, records_dir: Path = RECORDS) -> list[dict]:
-    path = Path(records_dir) / f"{study}.jsonl"
+def load(study: str, records_dir: Path | None = None) -> list[dict]:
+    """The study's records, each checked (a bad line is a ValueError naming file and line)."""
+    path = Path(RECORDS if records_dir is None else records_dir) / f"{study}.jsonl"
     if not path.exists():
         raise ValueError(f"no records for study {study!r} ({path})")
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError as exc:
+            raise ValueError(f"{path}:{n}: not JSON ({exc}); fix or remove that line") from None
+        check_record(rec, f"{path}:{n}")
+        out.append(rec)
+    return out
+
+
+def check_all(records_dir: Path | None = None) -> int:
+    """Checks every record of every study; returns how many there are."""
+    folder = Path(RECORDS if records_dir is None else records_dir)
+    return sum(len(load(p.stem, folder)) for p in sorted(folder.glob("*.jsonl")))
 
 
 def clean(rec: dict) -> bool:
@@ -102,28 +154,40 @@ def render(name: str) -> tuple[str, list[dict]]:
     return text.rstrip("\n") + "\n", used
 
 
-def regenerate_text(text: str) -> tuple[str, list[tuple[str, list[dict]]]]:
+def regenerate_text(text: str, where: str = "") -> tuple[str, list[tuple[str, list[dict]]]]:
     """``text`` with every marked table rewritten; also each table's name and records used."""
     used_by = []
 
     def sub(m):
-        body, used = render(m.group(2))
+        try:
+            body, used = render(m.group(2))
+        except (KeyError, TypeError, AttributeError, IndexError, ZeroDivisionError) as exc:
+            raise ValueError(f"{where or 'docs'}: table {m.group(2)!r} cannot be generated from its records "
+                             f"({type(exc).__name__}: {exc}); nothing was written") from None
         used_by.append((m.group(2), used))
         return m.group(1) + body + m.group(4)
 
     return TABLE.sub(sub, text), used_by
 
 
-def regenerate_docs(docs: Path = DOCS, write: bool = True) -> dict[str, list[str]]:
-    """Rewrites the marked tables of ``docs/*.md``; returns {file: [table names that changed]}."""
-    changed = {}
-    for md in sorted(Path(docs).glob("*.md")):
+def regenerate_docs(docs: Path | None = None, write: bool = True) -> dict[str, list[str]]:
+    """Rewrites the marked tables of ``docs/*.md``; returns {file: [table names that changed]}.
+
+    All or nothing: every record is checked and every table rendered first; only then are the
+    changed files written (a bad record anywhere leaves every file as it was).
+    """
+    docs = Path(DOCS if docs is None else docs)
+    check_all()
+    changed, pending = {}, []
+    for md in sorted(docs.glob("*.md")):
         text = md.read_text()
-        new, used_by = regenerate_text(text)
+        new, used_by = regenerate_text(text, str(md))
         if new != text:
             old_bodies = {m.group(2): m.group(3) for m in TABLE.finditer(text)}
             new_bodies = {m.group(2): m.group(3) for m in TABLE.finditer(new)}
             changed[md.name] = [k for k in new_bodies if old_bodies.get(k) != new_bodies[k]]
-            if write:
-                md.write_text(new)
+            pending.append((md, new))
+    if write:
+        for md, new in pending:
+            md.write_text(new)
     return changed

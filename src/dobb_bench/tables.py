@@ -334,6 +334,8 @@ def plot_study(study: str, out_dir=None) -> list[str]:
 
 # ----- the `report` subcommand --------------------------------------------------------------------
 def cmd_report(args) -> int:
+    if args.docs:  # another docs folder: its *.md and results/records (the default edits this checkout)
+        R.use_docs(args.docs)
     if args.plots:
         for study in args.plots.split(","):
             print("report: wrote " + ", ".join(plot_study(study)))
@@ -371,6 +373,8 @@ def add_report_parser(sub) -> None:
     p.add_argument("--study", help="records file to collect into (docs/results/records/STUDY.jsonl)")
     p.add_argument("--runs", metavar="LABEL[,LABEL]", help="with --collect: only the runs with these labels")
     p.add_argument("--plots", metavar="STUDY[,STUDY]", help="write curves and payload plots to docs/results/")
+    p.add_argument("--docs", metavar="DIR", help="the docs folder to read records from and write tables to "
+                   "(its *.md and results/records; default: this repository's docs/)")
     p.set_defaults(func=lambda a: (_need_study(a), cmd_report(a))[1])
 
 

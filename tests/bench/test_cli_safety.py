@@ -302,3 +302,41 @@ def test_sigkilled_compare_parent_takes_its_child_down(tmp_path, data):
         for pid in kids:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+# ----- report: all or nothing, into the docs folder it is given ---------------------------------------------
+def _rec(run, loss, seed, **kw):
+    return {"run": run, "optimizer": run.lower(), "hparams": {}, "lr": 1e-3, "seed": seed, "steps": 10,
+            "final_val_loss": loss, "diverged": False, "model": {"width": 128, "layers": 2},
+            "train": {"batch_size": 4, "micro_batches": 1}, "corpus": {"name": "c"},
+            "provenance": {"git_rev": "abc1234", "git_dirty": False, "machine": {}}, **kw}
+
+
+def test_report_checks_every_record_before_writing_and_writes_only_its_docs_folder(tmp_path):
+    """a.md sorts before z.md: a bad record behind z.md's table used to surface (as a traceback) only
+    after a.md had been rewritten; and report had no way to leave the checkout's docs/ alone."""
+    docs = tmp_path / "docs"
+    (docs / "results" / "records").mkdir(parents=True)
+    stale = {"a.md": "# A\n<!-- table:main-job -->\nstale\n<!-- /table -->\n",
+             "z.md": "# Z\n<!-- table:muon-fp32 -->\nstale\n<!-- /table -->\n"}
+    for name, text in stale.items():
+        (docs / name).write_text(text)
+
+    def records(study, recs):
+        (docs / "results" / "records" / f"{study}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+    records("main-job", [_rec("AdamW", 2.0, 0), _rec("Muon", 1.5, 0)])
+    bad = _rec("Muon", 1.6, 1)
+    del bad["lr"]
+    records("muon-fp32", [_rec("Muon", 1.5, 0), bad])
+    one_line_error(cli(["report", "--docs", docs]), f"{docs / 'results' / 'records' / 'muon-fp32.jsonl'}:2",
+                   "has no 'lr'", "fix or remove that line")
+    assert {n: (docs / n).read_text() for n in stale} == stale  # nothing written
+    records("muon-fp32", [_rec("Muon", 1.5, 0), _rec("Muon", 1.6, 1)])
+    proc = cli(["report", "--docs", docs])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in stale:
+        text = (docs / name).read_text()
+        assert "stale" not in text and "| optimizer" in text, text
+    assert "| Muon | 0.001 | — | 0,1 | 1.550 ± 0.071 |" in (docs / "z.md").read_text()  # mean, std of 1.5, 1.6
+    one_line_error(cli(["report", "--docs", tmp_path / "nope"]), "--docs", "no such folder")
