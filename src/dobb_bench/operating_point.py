@@ -194,7 +194,7 @@ def operating_table() -> tuple[str, list[dict]]:
     rows = operating_rows(loop, fsdp)
     head = ["| optimizer | seeds (stuck) | final val loss: median | mean ± std | gap closure (medians) | "
             "loop ms/step [x AdamW] | front (loop) | FSDP2 4 ranks ms/step | front (FSDP2) | "
-            "FSDP2 step collectives / bytes (rank 0) |",
+            "FSDP2 step collectives / bytes (rank 0; Dobb: a refresh step) |",
             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         s = r["stats"]
