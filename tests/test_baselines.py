@@ -102,14 +102,16 @@ def test_muon_matches_torch_muon_bitwise(nesterov):
         assert torch.equal(p, q)
 
 
-def test_adamw_groups_match_torch_adamw():
+# every matrix class of the registry (each one compared, not only the last)
+MATRIX_CLASSES = sorted({e.cls for e in dobb.registry.OPTIMIZERS.values() if e.is_matrix}, key=lambda c: c.__name__)
+
+
+@pytest.mark.parametrize("cls", MATRIX_CLASSES, ids=lambda c: c.__name__)
+def test_adamw_groups_match_torch_adamw(cls):
     ref, ours = mlp(), mlp()
     torch_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.05, betas=(0.9, 0.95))
-    for cls in (Muon, Dion, RMNP, Dion2, PeriodicRowMuon, BlockMuon):
-        model = mlp()
-        groups = [{"params": list(model.parameters()), "algorithm": "adamw"}]
-        train(model, cls(groups, lr=0.01, weight_decay=0.05), 4)
-        ours = model
+    groups = [{"params": list(ours.parameters()), "algorithm": "adamw"}]
+    train(ours, cls(groups, lr=0.01, weight_decay=0.05), 4)
     train(ref, torch_opt, 4)
     for p, q in zip(ref.parameters(), ours.parameters()):
         assert torch.equal(p, q)

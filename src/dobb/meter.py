@@ -31,9 +31,32 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ._dtensor import is_dtensor_type, to_local
 from .collectives import current_kind
 
-__all__ = ["PayloadMeter", "Collective", "Totals"]
+__all__ = ["PayloadMeter", "Collective", "Totals", "state_bytes"]
+
+
+def state_bytes(state) -> int:
+    """The one measure of optimizer state size in this package and its bench.
+
+    Bytes of the storages behind this rank's tensors in the state (a DTensor counts its local
+    shard), each storage once: a view and its base, or two entries sharing one buffer, count once,
+    and a view counts its whole storage (the memory it keeps alive). Scalar tensors (step
+    counters) count; Python numbers do not. ``state``: an optimizer, its ``.state``, or
+    ``state_dict()["state"]`` (the same tensors, so the same number).
+    """
+    if isinstance(state, torch.optim.Optimizer):
+        state = state.state
+    seen, total = set(), 0
+    for leaf in tree_flatten(list(state.values()))[0]:
+        if isinstance(leaf, torch.Tensor):
+            storage = to_local(leaf).untyped_storage()
+            key = (leaf.device, storage.data_ptr(), storage.nbytes())
+            if key not in seen:
+                seen.add(key)
+                total += storage.nbytes()
+    return total
 
 
 @dataclass(frozen=True)
@@ -100,7 +123,7 @@ class _CollectiveMode(TorchDispatchMode):
         kwargs = kwargs or {}
         if isinstance(func, torch._ops.HigherOrderOperator):
             return func(*args, **kwargs)
-        if any(t.__name__ == "DTensor" for t in types):
+        if any(is_dtensor_type(t) for t in types):
             return NotImplemented  # let DTensor desugar into plain ops and collectives first
         out = func(*args, **kwargs)
         found = _classify(func, args, out)

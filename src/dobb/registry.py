@@ -28,6 +28,8 @@ import torch
 from ._hparams import COMMON_DEFAULTS, check_kind
 from .baselines import RMNP, BlockMuon, Dion, Dion2, Dion3, Muon, NorMuon, OwnerMuon, PeriodicRowMuon, SAMuon
 from .baselines.dash import Dash, Shampoo
+from .baselines.newton_muon import NewtonMuon
+from .baselines.soap import SOAP
 from .dobb import Dobb
 
 __all__ = ["Entry", "OPTIMIZERS", "OPTIMIZER_NAMES", "GROUPING_KEYS", "get", "valid_hparams",
@@ -120,8 +122,8 @@ _ENTRIES = (
     # CMuon: Muon with Q/K/V of every fused (3n x n) weight as three matrices (other sizes: muon's split_sizes)
     Entry("cmuon", Muon, "CMuon", payload="dense", state="momentum", preset={"split_sizes": "qkv"}),
     # Spectral-Aware Muon; lite = one top pair by warm-started power iteration
-    Entry("samuon", SAMuon, "SAMuon", payload="dense", state="momentum"),
-    Entry("samuon-lite", SAMuon, "SAMuon-lite", payload="dense", state="momentum",
+    Entry("samuon", SAMuon, "SAMuon", payload="dense", state="samuon"),
+    Entry("samuon-lite", SAMuon, "SAMuon-lite", payload="dense", state="samuon",
           preset={"top_k": 1, "topk_method": "power"}),
     Entry("dobb", Dobb, "Dobb", payload="dobb", state="dobb", blocks_side="input"),
     Entry("dobb-l2", Dobb, "Dobb-l2", payload="dobb", state="dobb", preset={"norm": "l2"}, blocks_side="input"),
@@ -131,6 +133,10 @@ _ENTRIES = (
     # block Shampoo as DASH does it (tiles within shards: no cross-shard exchange); Shampoo = one tile per matrix
     Entry("dash", Dash, "DASH", payload="none", state="dash"),
     Entry("shampoo", Shampoo, "Shampoo", payload="none", state="dash"),
+    # SOAP (Adam in Shampoo's eigenbases) and Newton-Muon (Muon on G Sigma^-1): whole matrices, not
+    # sharded here; a sharded step would gather each matrix as Muon does, hence "dense"
+    Entry("soap", SOAP, "SOAP", payload="dense", state="soap", blocks_side="input"),
+    Entry("newton-muon", NewtonMuon, "Newton-Muon", payload="dense", state="newton-muon", blocks_side="input"),
 )
 
 OPTIMIZERS: Mapping[str, Entry] = MappingProxyType({e.name: e for e in _ENTRIES})

@@ -341,10 +341,32 @@ def _state_dash(m, n, hp, mn, out_shards, in_shards):
     return 2 * mn + 2 * 4 * sum(k * (r * r + c * c) for k, r, c in tile_specs(ml, nl, int(block)))
 
 
+def _state_samuon(m, n, hp, mn, out_shards, in_shards):  # + the power iteration's warm start (fp32, length n)
+    return mn + (n * 4 if hp["topk_method"] == "power" else 0)
+
+
 STATE_FORMULAS: dict[str, Callable[..., float]] = {
     "adamw": _state_adamw, "momentum": _state_momentum, "momentum+rows": _state_momentum_rows,
-    "dion": _state_dion, "dobb": _state_dobb, "dash": _state_dash,
+    "dion": _state_dion, "dobb": _state_dobb, "samuon": _state_samuon, "dash": _state_dash,
 }
+
+
+def _state_soap(m, n, hp, mn, out_shards, in_shards):
+    """fp32 first and (rotated) second moments, plus fp32 L, R and their bases for every column
+    block on each preconditioned side (whole matrices: SOAP does not shard)."""
+    blocks, limit = int(hp["blocks"]), int(hp["max_precondition_dim"])
+    nb = n // blocks
+    left = m if hp["sides"] in ("both", "output") and m <= limit else 0
+    right = nb if hp["sides"] in ("both", "input") and nb <= limit else 0
+    return 2 * 4 * m * n + blocks * 2 * 4 * (left * left + right * right)
+
+
+def _state_newton_muon(m, n, hp, mn, out_shards, in_shards):  # + fp32 statistic and inverse per block
+    nb = n // int(hp["blocks"])
+    return mn + int(hp["blocks"]) * 2 * 4 * nb * nb
+
+
+STATE_FORMULAS.update({"soap": _state_soap, "newton-muon": _state_newton_muon})
 
 
 def _dtype_bytes(dtype) -> int:

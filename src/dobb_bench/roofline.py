@@ -24,6 +24,9 @@ import time
 from pathlib import Path
 
 import torch
+from dobb.meter import state_bytes  # noqa: F401  (the one measured state size; re-exported)
+
+from .payload import derived_state_bytes
 
 _MATMUL_OPS = ("bmm", "mm", "matmul", "baddbmm", "addmm", "addbmm", "linalg_", "geqrf", "orgqr",
                "householder_product", "cholesky", "triangular_solve", "eigh", "_linalg")
@@ -37,6 +40,16 @@ def _dobb_block_width(n: int, blocks: int) -> float:
 def step_cost(name: str, m: int, n: int, hp: dict | None = None) -> dict:
     """Minimum bytes moved, FLOPs and state bytes of one optimizer step on an ``m x n`` fp32 matrix.
 
+    State bytes: the one derived formula, ``dobb_bench.payload.derived_state_bytes`` (fp32 weights).
+    """
+    cost = _traffic(name, m, n, hp)
+    cost["state_bytes"] = derived_state_bytes(name, m, n, hp)
+    return cost
+
+
+def _traffic(name: str, m: int, n: int, hp: dict | None = None) -> dict:
+    """Minimum bytes moved and FLOPs of one optimizer step on an ``m x n`` fp32 matrix.
+
     Bytes: every weight-sized fp32 buffer the update must read or write once (AdamW: read
     W, G, M, V, write W, M, V = 28 bytes per entry; the Muon family and Dobb: read W, G, M, write
     W, M = 20), plus the small factors (Dobb's bf16 basis, Dion's ``Q``); amortized refresh work is
@@ -47,20 +60,19 @@ def step_cost(name: str, m: int, n: int, hp: dict | None = None) -> dict:
     hp = dict(hp or {})
     N = m * n
     if name in ("torch-adamw", "adamw"):
-        return {"bytes": 28 * N, "flops": 0, "flops_dtype": None, "state_bytes": 8 * N}
+        return {"bytes": 28 * N, "flops": 0, "flops_dtype": None}
     if name in ("torch-muon", "muon"):
         a, b = min(m, n), max(m, n)
         steps = hp.get("ns_steps", 5)
         # Newton-Schulz quintic on the short side: X X^T (2a^2 b), A A (2a^3), (bA + cA^2) X (2a^2 b)
-        return {"bytes": 20 * N, "flops": steps * (4 * a * a * b + 2 * a ** 3), "flops_dtype": "bfloat16",
-                "state_bytes": 4 * N}
+        return {"bytes": 20 * N, "flops": steps * (4 * a * a * b + 2 * a ** 3), "flops_dtype": "bfloat16"}
     if name == "dion":
         r = max(1, round(hp.get("rank_fraction", 1.0) * min(m, n)))
         # P = M Q, R = M^T P (after QR of P), error feedback M -= P R^T, update P R^T: four m n r
         # products, plus the column-normalisation / QR of the m x r and n x r factors
         # Q (fp32) lives on the long axis (this package's orientation), read and written once
         return {"bytes": 20 * N + 8 * max(m, n) * r, "flops": 8 * m * n * r + 4 * (m + n) * r * r,
-                "flops_dtype": "float32", "state_bytes": 4 * N + 4 * max(m, n) * r}
+                "flops_dtype": "float32"}
     if name.startswith("dobb"):
         B, T = hp.get("blocks", 16), hp.get("refresh_every", 9)
         side = "output" if name.startswith("dobb-g") else "input"
@@ -72,7 +84,7 @@ def step_cost(name: str, m: int, n: int, hp: dict | None = None) -> dict:
         refresh_flops = 2 * k * s * s + B * (4 / 3) * s ** 3
         refresh_bytes = 4 * 3 * stat + 2 * 2 * stat  # EMA: read A, new A, write A; basis r/w in bf16
         return {"bytes": 20 * N + 2 * stat + refresh_bytes / T, "flops": 4 * rows * k * s + refresh_flops / T,
-                "flops_dtype": "float32", "state_bytes": 4 * N + 6 * stat}
+                "flops_dtype": "float32"}
     raise ValueError(f"no cost model for optimizer {name!r}")
 
 
@@ -194,19 +206,6 @@ def _matrix_split(opt) -> tuple[list[tuple[int, int]], int]:
             else:
                 other += p.numel()
     return shapes, other
-
-
-def state_bytes(opt) -> int:
-    """Bytes of the tensors in ``optimizer.state`` (each storage once; scalars included)."""
-    seen, total = set(), 0
-    for st in opt.state.values():
-        for v in st.values():
-            if isinstance(v, torch.Tensor):
-                key = (v.untyped_storage().data_ptr(), v.untyped_storage().nbytes())
-                if key not in seen:
-                    seen.add(key)
-                    total += v.untyped_storage().nbytes()
-    return total
 
 
 def classify_profile(events, wall_us: float) -> dict:

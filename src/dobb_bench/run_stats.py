@@ -13,17 +13,11 @@ from pathlib import Path
 import torch
 
 import dobb
+from dobb.meter import state_bytes
 
 
-def _state_bytes(obj) -> int:
-    if isinstance(obj, torch.Tensor):
-        t = obj.to_local() if hasattr(obj, "to_local") else obj
-        return t.numel() * t.element_size()
-    if isinstance(obj, dict):
-        return sum(_state_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_state_bytes(v) for v in obj)
-    return 0
+# the one definition of optimizer state size (dobb.meter.state_bytes), under the name train.py uses
+_state_bytes = state_bytes
 
 
 def _peak_mem_mb(device: torch.device) -> float:

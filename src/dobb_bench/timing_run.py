@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 import dobb
-from dobb.meter import PayloadMeter
+from dobb.meter import PayloadMeter, state_bytes  # state_bytes: the one definition (re-exported)
 
 from .cli import CliError
 from .matrices import DistContext, MatrixBank, init_distributed
@@ -126,30 +126,6 @@ def _rss_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError):
         return 0
-
-
-def state_bytes(opt: torch.optim.Optimizer) -> int:
-    """Bytes of the (local) tensors in the optimizer state, each storage counted once."""
-    seen, total = set(), 0
-
-    def visit(v):
-        nonlocal total
-        if isinstance(v, torch.Tensor):
-            t = v.to_local() if hasattr(v, "to_local") else v
-            key = (t.device, t.untyped_storage().data_ptr())
-            if key not in seen:
-                seen.add(key)
-                total += t.untyped_storage().nbytes()
-        elif isinstance(v, dict):
-            for x in v.values():
-                visit(x)
-        elif isinstance(v, (list, tuple)):
-            for x in v:
-                visit(x)
-
-    for st in opt.state.values():
-        visit(st)
-    return total
 
 
 class _Timer:

@@ -1,4 +1,5 @@
 """The benchmark's GPT: shapes, causality, fused/separate QKV parity, tied head, seeded init."""
+import copy
 import math
 
 import pytest
@@ -52,7 +53,10 @@ def test_fused_and_separate_qkv_agree(tiny_model_cfg):
 def test_tied_head_shares_storage(tiny_model_cfg):
     tied = GPT(tiny_model_cfg)
     assert tied.head.weight is tied.wte.weight
-    assert tied.head.weight.data_ptr() == tied.wte.weight.data_ptr()
+    # the tie survives what checkpoints and worker processes do to a model (copy, state-dict load)
+    for again in (copy.deepcopy(tied), GPT(tiny_model_cfg)):
+        again.load_state_dict(tied.state_dict())
+        assert again.head.weight is again.wte.weight
     untied = GPT(ModelConfig(**{**tiny_model_cfg.to_dict(), "tied": False}))
     assert untied.head.weight.data_ptr() != untied.wte.weight.data_ptr()
     assert untied.num_params() - tied.num_params() == 256 * tiny_model_cfg.width

@@ -1,9 +1,13 @@
 """The main job's reading aids: block widths, gap closure, the plain-words summary, provenance,
 parallel isolated runs (issue 14 items 1, 3, 6)."""
 import json
+import os
+import subprocess
 
 import pytest
+import torch
 
+from dobb_bench import provenance as provenance_module
 from dobb_bench import report
 from dobb_bench.cli import main
 from dobb_bench.provenance import git_state, provenance
@@ -49,9 +53,28 @@ def test_gap_closure_and_summary():
 def test_provenance_names_revision_machine_and_command():
     p = provenance(["/x/dobb_bench/cli.py", "compare", "--steps", "5"])
     assert p["command"] == "dobb-bench compare --steps 5"
-    assert len(p["git_rev"]) == 40 and isinstance(p["git_dirty"], bool)
-    assert p["torch"].startswith("2.") and p["machine"]["cpu"] and p["machine"]["cpu_count"] >= 1
+    assert p["torch"] == torch.__version__ and p["machine"]["cpu_count"] == os.cpu_count()
     assert git_state() == {"git_rev": p["git_rev"], "git_dirty": p["git_dirty"]}
+
+
+def test_git_state_follows_tracked_edits_only(tmp_path, monkeypatch):
+    """In a scratch repository: the revision is git's own, a tracked edit makes the tree dirty, an
+    untracked file (a run output) does not."""
+    def git(*args):
+        return subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True, text=True).stdout
+
+    git("init", "-q")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("add", "code.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "c")
+    monkeypatch.setattr(provenance_module, "_SRC", tmp_path)
+    state = git_state.__wrapped__  # uncached (the cached one holds the session's checkout)
+    rev = git("rev-parse", "HEAD").strip()
+    assert state() == {"git_rev": rev, "git_dirty": False}
+    (tmp_path / "run.jsonl").write_text("{}\n")
+    assert state() == {"git_rev": rev, "git_dirty": False}
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert state() == {"git_rev": rev, "git_dirty": True}
 
 
 def test_parallel_isolated_runs_equal_sequential(tmp_path, text_dir, cache_dir, capsys):

@@ -87,10 +87,14 @@ def test_constructor_seeded_and_ordered():
     assert M.spectrum_with_effective_rank(5, 1.0) == pytest.approx(torch.ones(5, dtype=torch.float64))
 
 
-@pytest.mark.parametrize("bad", [torch.zeros(3, 3), torch.ones(3), torch.ones(2, 2, 2),
-                                 torch.empty(0, 3), [[1.0]], torch.tensor([[float("nan")]])])
-def test_orthogonality_rejects(bad):
-    with pytest.raises(ValueError, match="O"):
+@pytest.mark.parametrize("bad,why", [(torch.zeros(3, 3), "O must be nonzero"),
+                                     (torch.ones(3), r"O must be a 2-D torch.Tensor, got torch.Size\(\[3\]\)"),
+                                     (torch.ones(2, 2, 2), "O must be a 2-D torch.Tensor, got torch.Size"),
+                                     (torch.empty(0, 3), r"O must be non-empty, got shape \(0, 3\)"),
+                                     ([[1.0]], "O must be a 2-D torch.Tensor, got list"),
+                                     (torch.tensor([[float("nan")]]), "O must be finite")])
+def test_orthogonality_rejects(bad, why):
+    with pytest.raises(ValueError, match=f"^{why}"):
         M.orthogonality(bad)
 
 
@@ -98,7 +102,7 @@ def test_other_errors():
     for bad in (torch.zeros(4), torch.tensor([1.0, -1.0]), torch.ones(2, 2), torch.tensor([])):
         with pytest.raises(ValueError, match="values"):
             M.effective_rank(bad)
-    with pytest.raises(ValueError, match="A"):
+    with pytest.raises(ValueError, match=r"^A must be square, got shape \(2, 3\)"):
         M.effective_rank_of_psd(torch.ones(2, 3))
     for t in (0.0, 0.1, 1.5, float("nan")):  # 0.1 <= 1/10 is unreachable for k = 10
         with pytest.raises(ValueError, match="target_fraction"):

@@ -8,7 +8,9 @@ from torch import nn
 
 from dobb_bench import payload as P
 from dobb_bench.shapes import matrix_shapes
-from dobb_bench.timing_run import state_bytes
+import dobb
+from dobb import registry
+from dobb.meter import state_bytes
 
 
 def test_dion_is_rank_times_m_plus_n():
@@ -137,3 +139,41 @@ def test_derived_state_matches_the_library_buffers():
     assert P.derived_state_bytes("dobb", 8, 12, {"blocks": 4}, in_shards=2) == 96 * 2 + 12 * 3 * 3
     assert math.isclose(P.derived_state_bytes("dobb", 1600, 1600, {"blocks": 16}) - 1600 * 1600 * 4,
                         6 * 1600**2 / 16)  # Table 18's 6 n^2 / B
+
+
+def test_every_registry_entry_has_its_formulas_and_a_payload_name():
+    for name, entry in registry.OPTIMIZERS.items():
+        assert entry.payload in P.PAYLOAD_FORMULAS and entry.state in P.STATE_FORMULAS, name
+        assert P.canonical_name(name) == name
+    assert set(P.PAYLOAD_NAMES) == set(registry.OPTIMIZER_NAMES) | set(P.PLACEMENT_NAMES)
+
+
+@pytest.mark.parametrize("name", list(registry.OPTIMIZER_NAMES))
+def test_derived_state_of_every_optimizer_is_its_allocated_buffers(name):
+    """The state formula a registry entry names, against what its optimizer holds after two steps
+    (0-dim step counters aside: the formulas count buffers per matrix)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 8, bias=False), nn.Linear(8, 12, bias=False))  # two matrices, both ways
+    opt = dobb.build_optimizer(name, model, lr=1e-3)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(16, 12)).square().mean().backward()
+        opt.step()
+    scalars = sum(v.untyped_storage().nbytes() for st in opt.state.values() for v in st.values()
+                  if isinstance(v, torch.Tensor) and v.dim() == 0)
+    assert state_bytes(opt) - scalars == sum(P.derived_state_bytes(name, m, n) for m, n in [(8, 12), (12, 8)])
+
+
+def test_state_bytes_counts_each_storage_once():
+    """The one state-size definition (dobb.meter.state_bytes) against storages counted by hand:
+    a view counts its base once, lists and nested dicts are searched, Python numbers are not."""
+    base, other = torch.zeros(10, 6), torch.zeros(3, dtype=torch.float64)
+    state = {0: {"a": base, "b": base[2:], "c": [other, 3], "d": {"e": base.t()}, "step": torch.tensor(1.0)}}
+    assert state_bytes(state) == 10 * 6 * 4 + 3 * 8 + 4
+
+    class Opt(torch.optim.SGD):
+        pass
+
+    opt = Opt([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    opt.state.update(state)
+    assert state_bytes(opt) == state_bytes(opt.state) == state_bytes(state)

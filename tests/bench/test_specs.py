@@ -48,3 +48,11 @@ def test_timing_and_payload_read_the_same_grammar():
     with pytest.raises(ValueError, match="':'"):
         payload_command.payload_rows(["dion:rank_fraction=1/16,qr=rcqr"], [("a", (8, 16))], "output", 4)
     assert specs.PRETTY["dobb-g"] == "Dobb-G"
+
+
+def test_display_names_are_the_registry_labels():
+    import dobb
+
+    assert specs.PRETTY == {n: e.label for n, e in dobb.registry.OPTIMIZERS.items()}
+    assert parse_spec("dobb-g-l2:blocks=4").label == dobb.registry.get("dobb-g-l2").label + " B=4"
+    assert set(timing_run.DOBB_NAMES) == {n for n, e in dobb.registry.OPTIMIZERS.items() if issubclass(e.cls, dobb.Dobb)}

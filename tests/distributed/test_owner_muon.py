@@ -36,8 +36,9 @@ CASES = [((12, 20), 0), ((12, 20), 0), ((12, 20), 0), ((18, 10), 0), ((10, 18), 
 
 
 def chunks(length, parts):
-    c = -(-length // parts)
-    return [max(0, min(c, length - i * c)) for i in range(parts)]
+    """DTensor Shard sizes from torch.chunk itself (it drops trailing empty chunks: pad them back)."""
+    sizes = [len(c) for c in torch.arange(length).chunk(parts)]
+    return sizes + [0] * (parts - len(sizes))
 
 
 def weights_and_grads(shape, seed):

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .._dtensor import is_dtensor
 from .muon import Muon, ns_options
 from .newton_schulz import orthogonalize
 
@@ -54,11 +55,6 @@ def balance_owners(costs: list[int], world: int, loads: list[int] | None = None)
         owners[i] = r
         loads[r] += costs[i]
     return owners
-
-
-def _chunks(length: int, parts: int) -> list[int]:
-    chunk = -(-length // parts)  # torch.chunk / DTensor Shard sizes: trailing shards short or empty
-    return [max(0, min(chunk, length - i * chunk)) for i in range(parts)]
 
 
 def _wire_dtype(u_dtype: torch.dtype, ns_dtype: torch.dtype) -> torch.dtype:
@@ -93,7 +89,7 @@ class OwnerMuon(Muon):
 
     def _route(self, p: Tensor):
         """``("shard", pg, dim)``, ``("replicated", pg)``, ``("local",)`` or ``("gather", why)``."""
-        if type(p).__name__ != "DTensor":
+        if not is_dtensor(p):
             pg = self._replicated_pg()
             return ("local",) if pg is None or dist.get_world_size(pg) == 1 else ("replicated", pg)
         from torch.distributed.tensor import Replicate, Shard
@@ -145,7 +141,9 @@ class OwnerMuon(Muon):
         owners = balance_owners([ns_cost(p.shape) for p, _, _ in items], world)
         for (p, _, _), r in zip(items, owners):
             self.owners[p] = r
-        sizes = [_chunks(p.shape[d], world) for p, _, d in items]
+        from ..sharding import chunk_sizes  # DTensor Shard sizes; sharding loads torch.distributed.tensor
+
+        sizes = [chunk_sizes(p.shape[d], world) for p, _, d in items]
 
         def shard_shape(j, r):
             p, _, d = items[j]
