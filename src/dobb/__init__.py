@@ -8,6 +8,8 @@ splits a model between a matrix optimizer and AdamW.
 from . import functional, registry
 from .baselines import RMNP, BlockMuon, Dion, Dion2, Dion3, Muon, NorMuon, OwnerMuon, PeriodicRowMuon, SAMuon
 from .baselines.dash import Dash, Shampoo
+from .baselines.newton_muon import NewtonMuon
+from .baselines.soap import SOAP
 from .dobb import Dobb
 from .factory import OPTIMIZER_NAMES, build_optimizer, valid_hparams
 from .groups import param_groups, split_parameters
@@ -16,4 +18,5 @@ __all__ = ["Dobb", "Muon", "Dion", "RMNP", "PeriodicRowMuon", "BlockMuon", "Dion
            "OwnerMuon", "SAMuon", "build_optimizer", "valid_hparams", "OPTIMIZER_NAMES", "param_groups",
            "split_parameters", "functional", "registry"]
 __all__ += ["Dash", "Shampoo"]
+__all__ += ["SOAP", "NewtonMuon"]
 __version__ = "0.1.0"

@@ -30,6 +30,8 @@ from .baselines import RMNP, BlockMuon, Dion, Dion2, Dion3, Muon, NorMuon, Owner
 from .baselines.dash import Dash, Shampoo
 from .baselines.newton_muon import NewtonMuon
 from .baselines.soap import SOAP
+from .baselines.newton_muon import NewtonMuon
+from .baselines.soap import SOAP
 from .dobb import Dobb
 
 __all__ = ["Entry", "OPTIMIZERS", "OPTIMIZER_NAMES", "GROUPING_KEYS", "get", "valid_hparams",
@@ -133,6 +135,10 @@ _ENTRIES = (
     # block Shampoo as DASH does it (tiles within shards: no cross-shard exchange); Shampoo = one tile per matrix
     Entry("dash", Dash, "DASH", payload="none", state="dash"),
     Entry("shampoo", Shampoo, "Shampoo", payload="none", state="dash"),
+    # SOAP (Adam in Shampoo's eigenbases) and Newton-Muon (Muon on G Sigma^-1): whole matrices, not
+    # sharded here; a sharded step would gather each matrix as Muon does, hence "dense"
+    Entry("soap", SOAP, "SOAP", payload="dense", state="soap", blocks_side="input"),
+    Entry("newton-muon", NewtonMuon, "Newton-Muon", payload="dense", state="newton-muon", blocks_side="input"),
     # SOAP (Adam in Shampoo's eigenbases) and Newton-Muon (Muon on G Sigma^-1): whole matrices, not
     # sharded here; a sharded step would gather each matrix as Muon does, hence "dense"
     Entry("soap", SOAP, "SOAP", payload="dense", state="soap", blocks_side="input"),
