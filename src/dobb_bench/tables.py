@@ -252,6 +252,17 @@ TABLES.update({name: (lambda name=name: _operating_point_tables()[name]())
                for name in ("operating-point", "robust-headline", "block-width-robust")})
 
 
+def _family_dash_tables():
+    """Issue 24's DASH tables: generators in ``family_dash``."""
+    from . import family_dash
+
+    return family_dash.TABLES
+
+
+TABLES.update({name: (lambda name=name: _family_dash_tables()[name]())
+               for name in ("family-dash", "family-dash-lr", "family-dash-pairs")})
+
+
 # ----- plots from records ---------------------------------------------------------------------------
 LAYOUTS = (("output", "FSDP: output axis (rows) sharded over 4 ranks"),
            ("input", "input axis (columns) sharded over 4 ranks, B a multiple of 4"))
