@@ -73,8 +73,9 @@ def split_specs(text: str) -> list[str]:
     return [p for p in (s.strip() for s in parts) if p]
 
 
-def build_optimizer(name: str, hparams: dict, lr: float, weight_decay: float, model):
-    """Module-level (picklable) factory: ``functools.partial(build_optimizer, ...)(model)``."""
+def make_optimizer(name: str, hparams: dict, lr: float, weight_decay: float, model):
+    """Module-level (picklable) factory: ``functools.partial(make_optimizer, ...)(model)`` calls
+    ``dobb.build_optimizer`` (the one builder) with the model last."""
     import dobb  # the library's public entry point is the only way optimizers are made
 
     return dobb.build_optimizer(name, model, lr=lr, weight_decay=weight_decay, **hparams)
@@ -87,7 +88,7 @@ def validate_spec(spec: OptimizerSpec, model_cfg: ModelConfig | None = None) -> 
                                                                                  seq_len=8)
     probe = GPT(cfg)
     try:
-        opt = build_optimizer(spec.name, spec.hparams, 1e-3, 0.0, probe)
+        opt = make_optimizer(spec.name, spec.hparams, 1e-3, 0.0, probe)
     except (ValueError, TypeError, KeyError) as exc:
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CliError(f"optimizer {spec.label!r}: {msg}") from None
@@ -198,7 +199,7 @@ def _run_one(spec: OptimizerSpec, lr: float, model_cfg, train_cfg, corpus, run_d
     meta = {"run": spec.label, "optimizer": spec.name, "hparams": {k: str(v) for k, v in spec.hparams.items()},
             "lr": lr, "weight_decay": train_cfg.weight_decay,
             "provenance": prov}  # the parent's command line, not a spawned child's
-    factory = functools.partial(build_optimizer, spec.name, spec.hparams, lr, train_cfg.weight_decay)
+    factory = functools.partial(make_optimizer, spec.name, spec.hparams, lr, train_cfg.weight_decay)
     return run_training(model_cfg, replace(train_cfg, lr=lr), corpus, factory, out_dir=run_dir, meta=meta,
                         progress=progress, resume=resume, env=env, keep_checkpoint=keep_checkpoint,
                         stop_after=stop_after)

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from dobb_bench.commands_train import build_optimizer
+from dobb_bench.commands_train import make_optimizer
 from dobb_bench.data import load_corpus
 from dobb_bench.model import ModelConfig
 import torch
@@ -29,7 +29,7 @@ def main():
     model_cfg = ModelConfig(layers=2, width=32, heads=2, seq_len=32)
     results = {}
     for name, hp in SPECS.items():
-        factory = functools.partial(build_optimizer, name, hp, 3e-3, 0.1)
+        factory = functools.partial(make_optimizer, name, hp, 3e-3, 0.1)
         for mode in ("ddp", "fsdp"):
             cfg = TrainConfig(steps=6, batch_size=4, eval_every=3, eval_seqs=8, warmup=2, dist=mode)
             env = setup_dist(mode)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from dobb_bench.commands_train import build_optimizer
+from dobb_bench.commands_train import make_optimizer
 from dobb_bench.model import ModelConfig
 from dobb_bench.train import TrainConfig, run_training
 
@@ -40,7 +40,7 @@ def test_ddp_and_fsdp_match_single_process(tmp_path, text_dir, cache_dir, corpus
     model_cfg = ModelConfig(layers=2, width=32, heads=2, seq_len=32)
     cfg = TrainConfig(steps=6, batch_size=4, eval_every=3, eval_seqs=8, warmup=2)
     for name, hp in SPECS.items():
-        single = run_training(model_cfg, cfg, corpus, functools.partial(build_optimizer, name, hp, 3e-3, 0.1))
+        single = run_training(model_cfg, cfg, corpus, functools.partial(make_optimizer, name, hp, 3e-3, 0.1))
         for mode in ("ddp", "fsdp"):
             got = curves[f"{name}-{mode}"]
             assert got["train"] == pytest.approx(single["train_losses"], rel=TOL[name]), (name, mode)

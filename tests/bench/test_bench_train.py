@@ -128,9 +128,9 @@ def test_library_optimizer_resume_equals_uninterrupted(tmp_path, corpus, tiny_mo
     """Checkpoints must carry the library's state (momentum, statistics, bases, step counters)."""
     import functools
 
-    from dobb_bench.commands_train import build_optimizer
+    from dobb_bench.commands_train import make_optimizer
 
-    factory = functools.partial(build_optimizer, name, hp, 3e-3, 0.1)
+    factory = functools.partial(make_optimizer, name, hp, 3e-3, 0.1)
     cfg = replace(tiny_train_cfg, micro_batches=2, steps=7, eval_every=3)
     full = run_training(tiny_model_cfg, cfg, corpus, factory)
     run_training(tiny_model_cfg, cfg, corpus, factory, out_dir=tmp_path, stop_after=3)
