@@ -14,6 +14,8 @@ from pathlib import Path
 
 import dobb.registry
 
+from .specs import parse_value
+
 
 def _fmt(x, spec: str) -> str:
     if x is None or (isinstance(x, float) and not math.isfinite(x)):
@@ -166,17 +168,9 @@ def plot_payload(finals: list[dict], shapes: list[tuple[int, int]], path: Path) 
 
 
 def _typed(hparams: dict) -> dict:
-    """Hyperparameters come back from JSON as strings; turn numbers back into numbers."""
-    out = {}
-    for k, v in hparams.items():
-        try:
-            out[k] = int(v)
-        except (TypeError, ValueError):
-            try:
-                out[k] = float(v)
-            except (TypeError, ValueError):
-                out[k] = v
-    return out
+    """Hyperparameters come back from JSON as strings: typed again by the spec grammar's one rule
+    (``dobb_bench.specs.parse_value``: ``"4"`` -> 4, ``"True"`` -> True, ``"torch.float32"`` -> dtype)."""
+    return {k: parse_value(k, v) if isinstance(v, str) else v for k, v in hparams.items()}
 
 
 # ----- normalised reading of a loss table ----------------------------------------------------------
@@ -259,7 +253,8 @@ def plain_summary(finals: list[dict], shapes: list[tuple[int, int]], noise: floa
 
     lines = [f"Summary (one seed; differences under {noise:g} nats are within noise):"]
     for k, f in rows.items():
-        if not f["optimizer"].startswith("dobb"):
+        entry = dobb.registry.OPTIMIZERS.get(f["optimizer"])
+        if entry is None or not entry.refreshes:  # the summary reads the Dobb family's rows
             continue
         x = loss[k]
         if x == math.inf:
