@@ -3,6 +3,7 @@ optimized by Dobb (same weights, same routed tokens through ``capture``, or grad
 and the float64 second moment of each expert's routed tokens."""
 from __future__ import annotations
 
+import inspect
 import io
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from torch import nn
 
 import dobb
-from dobb.factory import _MATRIX
+from dobb import registry
 
 D, H, E, T = 8, 12, 3, 48
 F64 = dict(basis_dtype=torch.float64, stat_dtype=torch.float64)
@@ -221,10 +222,12 @@ def test_output_grad_source_refuses_stacks():
         dobb.Dobb([{"params": [("moe.w", model.w)]}], model, lr=0.01, side="output", source="output_grad")
 
 
-@pytest.mark.parametrize("name", [n for n, (cls, _) in _MATRIX.items() if cls is not dobb.Dobb])
+@pytest.mark.parametrize("name", [n for n, e in registry.OPTIMIZERS.items() if e.is_matrix and not e.cls._expert_stacks])
 def test_baselines_refuse_stacks_naming_the_way_out(name):
-    cls, preset = _MATRIX[name]
+    cls, preset = registry.get(name).cls, dict(registry.get(name).preset)
     w = nn.Parameter(torch.randn(E, H, D))
+    if "model" in inspect.signature(cls.__init__).parameters:  # classes that hook the model's layers
+        preset["model"] = nn.ParameterList([w])
     with pytest.raises(ValueError, match=r"moe\.w is a 3-D expert stack .*Dobb.*'adamw' group"):
         cls([("moe.w", w)], lr=0.01, **preset)
 
