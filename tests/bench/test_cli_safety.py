@@ -55,6 +55,7 @@ def test_user_error_is_one_line_exit_2_from_every_entry_point(entry, data):
     one_line_error(proc, "dobb-bench train: error:", "nosuchopt")
 
 
+@pytest.mark.slow  # a torchrun launch, like the other multi-process bench tests
 def test_torchrun_without_dist_is_refused_once(tmp_path, data):
     """Two processes with --dist none would each train the whole model as "rank 0" into the same
     files; refused, and only rank 0 says so (one line from us, not one per rank)."""
@@ -133,6 +134,7 @@ def test_finished_train_run_is_not_replaced_by_other_settings(tmp_path, data):
     out = tmp_path / "tr"
     base = ["train", "--optimizer", "adamw", *map(str, data), "--out", str(out), *SMALL]
     assert main(base) == 0
+    assert main(base) == 0  # the same command again: the finished run is kept, not refused
     before = _snapshot(out)
     # --eval-seqs is outside the checkpoint's fingerprint: the finished run used to be re-finalised
     # with the new evaluation set and its record replaced
