@@ -252,6 +252,16 @@ TABLES.update({name: (lambda name=name: _operating_point_tables()[name]())
                for name in ("operating-point", "robust-headline", "block-width-robust")})
 
 
+def _two_sided_tables():
+    """Issue 25's tables (two-sided Dobb): generators in ``two_sided``."""
+    from . import two_sided
+
+    return two_sided.TABLES
+
+
+TABLES.update({name: (lambda name=name: _two_sided_tables()[name]()) for name in ("two-sided", "two-sided-lr")})
+
+
 def _family_dash_tables():
     """Issue 24's DASH tables: generators in ``family_dash``."""
     from . import family_dash
