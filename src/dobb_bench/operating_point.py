@@ -201,7 +201,7 @@ def operating_table() -> tuple[str, list[dict]]:
         seeds = "—" if not s else f"{s['n']}" + (f" ({', '.join(map(str, s['stuck']))} stuck)" if s["stuck"] else "")
         loss = "—" if not s else _f(s["median"])
         ms = "—" if not s else (f"{s['mean']:.3f} ± {s['std']:.3f}" if s["std"] is not None else _f(s["mean"]))
-        g = "—" if r["gap"] is None or r["row"] in ("AdamW", "Muon") else f"{100 * r['gap']:.0f}%"
+        g = "—" if r["gap"] is None or r["row"].startswith(("AdamW", "Muon")) else f"{100 * r['gap']:.0f}%"
         lp = "not timed" if r["loop_ms"] is None else f"{r['loop_ms']:.2f} [{_f(r['loop_x'], '.2f')}]"
         fs = "not timed" if r["fsdp_ms"] is None else f"{r['fsdp_ms']:.1f}"
         mark = {True: "**yes**", False: "no", None: "—"}
