@@ -19,7 +19,7 @@ from .records import ROOT
 
 FIGURE = re.compile(r"(?<![\w.])\d+(?:\.\d+)?\s?(?:ms\b|s/step|s\b|nats?\b|%|x\b|×|GB/s|GFLOP/s|MB\b|tok/s)")
 SOURCE = re.compile(r"docs/results/|results/[\w./-]+\.(?:jsonl?|md)|\.jsonl?\b|<!-- table:|records?/|"
-                    r"[Rr]ecords?:|not measured here", re.S)
+                    r"[Rr]ecords?:|in the (?:run )?records|not measured here", re.S)
 _TABLE = re.compile(r"<!-- table:[\w.-]+ -->\n.*?<!-- /table -->", re.S)
 _FENCE = re.compile(r"^```.*?^```", re.S | re.M)
 
