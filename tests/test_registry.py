@@ -66,6 +66,14 @@ def test_names_and_labels_are_unique_and_every_class_is_exported():
     assert dobb.OPTIMIZER_NAMES == registry.OPTIMIZER_NAMES
 
 
+def test_a_name_or_label_declared_twice_is_refused():
+    muon = registry.get("muon")
+    with pytest.raises(ValueError, match="'muon'.*declared twice"):
+        registry._index((muon, muon))
+    with pytest.raises(ValueError, match="label 'Muon'.*declared twice"):
+        registry._index((muon, registry.Entry("muon2", muon.cls, "Muon", payload="dense", state="momentum")))
+
+
 def test_presets_are_read_only():
     with pytest.raises(TypeError):
         registry.get("dobb-l2").preset["norm"] = "sign"

@@ -30,8 +30,6 @@ from .baselines import RMNP, BlockMuon, Dion, Dion2, Dion3, Muon, NorMuon, Owner
 from .baselines.dash import Dash, Shampoo
 from .baselines.newton_muon import NewtonMuon
 from .baselines.soap import SOAP
-from .baselines.newton_muon import NewtonMuon
-from .baselines.soap import SOAP
 from .dobb import Dobb
 
 __all__ = ["Entry", "OPTIMIZERS", "OPTIMIZER_NAMES", "GROUPING_KEYS", "get", "valid_hparams",
@@ -139,13 +137,23 @@ _ENTRIES = (
     # sharded here; a sharded step would gather each matrix as Muon does, hence "dense"
     Entry("soap", SOAP, "SOAP", payload="dense", state="soap", blocks_side="input"),
     Entry("newton-muon", NewtonMuon, "Newton-Muon", payload="dense", state="newton-muon", blocks_side="input"),
-    # SOAP (Adam in Shampoo's eigenbases) and Newton-Muon (Muon on G Sigma^-1): whole matrices, not
-    # sharded here; a sharded step would gather each matrix as Muon does, hence "dense"
-    Entry("soap", SOAP, "SOAP", payload="dense", state="soap", blocks_side="input"),
-    Entry("newton-muon", NewtonMuon, "Newton-Muon", payload="dense", state="newton-muon", blocks_side="input"),
 )
 
-OPTIMIZERS: Mapping[str, Entry] = MappingProxyType({e.name: e for e in _ENTRIES})
+
+
+def _index(entries: tuple[Entry, ...]) -> Mapping[str, Entry]:
+    """``{name: entry}``; a name or label declared twice is an error (two engineers adding the same
+    optimizer, or a copy-paste, would otherwise silently keep the last one)."""
+    out: dict[str, Entry] = {}
+    for e in entries:
+        clash = next((o for o in out.values() if o.label == e.label), None)
+        if e.name in out or clash is not None:
+            raise ValueError(f"optimizer {e.name!r} (label {e.label!r}) is declared twice in dobb.registry")
+        out[e.name] = e
+    return MappingProxyType(out)
+
+
+OPTIMIZERS: Mapping[str, Entry] = _index(_ENTRIES)
 OPTIMIZER_NAMES: tuple[str, ...] = tuple(OPTIMIZERS)
 
 

@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _common import (D, Net, checker, data, full_params, make_opt, max_diff, per_rank, reference,
                      same_on_all_ranks, stats, train)
+from _compare import full
 from _spawn import free_port, spawn
 from dobb.meter import PayloadMeter
 
@@ -56,8 +57,7 @@ def _no_guess(rank, world):
 def _snapshot(model, opt):
     state = [opt.state[p][k] for g in opt.param_groups for p in g["params"] for k in sorted(opt.state[p])
              if isinstance(opt.state[p][k], torch.Tensor)]
-    return {"params": full_params(model), "state": [s.full_tensor() if hasattr(s, "full_tensor") else s.clone()
-                                                    for s in state]}
+    return {"params": full_params(model), "state": [full(s).clone() for s in state]}
 
 
 def _nonfinite(rank, world, variant, gradless_others=False):

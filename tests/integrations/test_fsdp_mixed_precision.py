@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+from _compare import full  # noqa: E402
 from _spawn import spawn  # noqa: E402
 
 D, H, ROWS = 16, 32, 8  # rows per rank
@@ -56,7 +57,7 @@ def _worker(rank, world):
         gram = xs.T @ xs
         dist.all_reduce(gram)
         ref = gram / (xs.shape[0] * world)
-        stat = st["stat"].full_tensor() if hasattr(st["stat"], "full_tensor") else st["stat"]
+        stat = full(st["stat"])
         half = ref.shape[0] // 2
         blocks = torch.cat([ref[:half, :half], ref[half:, half:]])
         out["checks"].append(((stat.double() - blocks).abs().max().item(), blocks.abs().max().item()))
