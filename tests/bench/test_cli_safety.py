@@ -282,6 +282,19 @@ def test_ctrl_c_stops_compare_and_its_child_with_one_line(tmp_path, data):
     assert _checkpoint_step(out / "runs" / "AdamW" / "checkpoint.pt") >= 1
 
 
+def test_ctrl_c_stops_an_in_process_compare_with_one_line(tmp_path, data):
+    out = tmp_path / "cmp"
+    proc = _start(["compare", "--optimizers", "adamw", "--no-isolate", *data, *LONG, "--out", out], tmp_path)
+    _wait_for(out / "runs" / "AdamW" / "metrics.jsonl", proc)
+    time.sleep(1.0)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    one_line_error(subprocess.CompletedProcess([], proc.returncode, "", err), "interrupted: run 'AdamW' stopped after step",
+                   f"with a checkpoint in {out / 'runs' / 'AdamW'}", "rerun the same command to resume", code=130)
+    step = int(err.split("after step ")[1].split(" ")[0])
+    assert step >= 1 and _checkpoint_step(out / "runs" / "AdamW" / "checkpoint.pt") == step
+
+
 def test_sigkilled_compare_parent_takes_its_child_down(tmp_path, data):
     out = tmp_path / "cmp"
     proc = _start(["compare", "--optimizers", "adamw", "--isolate", "--jobs", "1", *data, *LONG, "--out", out],
