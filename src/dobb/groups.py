@@ -32,7 +32,14 @@ from collections.abc import Callable
 from torch import nn
 
 DEFAULT_HEAD_NAMES = ("head", "lm_head", "output", "classifier", "out_proj_vocab")
-STACK_ALGORITHMS = ("dobb",)  # algorithms whose optimizer takes 3-D expert stacks
+
+
+def takes_expert_stacks(algorithm: str) -> bool:
+    """Whether the optimizer of ``algorithm`` (a class' ``algorithm``) takes 3-D expert stacks: its
+    class says so (``_expert_stacks``), as declared in ``dobb.registry``."""
+    from .registry import OPTIMIZERS  # at call time: the registry imports every class, and a class may import this module
+
+    return any(e.is_matrix and e.cls.algorithm == algorithm and e.cls._expert_stacks for e in OPTIMIZERS.values())
 
 
 def is_expert_stack(name: str, module: nn.Module, p: nn.Parameter, experts=()) -> bool:
@@ -118,7 +125,7 @@ def param_groups(model: nn.Module, algorithm: str = "dobb", *, head_names=DEFAUL
     ``weight_decay=0``. ``None``: all of them decay. Matrices always decay (the paper's protocol).
     """
     matrix, other = split_parameters(model, head_names=head_names, is_matrix=is_matrix, experts=experts,
-                                     stacks=algorithm in STACK_ALGORITHMS)
+                                     stacks=takes_expert_stacks(algorithm))
     transposed = transposed_parameters(model)
     groups = []
     plain = [np for np in matrix if id(np[1]) not in transposed]
