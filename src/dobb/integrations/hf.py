@@ -22,8 +22,8 @@ from typing import Any
 
 from transformers import Trainer
 
-from ..factory import build_optimizer
 from .. import registry
+from ..factory import build_optimizer
 
 __all__ = ["DobbTrainer"]
 
