@@ -1,4 +1,4 @@
-"""Baseline matrix optimizers under the shared update-scale protocol (SPEC section 2, Table 9).
+"""Baseline matrix optimizers under the shared update-scale protocol (the paper's Table 9; docs/baselines.md).
 
 Every class is a ``dobb._base.MatrixOptimizer``: param groups with ``"algorithm": "adamw"`` run
 torch's AdamW kernel, the others the class' matrix update, applied as

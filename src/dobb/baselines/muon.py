@@ -3,7 +3,7 @@
 Step for a matrix ``W`` (``m x n``), exactly ``torch.optim.Muon(adjust_lr_fn="match_rms_adamw")``
 when ``tau = 0.2`` (tests compare weights bitwise after several steps):
 
-1. ``buf <- buf + (1 - mu) (G - buf)`` (torch's EMA momentum; the SPEC's ``mu M + G`` differs by
+1. ``buf <- buf + (1 - mu) (G - buf)`` (torch's EMA momentum; the paper's ``mu M + G`` (docs/algorithm.md) differs by
    the constant factor ``1 - mu``, which orthogonalization removes);
 2. ``U = G + mu (buf - G)`` with Nesterov (default, as torch), else ``U = buf``;
 3. ``O = NS5(U)`` (``||O||_F^2 ~ min(m, n)``, Table 9);
