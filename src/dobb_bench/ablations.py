@@ -77,7 +77,7 @@ def run_study(name: str, args) -> str:
     seeds = list(range(args.seed, args.seed + args.seeds))
     specs = [parse_spec(s) for s, _ in rows]
     for spec in specs:
-        validate_spec(spec)
+        validate_spec(spec, model_cfg)  # on the real model's widths, not a probe's
     out = Path(args.out or "bench-out/ablate")
     jobs = [(spec, seed) for spec in specs for seed in seeds]
 

@@ -201,6 +201,50 @@ def width_table(recs: list[dict]) -> str:
     return "\n".join(rows) + "\n" + setting_line(recs)
 
 
+VARIANT_ORDER = ["Muon-fp32", "NorMuon-fp32", "CMuon-fp32", "SAMuon-fp32", "SAMuon-lite-fp32"]
+
+
+def _variant_records() -> list[dict]:
+    """Study ``muon-variants`` plus the committed Muon-fp32 / NorMuon-fp32 runs of the same setting
+    (studies muon-fp32, own-lr, headline), one record per (label, lr, seed)."""
+    recs = {}
+    for study in ("muon-fp32", "own-lr", "headline", "muon-variants"):
+        for r in R.load(study):
+            if study == "muon-variants" or r["run"] in VARIANT_ORDER[:2]:
+                recs[(r["run"], round(r["lr"], 12), r["seed"])] = r
+    return list(recs.values())
+
+
+def variants_table(recs: list[dict], ref: str = "Muon-fp32") -> str:
+    """Seed-0 loss per lr, the best seed-0 lr, every seed there, and the difference from ``ref`` at
+    its own best lr (beyond noise: over 2 std of the noisier row, 0.1 nats for a one-seed row)."""
+    by = _group(recs, lambda r: r["run"])
+    labels = [k for k in VARIANT_ORDER if k in by] + [k for k in by if k not in VARIANT_ORDER]
+    lrs = sorted({round(r["lr"], 12) for r in recs if r["seed"] == 0})
+    best, at_best = {}, {}
+    for label in labels:
+        s0 = {lr: _loss(r) for r in by[label] if r["seed"] == 0 for lr in [round(r["lr"], 12)]}
+        done = {lr: v for lr, v in s0.items() if v is not None}
+        best[label] = min(done, key=done.get) if done else None
+        at_best[label] = stats([_loss(r) for r in by[label] if round(r["lr"], 12) == best[label]])
+    rows = ["| optimizer | " + " | ".join(f"lr {x:.3g}" for x in lrs) + f" | best lr | seeds | loss at best | vs {ref} |",
+            "|---|" + "---|" * (len(lrs) + 4)]
+    for label in labels:
+        s0 = {round(r["lr"], 12): _loss(r) for r in by[label] if r["seed"] == 0}
+        cells = [("diverged" if s0[lr] is None else (f"**{s0[lr]:.3f}**" if lr == best[label] else f"{s0[lr]:.3f}"))
+                 if lr in s0 else "" for lr in lrs]
+        m, sd, n = at_best[label]
+        seeds = ",".join(str(r["seed"]) for r in sorted(by[label], key=lambda r: r["seed"])
+                         if round(r["lr"], 12) == best[label])
+        vs = "—"
+        if label != ref and ref in at_best and at_best[ref][2] and n:
+            d = m - at_best[ref][0]
+            vs = f"{d:+.3f} ({'beyond' if abs(d) > noise(sd, at_best[ref][1]) else 'within'} noise)"
+        rows.append(f"| {label} | " + " | ".join(cells) + f" | {'' if best[label] is None else f'{best[label]:.3g}'} | "
+                    f"{seeds} | {fmt_ms(m, sd, n)} | {vs} |")
+    return "\n".join(rows) + "\n" + setting_line(recs)
+
+
 def _study(name, fn, where=None):
     def gen():
         recs = R.load(name)
@@ -225,6 +269,36 @@ def _headline():
     return seeds_table(recs, HEADLINE_ORDER), recs
 
 
+# The bf16-products study (issue 20): Dobb with its projection products forced to bf16 beside the
+# headline's fp32-product rows of the same block count. Paired by seed (same data order and initial
+# weights), so the per-seed difference isolates the product dtype; the noise rule is the project's.
+BF16_BLOCKS = (1, 4, 16)
+
+
+def _bf16_records() -> list[dict]:
+    """Study ``bf16-products`` plus the headline's Dobb B=1/4/16 runs (fp32 products on CPU)."""
+    fp32 = {f"Dobb B={b}" for b in BF16_BLOCKS}
+    return R.load("bf16-products") + [r for r in R.load("headline") if r["run"] in fp32]
+
+
+def bf16_table(recs: list[dict]) -> str:
+    rows = ["| blocks | fp32 products | bf16 products | bf16 - fp32 per seed | mean difference |",
+            "|---|---|---|---|---|"]
+    for b in BF16_BLOCKS:
+        f32 = {r["seed"]: _loss(r) for r in recs if r["run"] == f"Dobb B={b}"}
+        b16 = {r["seed"]: _loss(r) for r in recs if r["run"] == f"Dobb B={b} bf16"}
+        if not b16:
+            continue
+        sf, sb = stats(list(f32.values())), stats(list(b16.values()))
+        pairs = sorted(s for s in b16 if s in f32 and b16[s] is not None and f32[s] is not None)
+        diffs = [b16[s] - f32[s] for s in pairs]
+        d = sb[0] - sf[0]
+        verdict = "beyond" if abs(d) > noise(sb[1], sf[1]) else "within"
+        per_seed = ", ".join(f"{x:+.4f} (seed {s})" for s, x in zip(pairs, diffs))
+        rows.append(f"| B={b} | {fmt_ms(*sf)} | {fmt_ms(*sb)} | {per_seed} | {d:+.3f} ({verdict} noise) |")
+    return "\n".join(rows) + "\n" + setting_line(recs)
+
+
 TABLES = {
     "headline": lambda: _headline(),
     "lr-grid": _study("lr-grid", lr_grid_table),
@@ -238,6 +312,8 @@ TABLES = {
                                                                   "Dobb B=4", "Dobb B=16", "Block Muon B=16"])),
     "stagger": _study("stagger", lambda recs: seeds_table(recs, STAGGER_ORDER)),
     "nesterov": _study("nesterov", lambda recs: seeds_table(recs, NESTEROV_ORDER)),
+    "muon-variants": lambda: (variants_table(recs := _variant_records()), recs),
+    "bf16-products": lambda: (bf16_table(recs := _bf16_records()), recs),
 }
 
 
@@ -252,16 +328,6 @@ TABLES.update({name: (lambda name=name: _operating_point_tables()[name]())
                for name in ("operating-point", "robust-headline", "block-width-robust")})
 
 
-def _two_sided_tables():
-    """Issue 25's tables (two-sided Dobb): generators in ``two_sided``."""
-    from . import two_sided
-
-    return two_sided.TABLES
-
-
-TABLES.update({name: (lambda name=name: _two_sided_tables()[name]()) for name in ("two-sided", "two-sided-lr")})
-
-
 def _family_dash_tables():
     """Issue 24's DASH tables: generators in ``family_dash``."""
     from . import family_dash
@@ -271,6 +337,16 @@ def _family_dash_tables():
 
 TABLES.update({name: (lambda name=name: _family_dash_tables()[name]())
                for name in ("family-dash", "family-dash-lr", "family-dash-pairs")})
+
+
+def _two_sided_tables():
+    """Issue 25's tables (two-sided Dobb): generators in ``two_sided``."""
+    from . import two_sided
+
+    return two_sided.TABLES
+
+
+TABLES.update({name: (lambda name=name: _two_sided_tables()[name]()) for name in ("two-sided", "two-sided-lr")})
 
 
 # ----- plots from records ---------------------------------------------------------------------------
