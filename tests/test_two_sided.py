@@ -68,6 +68,19 @@ def _sym(k, g):
     return a @ a.T
 
 
+def _pair_rms(d, row_sizes, col_sizes):
+    """Every block pair scaled to RMS 1 (norm='adam': sign's norm per block pair)."""
+    out, r0 = d.clone(), 0
+    for rs in row_sizes:
+        c0 = 0
+        for cs in col_sizes:
+            blk = out[r0:r0 + rs, c0:c0 + cs]
+            blk /= blk.square().mean().sqrt()
+            c0 += cs
+        r0 += rs
+    return out
+
+
 def _dense_run(steps, m, n, blocks, out_blocks, source, norm, lr, wd, mu, b2, eps, T_refresh, decay, tau=0.2):
     """The float64 dense reference of ``steps`` two-sided steps (exact eigh at every refresh)."""
     g = torch.Generator().manual_seed(3)
@@ -95,6 +108,7 @@ def _dense_run(steps, m, n, blocks, out_blocks, source, norm, lr, wd, mu, b2, ep
             gr = qo.T @ grad @ qi
             v = b2 * v + (1 - b2) * gr**2
             d = (c / (1 - mu**t)) / ((v / (1 - b2**t)).sqrt() + eps)
+            d = _pair_rms(d, so, si)
         o = qo @ d @ qi.T / math.sqrt(m)
         w = (1 - lr * wd) * w - lr * scale * o
         ws.append(w.clone())
@@ -147,7 +161,7 @@ def test_sign_update_norm_follows_shared_protocol():
 
 
 def test_adam_direction_is_sign_for_a_constant_rotated_gradient():
-    """beta2 = momentum and a constant gradient: |D| = 1 exactly (bias corrections included), so the
+    """beta2 = momentum and a constant gradient: |R| = 1 exactly (bias corrections included), so the
     adam step equals the sign step; eps negligible."""
     m, n = 6, 8
     g = torch.randn(m, n, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
@@ -161,6 +175,21 @@ def test_adam_direction_is_sign_for_a_constant_rotated_gradient():
             opt.step()
         ws[norm] = w.detach()
     torch.testing.assert_close(ws["adam"], ws["sign"], atol=1e-12, rtol=0)
+
+
+def test_adam_update_has_signs_norm_per_block_pair():
+    """norm='adam' rescales each block pair of D to RMS 1: ||O||_F^2 = n, as sign's, on a noisy
+    gradient where the raw Adam ratio is far below 1."""
+    m, n, lr = 12, 10, 0.1
+    g = torch.Generator().manual_seed(6)
+    w = nn.Parameter(torch.zeros(m, n, dtype=torch.float64))
+    opt = dobb.Dobb([w], lr=lr, side="both", norm="adam", source="grad_gram", blocks=2, out_blocks=3, **F64)
+    for _ in range(3):
+        before = w.detach().clone()
+        w.grad = torch.randn(m, n, generator=g, dtype=torch.float64)
+        opt.step()
+    o = (before - w.detach()) / (lr * 0.2 * math.sqrt(max(m, n)))
+    assert o.square().sum().item() == pytest.approx(n, rel=1e-9)
 
 
 def test_state_memory_is_derived():

@@ -12,15 +12,17 @@ The direction is ``O = Q_out D Q_in^T / sqrt(m)`` with
   (no zero coefficient) as for Dobb [T9], and the shared protocol's ``tau * sqrt(max(m, n))``
   applies unchanged;
 - ``norm="adam"`` (SOAP's rule in Dobb's bases): ``V <- beta2 V + (1 - beta2) (Q_out^T G Q_in)^2``
-  (the rotated *gradient*), ``D = C_hat / (sqrt(V_hat) + eps)`` with both bias corrections
-  (``C_hat = C / (1 - mu^t)``: the momentum is kept in EMA form; ``V_hat = V / (1 - beta2^t)``).
-  ``D`` replaces ``sign(C)`` under the same ``1/sqrt(m)`` factor: ``|D_ij| <= 1`` while the basis
-  stays fixed and ``beta2 = momentum`` (Cauchy-Schwarz on the two EMAs; the defaults), equal to
-  ``sign`` for a constant rotated gradient, so the update is at most sign's. No global norm is
-  taken, so the step stays element-wise and shard-local (a Frobenius rescale would need a
-  collective under sharding). Over a basis refresh ``V`` is carried unchanged, as SOAP does: the
-  warm-started orthogonal iteration keeps column ``j`` near the previous ``j``-th eigenvector
-  (descending order), so ``V_ij`` keeps describing the same coefficient.
+  (the rotated *gradient*), ``R = C_hat / (sqrt(V_hat) + eps)`` with both bias corrections
+  (``C_hat = C / (1 - mu^t)``: the momentum is kept in EMA form; ``V_hat = V / (1 - beta2^t)``),
+  and ``D_bc = R_bc / rms(R_bc)`` per block pair: every block pair gets sign's RMS of 1, so
+  ``||O||_F^2 = n`` as for sign and the shared protocol's scale means the same step size. Why:
+  ``R`` alone has ``|R_ij| <= 1`` (Cauchy-Schwarz on the two EMAs when ``beta2 = momentum``) and an
+  RMS far below 1 on noisy gradients, so an unscaled ``R`` took steps several times smaller than
+  sign's and ended level with AdamW (docs/results.md, "Two-sided Dobb"). The rescale is per block
+  pair, which is always whole on one rank, so it stays shard-local with no collective (a
+  whole-matrix norm would need one under sharding). Over a basis refresh ``V`` is carried
+  unchanged, as SOAP does: the warm-started orthogonal iteration keeps column ``j`` near the
+  previous ``j``-th eigenvector (descending order), so ``V_ij`` keeps describing the same coefficient.
 
 Shard-local by construction: each side's blocks come from ``placement.layout_for`` on its own
 axis, which cuts the axis at its shard boundaries (FSDP2 ``Shard(0)`` rows, tensor parallel
@@ -39,8 +41,8 @@ from torch import Tensor
 
 from . import functional as F
 
-__all__ = ["blockwise", "rotate", "unrotate", "adam_direction", "two_sided_direction", "two_sided_layouts",
-           "TwoSidedKernels"]
+__all__ = ["blockwise", "rotate", "unrotate", "adam_direction", "block_pair_rms_", "two_sided_direction",
+           "two_sided_layouts", "TwoSidedKernels"]
 
 
 # ----------------------------------------------------------------------------- pure math
@@ -77,6 +79,17 @@ def adam_direction(c: Tensor, v: Tensor, step: int, momentum: float, beta2: floa
     return c.div(1.0 - momentum**step).div_(denom)
 
 
+def block_pair_rms_(d: Tensor, row_sizes: Sequence[int], col_sizes: Sequence[int], tiny: float = 1e-30) -> Tensor:
+    """Scale every block pair ``d[b, c]`` of ``d`` (``(r, k)``) to an RMS of 1, in place (an all-zero
+    block stays zero); one reduction per pair of runs of equal blocks."""
+    for rr in F.block_runs(row_sizes):
+        for cr in F.block_runs(col_sizes):
+            v = d[rr.start : rr.stop, cr.start : cr.stop].unflatten(0, (rr.count, rr.size)).unflatten(2, (cr.count, cr.size))
+            ms = v.square().mean(dim=(1, 3), keepdim=True)
+            v.mul_(ms.clamp_min_(tiny).rsqrt_())
+    return d
+
+
 def two_sided_direction(u: Tensor, q_out: Tensor, out_sizes: Sequence[int], q_in: Tensor, in_sizes: Sequence[int],
                         norm: str = "sign", v: Tensor | None = None, **adam) -> Tensor:
     """The raw two-sided update of an ``(out, in)`` matrix: ``Q_out D Q_in^T / sqrt(m)`` with
@@ -85,7 +98,7 @@ def two_sided_direction(u: Tensor, q_out: Tensor, out_sizes: Sequence[int], q_in
     if norm == "sign":
         d = c.sign_()
     elif norm == "adam":
-        d = adam_direction(c, v, **adam)
+        d = block_pair_rms_(adam_direction(c, v, **adam), out_sizes, in_sizes)
     else:
         raise ValueError(f"norm must be 'sign' or 'adam' for side='both', got {norm!r}")
     return unrotate(d, (q_out, out_sizes), (q_in, in_sizes)) / math.sqrt(u.shape[-2])
@@ -132,7 +145,8 @@ class TwoSidedKernels:
                 v = lin.local(state["second_moment"])
                 gr = gr.to(v.dtype)
                 v.mul_(b2).addcmul_(gr, gr, value=1.0 - b2)
-                d = adam_direction(c.to(v.dtype), v, state["step"] + 1, mu, b2, eps).to(dtype)
+                d = adam_direction(c.to(v.dtype), v, state["step"] + 1, mu, b2, eps)
+                d = block_pair_rms_(d, rows[1], cols[1]).to(dtype)
             o = unrotate(d, rows, cols)
             # sign's 1/sqrt(m) with m = the global output axis (lin.rows), as one-sided Dobb
             o.mul_(-lr * F.update_scale(*lin.shape, tau) / math.sqrt(lin.rows))
