@@ -223,3 +223,26 @@ def test_experts_names_stacks_for_param_groups():
     assert [g["algorithm"] for g in muon.param_groups] == ["adamw"]
     with pytest.raises(ValueError, match="'nope'"):
         dobb.build_optimizer("dobb", model, lr=0.05, experts=["nope"])
+
+
+def test_decay_names_reach_adamw_by_name_as_torch_groups():
+    """build_optimizer("adamw", decay_names=...) steps exactly like torch's AdamW given the two groups by hand."""
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 6), nn.LayerNorm(6), nn.Linear(6, 3))
+
+    a, b = model(), model()
+    decay = ["0.weight", "2.weight"]
+    opt_a = dobb.build_optimizer("adamw", a, lr=0.05, weight_decay=0.5, decay_names=decay)
+    named = dict(b.named_parameters())
+    opt_b = torch.optim.AdamW([{"params": [named[n] for n in named if n in decay]},
+                               {"params": [named[n] for n in named if n not in decay], "weight_decay": 0.0}],
+                              lr=0.05, weight_decay=0.5, betas=(0.9, 0.95))
+    x = torch.randn(16, 6, generator=torch.Generator().manual_seed(1))
+    for m, o in ((a, opt_a), (b, opt_b)):
+        for _ in range(3):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)

@@ -33,3 +33,16 @@ def test_param_groups_keep_hidden_layers_of_vocabulary_or_context_width():
     groups = dobb.param_groups(model)
     assert [n for n, _ in groups[0]["params"]] == ["2.weight", "3.weight"]
     assert "4.weight" in [n for n, _ in groups[1]["params"]]
+
+
+def test_decay_names_split_the_adamw_part_only():
+    """Hugging Face's rule: the AdamW parameters not named in decay_names get weight_decay=0;
+    matrices always decay; None (the default) decays everything."""
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 10))
+    groups = dobb.param_groups(model, "muon", decay_names=["0.weight", "3.weight"])
+    got = {(g["algorithm"], g.get("weight_decay")): sorted(n for n, _ in g["params"]) for g in groups}
+    assert got == {("muon", None): ["1.weight"], ("adamw", None): ["0.weight", "3.weight"],
+                   ("adamw", 0.0): ["1.bias", "2.bias", "2.weight", "3.bias"]}
+    plain = dobb.param_groups(model, "muon")
+    assert [g.get("weight_decay") for g in plain] == [None, None]
+
