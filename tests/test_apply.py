@@ -1,4 +1,4 @@
-"""The CPU fast paths of Dobb's step (issue 12) against a float64 dense reference.
+"""Dobb's apply kernels (``dobb._apply``: the CPU fast paths of the step, issue 12) against a float64 dense reference.
 
 Three ways the step writes ``W <- (1 - lr wd) W - lr s O``: small blocks with transposed products,
 large blocks with the decay folded into ``baddbmm``, and the general path (decay pass + strided
