@@ -266,6 +266,9 @@ NESTEROV_ORDER = ["Muon-fp32", "Muon-fp32-nesterov", "Dobb B=4", "Dobb B=4 neste
 def _headline():
     """Headline rows; AdamW's seed-0 run at the shared lr is the lr grid's (same setting)."""
     recs = R.load("headline") + [r for r in R.load("lr-grid") if abs(r["lr"] - SHARED_LR) < 1e-12]
+    from .family_soap import headline_rows  # issue 24: SOAP and Newton-Muon, 3 seeds at the shared lr
+
+    recs += headline_rows()
     return seeds_table(recs, HEADLINE_ORDER), recs
 
 
@@ -337,6 +340,17 @@ def _family_dash_tables():
 
 TABLES.update({name: (lambda name=name: _family_dash_tables()[name]())
                for name in ("family-dash", "family-dash-lr", "family-dash-pairs")})
+
+
+def _family_soap_tables():
+    """Issue 24's SOAP / Newton-Muon tables: generators in ``family_soap``."""
+    from . import family_soap
+
+    return family_soap.TABLES
+
+
+TABLES.update({name: (lambda name=name: _family_soap_tables()[name]())
+               for name in ("family-soap", "family-soap-lr", "family-soap-pairs")})
 
 
 def _two_sided_tables():
