@@ -369,24 +369,6 @@ def _state_newton_muon(m, n, hp, mn, out_shards, in_shards):  # + fp32 statistic
 STATE_FORMULAS.update({"soap": _state_soap, "newton-muon": _state_newton_muon})
 
 
-def _state_soap(m, n, hp, mn, out_shards, in_shards):
-    """fp32 first and (rotated) second moments, plus fp32 L, R and their bases for every column
-    block on each preconditioned side (whole matrices: SOAP does not shard)."""
-    blocks, limit = int(hp["blocks"]), int(hp["max_precondition_dim"])
-    nb = n // blocks
-    left = m if hp["sides"] in ("both", "output") and m <= limit else 0
-    right = nb if hp["sides"] in ("both", "input") and nb <= limit else 0
-    return 2 * 4 * m * n + blocks * 2 * 4 * (left * left + right * right)
-
-
-def _state_newton_muon(m, n, hp, mn, out_shards, in_shards):  # + fp32 statistic and inverse per block
-    nb = n // int(hp["blocks"])
-    return mn + int(hp["blocks"]) * 2 * 4 * nb * nb
-
-
-STATE_FORMULAS.update({"soap": _state_soap, "newton-muon": _state_newton_muon})
-
-
 def _dtype_bytes(dtype) -> int:
     text = str(dtype).replace("torch.", "")
     sizes = {"float32": 4, "float": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "half": 2,
