@@ -3,9 +3,10 @@
 - ``family-dash``: every DASH row at the shared lr beside the headline's AdamW, Muon and Dobb
   B=1/4/16 records (the same setting), mean ± std over seeds, gap closure, difference from AdamW;
 - ``family-dash-lr``: DASH (default tiles) at seed 0 on the lr grid around the shared lr;
-- ``family-dash-pairs``: DASH against Dobb at equal block widths (tiles of 128/32/8 against Dobb
-  B=1/4/16, whose attention-input blocks are 128/32/8 wide), paired by seed, with the project's
-  noise rule (2 std of the noisier row; 0.1 nats when a row has one seed).
+- ``family-dash-pairs``: DASH against Dobb at equal blocks (one tile per matrix against Dobb B=1;
+  tiles of 128/32/8 against Dobb B=1/4/16, whose attention-input blocks are 128/32/8 wide), against
+  Muon, and the authors' package against ours, paired by seed (only seeds both rows ran), with the
+  project's noise rule (2 std of the noisier row; 0.1 nats when a row has one seed).
 """
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from .tables import SHARED_LR, _loss, fmt_ms, lr_grid_table, noise, seeds_table,
 
 REFS = ["AdamW", "Muon", "Dobb B=1", "Dobb B=4", "Dobb B=16"]
 DASH_ROWS = ["DASH", "DASH 128", "DASH 32", "DASH 8", "DASH package 128"]
-PAIRS = [("DASH 128", "Dobb B=1"), ("DASH 32", "Dobb B=4"), ("DASH 8", "Dobb B=16"), ("DASH", "Dobb B=1"),
-         ("DASH package 128", "DASH 128")]
+PAIRS = [("DASH", "Dobb B=1"), ("DASH 128", "Dobb B=1"), ("DASH 32", "Dobb B=4"), ("DASH 8", "Dobb B=16"),
+         ("DASH", "Muon"), ("DASH package 128", "DASH 128")]
 
 
 def _shared(recs):
@@ -40,7 +41,8 @@ def lr_grid() -> tuple[str, list[dict]]:
 def pairs() -> tuple[str, list[dict]]:
     family, refs = _all()
     recs = _shared(family) + refs
-    rows = ["| row | against | seeds | row's loss | against's loss | difference | verdict |", "|---|---|---|---|---|---|---|"]
+    rows = ["| row | against | seeds | row's loss | against's loss | difference | verdict | per seed (same data, same init) |",
+            "|---|---|---|---|---|---|---|---|"]
     used = []
     for a, b in PAIRS:
         ra = {r["seed"]: r for r in recs if r["run"] == a}
@@ -51,7 +53,10 @@ def pairs() -> tuple[str, list[dict]]:
         sa, sb = stats([_loss(ra[s]) for s in common]), stats([_loss(rb[s]) for s in common])
         d = sa[0] - sb[0]
         verdict = "beyond noise" if abs(d) > noise(sa[1], sb[1]) else "within noise"
-        rows.append(f"| {a} | {b} | {','.join(map(str, common))} | {fmt_ms(*sa)} | {fmt_ms(*sb)} | {d:+.3f} | {verdict} |")
+        per_seed = ", ".join(f"{_loss(ra[s]) - _loss(rb[s]):+.3f}" for s in common
+                             if _loss(ra[s]) is not None and _loss(rb[s]) is not None)
+        rows.append(f"| {a} | {b} | {','.join(map(str, common))} | {fmt_ms(*sa)} | {fmt_ms(*sb)} | {d:+.3f} | {verdict} "
+                    f"| {per_seed} |")
         used += [ra[s] for s in common] + [rb[s] for s in common]
     uniq = list({id(r): r for r in used}.values())
     return "\n".join(rows) + "\n" + (setting_line(uniq) if uniq else ""), uniq
