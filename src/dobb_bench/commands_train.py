@@ -81,6 +81,17 @@ def make_optimizer(name: str, hparams: dict, lr: float, weight_decay: float, mod
     return dobb.build_optimizer(name, model, lr=lr, weight_decay=weight_decay, **hparams)
 
 
+def run_hparams(spec: OptimizerSpec, steps: int) -> dict:
+    """The spec's hyperparameters, plus ``total_steps=steps`` (the run's length) for an optimizer
+    that takes it (SAMuon's gamma warmup spans a fraction of the run) when the spec leaves it out."""
+    import dobb
+
+    hp = dict(spec.hparams)
+    if "total_steps" not in hp and "total_steps" in dobb.valid_hparams(spec.name):
+        hp["total_steps"] = steps
+    return hp
+
+
 def validate_spec(spec: OptimizerSpec, model_cfg: ModelConfig | None = None) -> None:
     """Builds the optimizer on one layer of ``model_cfg`` (every layer has the same matrix shapes),
     or on a width-32 probe when no model is given yet."""
@@ -196,10 +207,11 @@ def _out(args, command: str) -> Path:
 def _run_one(spec: OptimizerSpec, lr: float, model_cfg, train_cfg, corpus, run_dir: Path, *,
              progress: bool, resume: bool, env=None, keep_checkpoint=True, stop_after=None,
              prov: dict | None = None) -> dict:
-    meta = {"run": spec.label, "optimizer": spec.name, "hparams": {k: str(v) for k, v in spec.hparams.items()},
+    hparams = run_hparams(spec, train_cfg.steps)
+    meta = {"run": spec.label, "optimizer": spec.name, "hparams": {k: str(v) for k, v in hparams.items()},
             "lr": lr, "weight_decay": train_cfg.weight_decay,
             "provenance": prov}  # the parent's command line, not a spawned child's
-    factory = functools.partial(make_optimizer, spec.name, spec.hparams, lr, train_cfg.weight_decay)
+    factory = functools.partial(make_optimizer, spec.name, hparams, lr, train_cfg.weight_decay)
     return run_training(model_cfg, replace(train_cfg, lr=lr), corpus, factory, out_dir=run_dir, meta=meta,
                         progress=progress, resume=resume, env=env, keep_checkpoint=keep_checkpoint,
                         stop_after=stop_after)
