@@ -1,7 +1,7 @@
 """Layouts of DTensor parameters (FSDP2, tensor parallel, FSDP x TP): all placement knowledge.
 
 Why this module exists: Dobb's update is shard-local exactly when every block of the blocked axis
-lies within one shard (SPEC section 1, Table 3). ``dtensor_layout`` reads a DTensor's mesh and
+lies within one shard (docs/algorithm.md; the paper's Table 3). ``dtensor_layout`` reads a DTensor's mesh and
 placements once, at optimizer construction, and turns them into a ``MatrixLayout``:
 
 - the blocked axis may be sharded over at most one mesh dim (plain ``Shard``, ``torch.chunk``
