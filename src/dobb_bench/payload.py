@@ -206,6 +206,14 @@ def _pay_block_muon(m, n, hp, sharded, shards):
 
 
 def _pay_dobb(m, n, hp, sharded, shards):
+    if hp["side"] == "both":  # issue 25: each side as a one-sided Dobb-sign of its own axis
+        total = 0.0
+        for side, size, other, blocks in (("input", n, m, _blocks(hp)), ("output", m, n, int(hp["out_blocks"]))):
+            if side == sharded:
+                total += sum(_straddling(size, blocks, shards)) * other
+            elif hp["source"] == "grad_gram":
+                total += _stat_size(size, blocks) / int(hp["refresh_every"])
+        return float(total)
     blocked, norm = hp["side"], hp["norm"]  # "input": blocks over n (columns); "output": blocks over m (rows)
     size, other = (n, m) if blocked == "input" else (m, n)
     total = 0.0
@@ -259,7 +267,10 @@ def dp_stat_entries(name: str, m: int, n: int, hparams: dict | None = None, per_
     key, hp = _with_defaults(name, hparams)
     if not issubclass(_entry(key).cls, dobb.Dobb) or hp["source"] == "grad_gram":
         return 0.0
-    entries = _stat_size(n if hp["side"] == "input" else m, _blocks(hp))
+    if hp["side"] == "both":  # both sides' statistics are averaged over the data-parallel ranks
+        entries = _stat_size(n, _blocks(hp)) + _stat_size(m, int(hp["out_blocks"]))
+    else:
+        entries = _stat_size(n if hp["side"] == "input" else m, _blocks(hp))
     return entries / int(hp["refresh_every"]) if per_step else float(entries)
 
 
@@ -326,9 +337,18 @@ def _state_dobb(m, n, hp, mn, out_shards, in_shards):
     side = hp["side"]
     stat_b = _dtype_bytes(hp["stat_dtype"])
     basis_b = _dtype_bytes(hp["basis_dtype"])
+
+    def stored(k, blocks):  # row-stacked (k, s_max) buffers: k^2/B for equal blocks
+        return k * -(-k // min(blocks, k))
+
+    if side == "both":  # issue 25: both sides' statistic and basis, each sharded with its own axis
+        total = (mn + stored(n, _blocks(hp)) * (stat_b + basis_b) / in_shards
+                 + stored(m, int(hp["out_blocks"])) * (stat_b + basis_b) / out_shards)
+        if hp["norm"] == "adam":  # the rotated gradient's second moment, weight-shaped, in stat_dtype
+            total += m * n * stat_b / (out_shards * in_shards)
+        return total
     k = n if side == "input" else m
-    stored = k * -(-k // min(_blocks(hp), k))  # row-stacked (k, s_max) buffers: k^2/B for equal blocks
-    return mn + stored * (stat_b + basis_b) / (in_shards if side == "input" else out_shards)
+    return mn + stored(k, _blocks(hp)) * (stat_b + basis_b) / (in_shards if side == "input" else out_shards)
 
 
 def _state_dash(m, n, hp, mn, out_shards, in_shards):

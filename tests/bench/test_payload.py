@@ -164,6 +164,36 @@ def test_derived_state_of_every_optimizer_is_its_allocated_buffers(name):
     assert state_bytes(opt) - scalars == sum(P.derived_state_bytes(name, m, n) for m, n in [(8, 12), (12, 8)])
 
 
+@pytest.mark.parametrize("hp", [dict(side="both", out_blocks=2), dict(side="both", out_blocks=4, blocks=2, norm="adam")])
+def test_derived_state_of_two_sided_dobb_is_its_allocated_buffers(hp):
+    """side='both' holds both sides' statistic and basis (and, for norm='adam', a second moment)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 8, bias=False), nn.Linear(8, 12, bias=False))
+    opt = dobb.build_optimizer("dobb", model, lr=1e-3, **hp)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(16, 12)).square().mean().backward()
+        opt.step()
+    scalars = sum(v.untyped_storage().nbytes() for st in opt.state.values() for v in st.values()
+                  if isinstance(v, torch.Tensor) and v.dim() == 0)
+    one_sided = sum(P.derived_state_bytes("dobb", m, n) for m, n in [(8, 12), (12, 8)])
+    derived = sum(P.derived_state_bytes("dobb", m, n, hp) for m, n in [(8, 12), (12, 8)])
+    assert state_bytes(opt) - scalars == derived > one_sided
+
+
+def test_two_sided_dobb_payload_and_statistic_entries():
+    """side='both': no cross-shard entries when both sides' blocks align with the shards; both
+    statistics in the data-parallel mean (``n^2/B + m^2/Bo``); grad-Gram bases sum the unsharded
+    side's ``G G^T`` over the shards (what one-sided Dobb-G pays under column sharding)."""
+    hp = dict(side="both", blocks=4, out_blocks=4)
+    assert P.payload_entries("dobb", 64, 32, hp, sharded="output", shards=4) == 0.0
+    assert P.payload_entries("dobb", 64, 32, hp, sharded="input", shards=4) == 0.0
+    assert P.dp_stat_entries("dobb", 64, 32, hp) == 4 * 8 * 8 + 4 * 16 * 16
+    gram = dict(hp, source="grad_gram")
+    assert P.payload_entries("dobb", 64, 32, gram, sharded="input", shards=4) == 4 * 16 * 16 / 9
+    assert P.dp_stat_entries("dobb", 64, 32, gram) == 0.0
+
+
 def test_state_bytes_counts_each_storage_once():
     """The one state-size definition (dobb.meter.state_bytes) against storages counted by hand:
     a view counts its base once, lists and nested dicts are searched, Python numbers are not."""
