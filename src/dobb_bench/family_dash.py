@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 from . import records as R
-from .tables import SHARED_LR, _loss, fmt_ms, lr_grid_table, noise, seeds_table, setting_line, stats
+from .tables import SHARED_LR, lr_grid_table, pairs_table, seeds_table
 
 REFS = ["AdamW", "Muon", "Dobb B=1", "Dobb B=4", "Dobb B=16"]
 DASH_ROWS = ["DASH", "DASH 128", "DASH 32", "DASH 8", "DASH package 128"]
@@ -40,26 +40,7 @@ def lr_grid() -> tuple[str, list[dict]]:
 
 def pairs() -> tuple[str, list[dict]]:
     family, refs = _all()
-    recs = _shared(family) + refs
-    rows = ["| row | against | seeds | row's loss | against's loss | difference | verdict | per seed (same data, same init) |",
-            "|---|---|---|---|---|---|---|---|"]
-    used = []
-    for a, b in PAIRS:
-        ra = {r["seed"]: r for r in recs if r["run"] == a}
-        rb = {r["seed"]: r for r in recs if r["run"] == b}
-        common = sorted(set(ra) & set(rb))
-        if not common:
-            continue
-        sa, sb = stats([_loss(ra[s]) for s in common]), stats([_loss(rb[s]) for s in common])
-        d = sa[0] - sb[0]
-        verdict = "beyond noise" if abs(d) > noise(sa[1], sb[1]) else "within noise"
-        per_seed = ", ".join(f"{_loss(ra[s]) - _loss(rb[s]):+.3f}" for s in common
-                             if _loss(ra[s]) is not None and _loss(rb[s]) is not None)
-        rows.append(f"| {a} | {b} | {','.join(map(str, common))} | {fmt_ms(*sa)} | {fmt_ms(*sb)} | {d:+.3f} | {verdict} "
-                    f"| {per_seed} |")
-        used += [ra[s] for s in common] + [rb[s] for s in common]
-    uniq = list({id(r): r for r in used}.values())
-    return "\n".join(rows) + "\n" + (setting_line(uniq) if uniq else ""), uniq
+    return pairs_table(_shared(family) + refs, PAIRS, per_seed=True)
 
 
 TABLES = {"family-dash": seeds, "family-dash-lr": lr_grid, "family-dash-pairs": pairs}

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 
 from . import records as R
-from .tables import SHARED_LR, _loss, fmt_ms, lr_grid_table, noise, seeds_table, setting_line, stats
+from .tables import SHARED_LR, lr_grid_table, pairs_table, seeds_table
 
 PEER = "pytorch_optimizer.SOAP all params"
 REFS = ["AdamW", "Muon", "Muon-fp32", "Dobb B=1", "Dobb B=4", "Dobb B=16", "Block Muon B=16"]
@@ -64,23 +64,7 @@ def lr_grid() -> tuple[str, list[dict]]:
 
 
 def pairs() -> tuple[str, list[dict]]:
-    recs = _shared(R.load("family-soap")) + _refs()
-    rows = ["| row | against | seeds | row's loss | against's loss | difference | verdict |",
-            "|---|---|---|---|---|---|---|"]
-    used = []
-    for a, b in PAIRS:
-        ra = {r["seed"]: r for r in recs if r["run"] == a}
-        rb = {r["seed"]: r for r in recs if r["run"] == b}
-        common = sorted(set(ra) & set(rb))
-        if not common:
-            continue
-        sa, sb = stats([_loss(ra[s]) for s in common]), stats([_loss(rb[s]) for s in common])
-        d = sa[0] - sb[0]
-        verdict = "beyond noise" if abs(d) > noise(sa[1], sb[1]) else "within noise"
-        rows.append(f"| {a} | {b} | {','.join(map(str, common))} | {fmt_ms(*sa)} | {fmt_ms(*sb)} | {d:+.3f} | {verdict} |")
-        used += [ra[s] for s in common] + [rb[s] for s in common]
-    uniq = list({id(r): r for r in used}.values())
-    return "\n".join(rows) + "\n" + (setting_line(uniq) if uniq else ""), uniq
+    return pairs_table(_shared(R.load("family-soap")) + _refs(), PAIRS)
 
 
 TABLES = {"family-soap": seeds, "family-soap-lr": lr_grid, "family-soap-pairs": pairs}

@@ -246,6 +246,32 @@ def variants_table(recs: list[dict], ref: str = "Muon-fp32") -> str:
     return "\n".join(rows) + "\n" + setting_line(recs)
 
 
+def pairs_table(recs: list[dict], pairs, per_seed: bool = False) -> tuple[str, list[dict]]:
+    """Paired rows ``(a, b)`` over the seeds both have (same data order and initial weights): each
+    row's mean, the difference and the project's noise verdict, optionally the per-seed differences."""
+    head = "| row | against | seeds | row's loss | against's loss | difference | verdict |"
+    rows = [head + (" per seed (same data, same init) |" if per_seed else ""),
+            "|---|---|---|---|---|---|---|" + ("---|" if per_seed else "")]
+    used = []
+    for a, b in pairs:
+        ra = {r["seed"]: r for r in recs if r["run"] == a}
+        rb = {r["seed"]: r for r in recs if r["run"] == b}
+        common = sorted(set(ra) & set(rb))
+        if not common:
+            continue
+        sa, sb = stats([_loss(ra[s]) for s in common]), stats([_loss(rb[s]) for s in common])
+        d = sa[0] - sb[0]
+        verdict = "beyond noise" if abs(d) > noise(sa[1], sb[1]) else "within noise"
+        row = f"| {a} | {b} | {','.join(map(str, common))} | {fmt_ms(*sa)} | {fmt_ms(*sb)} | {d:+.3f} | {verdict} |"
+        if per_seed:
+            row += " " + ", ".join(f"{_loss(ra[s]) - _loss(rb[s]):+.3f}" for s in common
+                                   if _loss(ra[s]) is not None and _loss(rb[s]) is not None) + " |"
+        rows.append(row)
+        used += [ra[s] for s in common] + [rb[s] for s in common]
+    uniq = list({id(r): r for r in used}.values())
+    return "\n".join(rows) + "\n" + (setting_line(uniq) if uniq else ""), uniq
+
+
 def _study(name, fn, where=None):
     def gen():
         recs = R.load(name)

@@ -148,37 +148,35 @@ def test_every_registry_entry_has_its_formulas_and_a_payload_name():
     assert set(P.PAYLOAD_NAMES) == set(registry.OPTIMIZER_NAMES) | set(P.PLACEMENT_NAMES)
 
 
-@pytest.mark.parametrize("name", list(registry.OPTIMIZER_NAMES))
-def test_derived_state_of_every_optimizer_is_its_allocated_buffers(name):
-    """The state formula a registry entry names, against what its optimizer holds after two steps
-    (0-dim step counters aside: the formulas count buffers per matrix)."""
+_SHAPES = [(8, 12), (12, 8)]  # two matrices, both ways
+
+
+def _allocated_state(name: str, **hp) -> int:
+    """Bytes of per-matrix buffers ``name`` holds after two steps on two matrices (0-dim step
+    counters aside: the formulas count buffers per matrix)."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(12, 8, bias=False), nn.Linear(8, 12, bias=False))  # two matrices, both ways
-    opt = dobb.build_optimizer(name, model, lr=1e-3)
+    model = nn.Sequential(nn.Linear(12, 8, bias=False), nn.Linear(8, 12, bias=False))
+    opt = dobb.build_optimizer(name, model, lr=1e-3, **hp)
     for _ in range(2):
         opt.zero_grad()
         model(torch.randn(16, 12)).square().mean().backward()
         opt.step()
     scalars = sum(v.untyped_storage().nbytes() for st in opt.state.values() for v in st.values()
                   if isinstance(v, torch.Tensor) and v.dim() == 0)
-    assert state_bytes(opt) - scalars == sum(P.derived_state_bytes(name, m, n) for m, n in [(8, 12), (12, 8)])
+    return state_bytes(opt) - scalars
+
+
+@pytest.mark.parametrize("name", list(registry.OPTIMIZER_NAMES))
+def test_derived_state_of_every_optimizer_is_its_allocated_buffers(name):
+    """The state formula a registry entry names, against what its optimizer holds."""
+    assert _allocated_state(name) == sum(P.derived_state_bytes(name, m, n) for m, n in _SHAPES)
 
 
 @pytest.mark.parametrize("hp", [dict(side="both", out_blocks=2), dict(side="both", out_blocks=4, blocks=2, norm="adam")])
 def test_derived_state_of_two_sided_dobb_is_its_allocated_buffers(hp):
     """side='both' holds both sides' statistic and basis (and, for norm='adam', a second moment)."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(12, 8, bias=False), nn.Linear(8, 12, bias=False))
-    opt = dobb.build_optimizer("dobb", model, lr=1e-3, **hp)
-    for _ in range(2):
-        opt.zero_grad()
-        model(torch.randn(16, 12)).square().mean().backward()
-        opt.step()
-    scalars = sum(v.untyped_storage().nbytes() for st in opt.state.values() for v in st.values()
-                  if isinstance(v, torch.Tensor) and v.dim() == 0)
-    one_sided = sum(P.derived_state_bytes("dobb", m, n) for m, n in [(8, 12), (12, 8)])
-    derived = sum(P.derived_state_bytes("dobb", m, n, hp) for m, n in [(8, 12), (12, 8)])
-    assert state_bytes(opt) - scalars == derived > one_sided
+    one_sided = sum(P.derived_state_bytes("dobb", m, n) for m, n in _SHAPES)
+    assert _allocated_state("dobb", **hp) == sum(P.derived_state_bytes("dobb", m, n, hp) for m, n in _SHAPES) > one_sided
 
 
 def test_two_sided_dobb_payload_and_statistic_entries():
