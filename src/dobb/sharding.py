@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from ._dtensor import to_local
+from ._dtensor import is_dtensor, to_local
 from .functional import block_sizes, identity_blocks
 from .layout import MatrixLayout
 
@@ -257,7 +257,7 @@ def gather_full(local_t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     The direction of Muon, Dion2, PR-Muon and RMNP couples the whole matrix, so a sharded
     parameter pays this all-gather (the communication Table 3 charges them); plain tensors pass.
     """
-    if not isinstance(like, DTensor):
+    if not is_dtensor(like):
         return local_t
     d = DTensor.from_local(local_t, like.device_mesh, like.placements, shape=like.shape,
                            stride=like.stride(), run_check=False)
@@ -266,7 +266,7 @@ def gather_full(local_t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def local_slice(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a full (replicated) tensor, laid out like ``like``; no communication."""
-    if not isinstance(like, DTensor):
+    if not is_dtensor(like):
         return full
     mesh = like.device_mesh
     d = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
@@ -275,7 +275,7 @@ def local_slice(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def rows_are_local(like: torch.Tensor) -> bool:
     """Whether every rank holds whole rows (plain tensor, or sharded only along dim 0)."""
-    if not isinstance(like, DTensor):
+    if not is_dtensor(like):
         return True
     return all(pl.is_replicate() or (pl.is_shard() and pl.dim == 0) for pl in like.placements)
 
@@ -359,8 +359,8 @@ class AxisSplit:
 def axis_split(param: torch.Tensor) -> AxisSplit:
     """The ``AxisSplit`` of a 2-D DTensor, or a ``ValueError`` saying why partial sums cannot serve it
     (``Partial``, ``_StridedShard``, an axis split over two mesh dims, a non-chunk local shape)."""
-    if not isinstance(param, DTensor):
-        raise ValueError("axis_split needs a DTensor")
+    if not is_dtensor(param):
+        raise ValueError(f"axis_split needs a DTensor parameter, got a {type(param).__name__}")
     mesh, placements = param.device_mesh, tuple(param.placements)
     shape = tuple(int(s) for s in param.shape)
     local_shape = tuple(int(s) for s in param.to_local().shape)
