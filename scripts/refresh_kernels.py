@@ -6,6 +6,7 @@ the widths of a B=1 block of ``q, k, v, o, fc`` and of ``proj``):
 - ``capture``: the statistic of one capture, ``X^T X`` over ``--tokens`` rows (``second_moment_blocks``);
 - ``matmul``: the orthogonal-iteration product ``P = A Q``;
 - ``qr_householder`` / ``qr_cholesky``: the orthonormal factor of ``P`` (``dobb.functional``);
+  ``qr_geqrf_orgqr``: the same Householder ``Q`` without forming ``R`` (checked bitwise equal);
 - ``refresh_householder`` / ``refresh_cholesky``: one whole ``orthogonal_iteration(A, Q, 1, qr)``
   (the default refresh; Cholesky's includes its one host read and any Householder redo);
 - ``eigh``: ``eigh_basis(A)`` (the first refresh, or ``basis="eigh"``);
@@ -73,6 +74,8 @@ def bench_width(n: int, args, gen: torch.Generator) -> dict:
         "matmul": _time(lambda: a @ q0, r),
         "qr_householder": _time(lambda: F.qr_householder(p), r),
         "qr_cholesky": _time(lambda: F.qr_cholesky(p), r),
+        # linalg.qr is geqrf + orgqr plus the triangular R (a triu of n^2): Q alone skips R
+        "qr_geqrf_orgqr": _time(lambda: torch.linalg.householder_product(*torch.geqrf(p)), r),
         "refresh_householder": _time(lambda: F.orthogonal_iteration(a, q0, 1, "householder"), r),
         "refresh_cholesky": _time(lambda: F.orthogonal_iteration(a, q0, 1, "cholesky"), r),
         "refresh_cholesky_rank_deficient": _time(lambda: F.orthogonal_iteration(low, q0, 1, "cholesky"), r),
@@ -83,6 +86,8 @@ def bench_width(n: int, args, gen: torch.Generator) -> dict:
     qh = F.orthogonal_iteration(a.double(), q0.double(), 1, "householder")
     qc = F.orthogonal_iteration(a.double(), q0.double(), 1, "cholesky")
     sign = torch.sign((qh * qc).sum(-2, keepdim=True))
+    out["geqrf_orgqr_equals_linalg_qr_bitwise"] = bool(
+        torch.equal(F.qr_householder(p), torch.linalg.householder_product(*torch.geqrf(p))))
     out["householder_vs_cholesky_max_abs_diff_fp64"] = float((qh - qc * sign).abs().max())
     return out
 
