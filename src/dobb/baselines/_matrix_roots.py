@@ -19,7 +19,7 @@ divide by the Frobenius norm (an upper bound of the largest eigenvalue that cost
 iteration and no random vector, so two runs, or two ranks, give the same bits). Eigenvalues far
 below ``||X||_F`` converge slowly: in float64 with 10 steps Newton-DB resolves a condition number of
 about ``1e2`` to 1e-8 and coupled Newton ``1e3`` to 1e-5; 20 steps resolve ``1e4`` for both
-(tests/test_dash.py); beyond that ``eigh`` is the accurate choice.
+(tests/baselines/test_matrix_roots.py); beyond that ``eigh`` is the accurate choice.
 """
 from __future__ import annotations
 

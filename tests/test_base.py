@@ -1,0 +1,283 @@
+"""dobb._base.MatrixOptimizer, the class every optimizer of the package derives from, against
+``torch.optim.AdamW`` (torch's own optimizer is the reference; ``"adamw"`` is torch's AdamW itself, so
+the parametrized tests run the reference too):
+
+- the AdamW part (``"algorithm": "adamw"`` groups) steps bitwise as ``torch.optim.AdamW``, for every
+  matrix class of the registry; it goes through torch's own group checks: a sparse gradient raises
+  torch's ``RuntimeError`` before any weight or state changes, complex parameters step as torch's;
+- a negative, NaN or many-element tensor ``lr`` is a ``ValueError``, as in ``torch.optim.AdamW``; a
+  complex weight in a matrix group is a ``ValueError`` naming it (a matrix update is real);
+- param-group validation: unknown arguments and keys, rates, ``tau``, 1-D weights, named in the error;
+- ``state_dict`` round trip: a resumed optimizer continues bitwise; the legacy ``momentum_buffer`` key
+  loads; a state saved for another layout is refused naming the parameter; parameters without a
+  gradient are left alone.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+
+import pytest
+import torch
+from torch import nn
+
+import dobb
+from _baseline_refs import data, mlp
+from _baseline_refs import train as train_mlp
+from _contract_net import MATRIX_NAMES, Net, backward, build, same, snapshot, train
+from dobb.baselines import RMNP, BlockMuon, Dion, Dion2, Muon, PeriodicRowMuon
+from dobb.factory import OPTIMIZER_NAMES
+
+# the baselines whose shared behaviour (validation, frozen parameters, legacy keys) is checked here
+BASELINES = [Muon, Dion, RMNP, PeriodicRowMuon, BlockMuon, Dion2]
+
+
+# every matrix class of the registry (each one compared, not only the last)
+MATRIX_CLASSES = sorted({e.cls for e in dobb.registry.OPTIMIZERS.values() if e.is_matrix}, key=lambda c: c.__name__)
+
+
+@pytest.mark.parametrize("cls", MATRIX_CLASSES, ids=lambda c: c.__name__)
+def test_adamw_groups_match_torch_adamw(cls):
+    ref, ours = mlp(), mlp()
+    torch_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.05, betas=(0.9, 0.95))
+    groups = [{"params": list(ours.parameters()), "algorithm": "adamw"}]
+    hooked = {"model": ours} if "model" in inspect.signature(cls.__init__).parameters else {}
+    train_mlp(ours, cls(groups, lr=0.01, weight_decay=0.05, **hooked), 4)
+    train_mlp(ref, torch_opt, 4)
+    for p, q in zip(ref.parameters(), ours.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("cls", BASELINES)
+def test_validation_names_argument(cls):
+    model = mlp()
+    groups = lambda: dobb.param_groups(model, algorithm=cls.algorithm)  # noqa: E731
+    for kw, arg in [({"lr": -1.0}, "lr"), ({"lr": 0.1, "weight_decay": -0.1}, "weight_decay"),
+                    ({"lr": 0.1, "tau": 0.0}, "tau"), ({"lr": 0.1, "momentum": 1.0}, "momentum")]:
+        with pytest.raises(ValueError, match=arg):
+            cls(groups(), **kw)
+    with pytest.raises(ValueError, match="bogus"):
+        cls(groups(), lr=0.1, bogus=1)
+    bad = [{"params": [("0.bias", model[0].bias)], "algorithm": cls.algorithm}]
+    with pytest.raises(ValueError, match=r"0\.bias is 1-D"):
+        cls(bad, lr=0.1)
+
+
+@pytest.mark.parametrize("cls", BASELINES)
+def test_params_without_grad_untouched(cls):
+    model = mlp()
+    opt = cls(dobb.param_groups(model, algorithm=cls.algorithm), lr=0.1, weight_decay=0.1)
+    frozen = model[2].weight
+    before = frozen.detach().clone()
+    state_before = {k: v.clone() if torch.is_tensor(v) else v for k, v in opt.state[frozen].items()}
+    X, Y = data()
+    for _ in range(3):
+        opt.zero_grad()
+        ((model(X) - Y) ** 2).mean().backward()
+        frozen.grad = None
+        opt.step()
+    assert torch.equal(frozen, before)
+    for k, v in state_before.items():
+        assert torch.equal(opt.state[frozen][k], v) if torch.is_tensor(v) else opt.state[frozen][k] == v
+
+
+@pytest.mark.parametrize("cls", BASELINES)
+def test_one_momentum_key_and_old_checkpoints_load(cls):
+    """Every optimizer keeps its momentum under "momentum"; a state dict saved with torch's
+    "momentum_buffer" key (earlier Muon-family and RMNP releases) resumes the same run."""
+    model = mlp()
+    opt = cls(dobb.param_groups(model, algorithm=cls.algorithm), lr=0.01)
+    train_mlp(model, opt, 2)
+    assert all("momentum" in opt.state[p] and "momentum_buffer" not in opt.state[p] for p in opt.iter_matrix_params())
+    sd = copy.deepcopy(opt.state_dict())  # torch's state_dict shares storage with the live state
+    old = {**sd, "state": {i: {("momentum_buffer" if k == "momentum" else k): v for k, v in st.items()}
+                           for i, st in sd["state"].items()}}
+    twin = mlp()
+    twin.load_state_dict(model.state_dict())
+    fresh = cls(dobb.param_groups(twin, algorithm=cls.algorithm), lr=0.01)
+    fresh.load_state_dict(old)
+    train_mlp(model, opt, 2)
+    train_mlp(twin, fresh, 2)
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", MATRIX_NAMES)
+def test_sparse_gradient_in_the_adamw_part_raises_torchs_error_before_any_change(name):
+    ref_model = Net(sparse=True)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=0.01)
+    backward(ref_model, 0)
+    with pytest.raises(RuntimeError) as torch_error:
+        ref.step()
+
+    model = Net(sparse=True)
+    opt = build(name, model)
+    backward(model, 0)
+    before = snapshot(model, opt)
+    with pytest.raises(RuntimeError) as ours:
+        opt.step()
+    assert str(ours.value) == str(torch_error.value)
+    assert same(before, snapshot(model, opt))
+
+
+@pytest.mark.parametrize("name", OPTIMIZER_NAMES)
+def test_sparse_gradient_of_a_matrix_raises_before_any_change(name):
+    model = Net()
+    opt = build(name, model)
+    backward(model, 0)
+    model.hidden.weight.grad = model.hidden.weight.grad.to_sparse()
+    before = snapshot(model, opt)
+    with pytest.raises(RuntimeError, match="sparse"):  # torch.optim.AdamW: RuntimeError too
+        opt.step()
+    after = snapshot(model, opt)
+    assert same(before[0], after[0])  # no weight changed (torch's AdamW too, in one group)
+    if name in MATRIX_NAMES:  # nor any state (torch's AdamW creates some lazily)
+        assert same(before[1], after[1])
+
+
+@pytest.mark.parametrize("name", MATRIX_NAMES)
+def test_complex_parameter_of_the_adamw_part_steps_as_torch_adamw(name):
+    model = Net(complex_gain=True)
+    opt = build(name, model)
+    parts = [g for g in opt.param_groups if g["algorithm"] == "adamw"]
+    assert any(p is model.gain for g in parts for p in g["params"])
+    clones = [[p.detach().clone().requires_grad_() for p in g["params"]] for g in parts]
+    refs = [torch.optim.AdamW(c, lr=g["lr"], betas=g["adamw_betas"], eps=g["adamw_eps"],
+                              weight_decay=g["weight_decay"], foreach=True) for g, c in zip(parts, clones)]
+    for t in range(3):
+        opt.zero_grad()
+        backward(model, t)
+        for g, c in zip(parts, clones):
+            for p, q in zip(g["params"], c):
+                q.grad = None if p.grad is None else p.grad.clone()
+        opt.step()
+        for r in refs:
+            r.step()
+    assert model.gain.grad.imag.abs().max() > 0
+    for g, c in zip(parts, clones):
+        for p, q in zip(g["params"], c):
+            assert torch.equal(p.detach(), q.detach()), (p.shape, p.dtype)
+
+
+@pytest.mark.parametrize("name", MATRIX_NAMES)
+def test_complex_matrix_is_a_value_error_naming_it(name):
+    model = Net(complex_matrix=True)
+    torch.optim.AdamW(model.parameters(), lr=0.01)  # torch's AdamW takes it (as real pairs)
+    with pytest.raises(ValueError, match=r"hidden\.weight.*complex"):
+        build(name, model)
+
+
+BAD_LRS = {"negative": torch.tensor(-0.01), "nan": torch.tensor(float("nan")),
+           "two-element": torch.tensor([0.01, 0.02])}
+
+
+@pytest.mark.parametrize("bad", BAD_LRS)
+@pytest.mark.parametrize("name", OPTIMIZER_NAMES)
+def test_bad_tensor_lr_is_a_value_error_as_in_torch_adamw(name, bad):
+    lr = BAD_LRS[bad]
+    with pytest.raises(ValueError):
+        torch.optim.AdamW(Net().parameters(), lr=lr)
+    with pytest.raises(ValueError, match="(?i)lr|learning rate"):
+        dobb.build_optimizer(name, Net(), lr=lr, weight_decay=0.1)
+
+
+@pytest.mark.parametrize("name", MATRIX_NAMES)
+def test_bad_tensor_lr_refused_by_add_param_group_and_load_state_dict(name):
+    """Stricter than torch's AdamW, which checks only its constructor: a group added, or a state
+    loaded, with a negative tensor lr is refused, and a refused load changes nothing."""
+    model = Net()
+    opt = dobb.build_optimizer(name, model, lr=torch.tensor(0.01), weight_decay=0.1)
+    train(model, opt, 1)
+    with pytest.raises(ValueError, match="lr"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))], "algorithm": "adamw",
+                             "lr": torch.tensor(-0.01)})
+    saved = opt.state_dict()
+    saved["param_groups"][0]["lr"] = torch.tensor(-0.01)
+    before = snapshot(model, opt)
+    with pytest.raises(ValueError, match="lr of saved param group 0"):
+        opt.load_state_dict(saved)
+    assert same(before, snapshot(model, opt))
+    assert float(opt.param_groups[0]["lr"]) == pytest.approx(0.01)
+
+
+# ----------------------------------------------------------------------------- param-group validation
+@pytest.mark.parametrize("group,message", [
+    ({"algorithm": "dion"}, "algorithm must be 'adamw' or 'muon', got 'dion'"),
+    ({"adamw_betas": (0.9, 1.0)}, "adamw_betas must lie in [0, 1), got (0.9, 1.0)"),
+    ({"adamw_eps": 0.0}, "adamw_eps must be > 0, got 0.0"),
+    ({"tau": 0.0}, "tau must be > 0, got 0.0"),
+    ({"transposed": 1}, "transposed must be True or False, got 1"),
+    ({"weight_decay": float("inf")}, "weight_decay must be a finite number >= 0, got inf"),
+])
+def test_bad_group_value_is_a_value_error_naming_the_key(group, message):
+    """The whole message is compared: it is what a user reads (the key, the valid values, the value)."""
+    w = nn.Parameter(torch.zeros(6, 8))
+    with pytest.raises(ValueError) as err:
+        Muon([{"params": [w], **group}], lr=0.1)
+    assert str(err.value) == message
+
+
+def test_unknown_group_key_lists_the_valid_ones():
+    w = nn.Parameter(torch.zeros(6, 8))
+    with pytest.raises(ValueError) as err:
+        Muon([{"params": [w], "bogus": 1}], lr=0.1)
+    msg = str(err.value)
+    assert msg.startswith("param group has unknown key(s) ['bogus']; valid: ")
+    assert all(repr(k) in msg for k in ("lr", "weight_decay", "tau", "ns_steps", "algorithm"))
+
+
+# ----------------------------------------------------------------------------- state_dict round trip
+@pytest.mark.parametrize("name", MATRIX_NAMES)
+def test_state_dict_round_trip_resumes_bitwise(name):
+    """Saved through torch.save / torch.load(weights_only=True) mid-training and loaded into a new
+    optimizer on a copy of the model, the run continues bitwise as the original (every state key
+    and group value round-trips; the reference is the uninterrupted run)."""
+    import io
+
+    model = Net()
+    opt = build(name, model)
+    train(model, opt, 2)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    twin = Net()
+    twin.load_state_dict(saved["model"])
+    fresh = build(name, twin)
+    fresh.load_state_dict(saved["opt"])
+    train(model, opt, 2, start=2)
+    train(twin, fresh, 2, start=2)
+    for (n, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(p, q), n
+    assert same(snapshot(model, opt)[1], snapshot(twin, fresh)[1])
+
+
+def test_state_of_another_layout_is_refused_naming_the_parameter_and_changes_nothing():
+    """A state saved with another rank (Dion's ``Q``) would load and fail, or misbehave, later."""
+    w = nn.Parameter(torch.randn(12, 8, generator=torch.Generator().manual_seed(0)))
+    saved = Dion([("w", w)], lr=0.1, rank_fraction=0.5).state_dict()
+    mine = Dion([("w", w)], lr=0.1, rank_fraction=1.0)
+    q = mine.state[w]["Q"].clone()
+    with pytest.raises(ValueError) as err:
+        mine.load_state_dict(saved)
+    assert str(err.value) == ("w: saved state 'Q' has shape (12, 4), but this optimizer's layout needs (12, 8) "
+                              "(saved with other blocks, side, rank or weight shape?)")
+    assert torch.equal(mine.state[w]["Q"], q) and mine.param_groups[0]["rank_fraction"] == 1.0
+
+
+# ----------------------------------------------------------------------------- the AdamW part, tensor lr
+def test_tensor_lr_adamw_part_equals_torch_adamw_with_the_same_tensor_lr():
+    """A scheduler holding the lr in a tensor: the AdamW part takes torch's single-tensor path, as
+    ``torch.optim.AdamW(foreach=False)`` does with that tensor, and the two agree bitwise, also after
+    the tensor is changed in place between steps."""
+    ref, ours = mlp(), mlp()
+    lr_ref, lr_ours = torch.tensor(0.01), torch.tensor(0.01)
+    torch_opt = torch.optim.AdamW(ref.parameters(), lr=lr_ref, weight_decay=0.05, betas=(0.9, 0.95), foreach=False)
+    opt = Muon([{"params": list(ours.parameters()), "algorithm": "adamw"}], lr=lr_ours, weight_decay=0.05)
+    for lr in (0.01, 0.003):
+        lr_ref.fill_(lr)
+        lr_ours.fill_(lr)
+        train_mlp(ref, torch_opt, 2)
+        train_mlp(ours, opt, 2)
+    for p, q in zip(ref.parameters(), ours.parameters()):
+        assert torch.equal(p, q)
