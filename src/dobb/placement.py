@@ -11,7 +11,10 @@ import torch
 from ._dtensor import is_dtensor
 from .layout import MatrixLayout, plain_layout
 
-__all__ = ["layout_for"]
+__all__ = ["layout_for", "SIDES"]
+
+# The axis a layout blocks: "input" the columns (Dobb), "output" the rows (Dobb-G).
+SIDES = ("input", "output")
 
 
 def layout_for(param: torch.Tensor, side: str, blocks: int, stat_group="default") -> MatrixLayout:
@@ -21,6 +24,9 @@ def layout_for(param: torch.Tensor, side: str, blocks: int, stat_group="default"
     indices, a ProcessGroup or None; for plain tensors a ProcessGroup or None (resolved by the
     caller, ``collectives.plain_stat_group``).
     """
+    # Checked here, above both layouts: each reads any side but "input" as the output side.
+    if side not in SIDES:
+        raise ValueError(f"side must be one of {SIDES}, got {side!r}")
     if is_dtensor(param):
         from .sharding import dtensor_layout
 
