@@ -3,9 +3,10 @@ on 4 (an 18-row and a 2-row matrix: shards 5,5,5,3 and 1,1,0,0; microsoft/dion #
 crashed there), and the layouts refused at construction. Reference: the single-process float64 run
 on the whole batch.
 
-Derived payloads (SPEC Table 3/7): the statistic mean moves ``n^2/B`` entries per matrix per
-refresh (row-stacked ``(n, n/B)``), Dobb/Dobb-G steps issue no collective, Dobb-ell2 with the
-rows sharded reduces ``n`` column norms per matrix per step (Dobb-G-ell2: ``m`` with columns sharded).
+Derived payloads (the paper's Tables 3 and 7; docs/distributed.md, "When communication happens"):
+the statistic mean moves ``n^2/B`` entries per matrix per refresh (row-stacked ``(n, n/B)``),
+Dobb/Dobb-G steps issue no collective, Dobb-ell2 with the rows sharded reduces ``n`` column norms
+per matrix per step (Dobb-G-ell2: ``m`` with columns sharded).
 """
 from __future__ import annotations
 
