@@ -17,7 +17,10 @@ The statistic is ``X^T X / N`` of ``N = --stat-tokens`` Gaussian rows with a dec
 (condition number about 1e2: full rank and inside Cholesky QR's acceptance test ``rtol=1e-3``); the warm
 start ``Q`` is the exact eigenbasis of a nearby statistic (a refresh's usual starting point). A
 second statistic of rank ``n/2`` (``rank_deficient``) shows Cholesky QR's fallback, the case of
-dead units or few captured rows. Each kernel: ``--repeats`` runs after one warm-up, median and min.
+dead units or few captured rows. After one warm-up each, ``--repeats`` rounds run every kernel once
+in a rotated order (the host is shared: kernels of one round see the same load); reported per
+kernel: median and min ms, and ``x_refresh_householder``, the median over rounds of its time over
+the default refresh's in the same round.
 
 Output: one JSON record (``--out``) with the timings and the provenance of the run records (git
 revision and dirty flag of this checkout, machine with its bf16 flags, command).
@@ -38,14 +41,21 @@ from dobb import functional as F
 from dobb_bench.provenance import provenance
 
 
-def _time(fn, repeats: int) -> dict:
-    fn()  # warm-up: allocation, LAPACK workspace queries
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t0) * 1e3)
-    return {"median_ms": statistics.median(ts), "min_ms": min(ts), "ms": ts}
+def _interleaved(kernels: dict, repeats: int, ref: str) -> dict:
+    """Each round runs every kernel once, in a rotated order, so that all see the same machine load
+    (the host is shared); per kernel: median and min ms, and the median over rounds of its time
+    divided by ``ref``'s in the same round (the figure to read on a loaded machine)."""
+    for fn in kernels.values():
+        fn()  # warm-up: allocation, LAPACK workspace queries
+    names = list(kernels)
+    ms = {k: [] for k in names}
+    for rnd in range(repeats):
+        for k in names[rnd % len(names):] + names[: rnd % len(names)]:
+            t0 = time.perf_counter()
+            kernels[k]()
+            ms[k].append((time.perf_counter() - t0) * 1e3)
+    return {k: {"median_ms": statistics.median(v), "min_ms": min(v), "ms": v,
+                f"x_{ref}": statistics.median(a / b for a, b in zip(v, ms[ref]))} for k, v in ms.items()}
 
 
 def _statistic(n: int, tokens: int, gen: torch.Generator) -> torch.Tensor:
@@ -65,23 +75,21 @@ def bench_width(n: int, args, gen: torch.Generator) -> dict:
     u = torch.randn(1, args.rows, n, generator=gen)
     _, ok = F.qr_cholesky(p)
     _, ok_low = F.qr_cholesky(low @ q0)
-    r = args.repeats
-    out = {
-        "n": n,
-        "cholesky_ok_full_rank": bool(ok.all()),
-        "cholesky_ok_rank_deficient": bool(ok_low.all()),
-        "capture": _time(lambda: F.second_moment_blocks(x, [n]), r),
-        "matmul": _time(lambda: a @ q0, r),
-        "qr_householder": _time(lambda: F.qr_householder(p), r),
-        "qr_cholesky": _time(lambda: F.qr_cholesky(p), r),
+    kernels = {
+        "capture": lambda: F.second_moment_blocks(x, [n]),
+        "matmul": lambda: a @ q0,
+        "qr_householder": lambda: F.qr_householder(p),
+        "qr_cholesky": lambda: F.qr_cholesky(p),
         # linalg.qr is geqrf + orgqr plus the triangular R (a triu of n^2): Q alone skips R
-        "qr_geqrf_orgqr": _time(lambda: torch.linalg.householder_product(*torch.geqrf(p)), r),
-        "refresh_householder": _time(lambda: F.orthogonal_iteration(a, q0, 1, "householder"), r),
-        "refresh_cholesky": _time(lambda: F.orthogonal_iteration(a, q0, 1, "cholesky"), r),
-        "refresh_cholesky_rank_deficient": _time(lambda: F.orthogonal_iteration(low, q0, 1, "cholesky"), r),
-        "eigh": _time(lambda: F.eigh_basis(a), max(1, r // 2)),
-        "apply": _time(lambda: torch.bmm(torch.bmm(u, q0).sign_(), q0.transpose(1, 2)), r),
+        "qr_geqrf_orgqr": lambda: torch.linalg.householder_product(*torch.geqrf(p)),
+        "refresh_householder": lambda: F.orthogonal_iteration(a, q0, 1, "householder"),
+        "refresh_cholesky": lambda: F.orthogonal_iteration(a, q0, 1, "cholesky"),
+        "refresh_cholesky_rank_deficient": lambda: F.orthogonal_iteration(low, q0, 1, "cholesky"),
+        "eigh": lambda: F.eigh_basis(a),
+        "apply": lambda: torch.bmm(torch.bmm(u, q0).sign_(), q0.transpose(1, 2)),
     }
+    out = {"n": n, "cholesky_ok_full_rank": bool(ok.all()), "cholesky_ok_rank_deficient": bool(ok_low.all()),
+           **_interleaved(kernels, args.repeats, "refresh_householder")}
     # the two refreshes must agree (same subspace iteration, different factorization): sign-fixed columns
     qh = F.orthogonal_iteration(a.double(), q0.double(), 1, "householder")
     qc = F.orthogonal_iteration(a.double(), q0.double(), 1, "cholesky")
@@ -95,7 +103,7 @@ def bench_width(n: int, args, gen: torch.Generator) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--widths", type=int, nargs="+", default=[768, 3072])
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=1024, help="rows of one capture (default 1024)")
     ap.add_argument("--stat-tokens", type=int, default=None, help="rows behind the statistic (default 4n)")
@@ -110,7 +118,8 @@ def main(argv=None) -> int:
         a = argparse.Namespace(**{**vars(args), "stat_tokens": args.stat_tokens or 4 * n})
         widths.append(bench_width(n, a, gen))
         w = widths[-1]
-        print(f"n={n}: " + ", ".join(f"{k} {v['median_ms']:.1f}" for k, v in w.items() if isinstance(v, dict)),
+        print(f"n={n}: " + ", ".join(f"{k} {v['median_ms']:.1f} ms ({v['x_refresh_householder']:.2f}x)"
+                                     for k, v in w.items() if isinstance(v, dict)),
               flush=True)
     record = {"kind": "refresh_kernels", "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
               "dtype": "float32", "widths": widths, "provenance": provenance()}
