@@ -230,8 +230,10 @@ def test_unknown_group_key_lists_the_valid_ones():
 @pytest.mark.parametrize("name", MATRIX_NAMES)
 def test_state_dict_round_trip_resumes_bitwise(name):
     """Saved through torch.save / torch.load(weights_only=True) mid-training and loaded into a new
-    optimizer on a copy of the model, the run continues bitwise as the original (every state key
-    and group value round-trips; the reference is the uninterrupted run)."""
+    optimizer on a copy of the model, the run continues bitwise as the original, weights and every
+    state tensor (the reference is the uninterrupted run). Net has a ``transposed=True`` weight:
+    its state rests under the weight, not under the transposed view the step uses, so it must map
+    by parameter. (tests/test_factory.py resumes each optimizer with a scheduler on a plain MLP.)"""
     import io
 
     model = Net()
