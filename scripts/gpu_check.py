@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 import dobb
+from dobb.meter import state_bytes
 from dobb_bench import roofline as R
 from dobb_bench.provenance import provenance
 from dobb_bench.shapes import matrix_shapes
@@ -196,7 +197,7 @@ def main(argv=None) -> int:
         cost = R.set_cost(_cost_name(name), shapes, {"blocks": 16, "refresh_every": T, "rank_fraction": 1 / 16})
         rows.append({"optimizer": name, "amortized_ms": amort, "steps": len(e.ms),
                      "refresh_ms": statistics.mean([m for m, r in zip(e.ms, e.refresh) if r] or [float("nan")]),
-                     "x_adamw": amort / adamw, "graph_error": e.graph_error, "state_bytes_measured": R.state_bytes(e.opt),
+                     "x_adamw": amort / adamw, "graph_error": e.graph_error, "state_bytes_measured": state_bytes(e.opt),
                      "state_alloc_bytes": e.state_alloc, "state_bytes_derived": cost["state_bytes"],
                      **{k: v for k, v in R.roofline_fraction(cost, amort, peaks).items() if k != "measured_ms"}})
     by = {r["optimizer"]: r["amortized_ms"] for r in rows}

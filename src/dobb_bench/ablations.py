@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-from .cli import CliError
+from .errors import CliError
 from .commands_train import _add_common, _configs, run_many, validate_spec
 from .specs import parse_spec
 

@@ -46,7 +46,7 @@ def die_with_parent(parent_pid: int) -> None:
 
 def _entry(target, args, parent_pid: int, conn) -> None:
     die_with_parent(parent_pid)
-    from .cli import CliError, _one_line
+    from .errors import CliError, one_line as _one_line
 
     try:
         code = target(*args)

@@ -6,9 +6,9 @@ raised as ``CliError`` (or ``ValueError``/``OSError``) and printed as one line w
 traceback; Ctrl-C prints one line and exits 130. Under ``torchrun`` only rank 0 prints (every rank
 meets the same user error; one message, not one per rank).
 
-``python -m dobb_bench.cli`` (the entry ``torchrun`` needs) runs this file as ``__main__``; it
-hands over to the imported ``dobb_bench.cli.main`` so that there is one ``CliError`` class and
-one handler whichever way the CLI is started.
+``python -m dobb_bench.cli`` (the entry ``torchrun`` needs) runs this file as ``__main__``; the
+error classes live in ``dobb_bench.errors``, so they are the same classes whichever way the CLI is
+started.
 """
 from __future__ import annotations
 
@@ -18,7 +18,11 @@ import os
 import sys
 import time
 
+from dobb_bench.errors import CliError, Interrupted  # noqa: F401 (re-exported: dobb_bench.cli.CliError)
+from dobb_bench.errors import one_line as _one_line
+
 _COMMAND_MODULES = [
+    "docs_tables",
     "commands_train",
     "ablations",
     "spectral",
@@ -26,16 +30,9 @@ _COMMAND_MODULES = [
     "payload_command",
     "diagnostics",
     "controlled",
+    "looptime",
     "roofline",
 ]
-
-
-class CliError(Exception):
-    """A user-facing error: printed as one line, exit code 2."""
-
-
-class Interrupted(Exception):
-    """A run stopped by Ctrl-C/SIGTERM with its state saved: the message (one line), exit code 130."""
 
 
 def build_parser(modules=None) -> argparse.ArgumentParser:
@@ -45,11 +42,6 @@ def build_parser(modules=None) -> argparse.ArgumentParser:
     for name in modules or _COMMAND_MODULES:
         importlib.import_module(f"dobb_bench.{name}").add_parsers(sub)
     return parser
-
-
-def _one_line(exc: BaseException) -> str:
-    lines = [x.strip() for x in str(exc).splitlines() if x.strip()]
-    return lines[0] if lines else type(exc).__name__
 
 
 def _os_error(exc: OSError) -> str:
@@ -89,6 +81,4 @@ def main(argv: list[str] | None = None, modules=None) -> int:
 
 
 if __name__ == "__main__":
-    from dobb_bench.cli import main as _main  # the package's module: its CliError is the one raised
-
-    sys.exit(_main())
+    sys.exit(main())

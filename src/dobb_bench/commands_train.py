@@ -30,11 +30,11 @@ from pathlib import Path
 import torch
 
 from . import children, report
-from .cli import CliError, Interrupted
+from .errors import CliError, Interrupted
 from .data import load_corpus
 from .model import GPT, PRESETS, ModelConfig, config_from_preset
 from .provenance import provenance
-from .specs import OptimizerSpec, default_label, parse_hparams, parse_spec  # noqa: F401 (re-exported)
+from .specs import OptimizerSpec, default_label, parse_hparams, parse_spec, refreshes  # noqa: F401 (re-exported)
 from .outdir import _check_out, _check_rows, _finished_with, _read_final  # noqa: F401 (_read_final re-exported)
 from .train import METRICS_FILE, TrainConfig, run_training, setup_dist, write_jsonl
 
@@ -341,7 +341,7 @@ def _finish(out: Path, finals: list[dict], model_cfg: ModelConfig, *, grid: bool
               for m in blk.modules() if isinstance(m, torch.nn.Linear)] * model_cfg.layers
     notes.append(report.plot_payload(finals, shapes, out / "payload_vs_loss.png"))
     text = table + "\n" + "\n".join(f"- {n}" for n in notes if n) + "\n"
-    if any(f["optimizer"].startswith("dobb") for f in finals):
+    if any(refreshes(f["optimizer"]) for f in finals):  # a Dobb row (dobb.registry): say where it lands
         text += "\n" + report.plain_summary(finals, shapes)
     (out / "results.md").write_text(text)
     print("\n" + text)
@@ -443,9 +443,6 @@ def _allow_negative_lists(p: argparse.ArgumentParser) -> None:
 
 
 def add_parsers(sub) -> None:
-    from .tables import add_report_parser
-
-    add_report_parser(sub)
     p = sub.add_parser("train", help="train one optimizer")
     p.add_argument("--optimizer", required=True, help="name for dobb.build_optimizer")
     p.add_argument("--hp", action="append", metavar="KEY=VALUE", help="optimizer hyperparameter (repeatable)")

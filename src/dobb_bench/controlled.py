@@ -245,7 +245,7 @@ def header(record: dict) -> str:
 
 
 def cmd_controlled(args) -> int:
-    from .cli import CliError
+    from .errors import CliError
     from .provenance import provenance
 
     if args.render:

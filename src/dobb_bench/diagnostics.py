@@ -188,7 +188,9 @@ LR = 5e-3 * 2 ** -0.5
 def _cells(specs, micro, captures, seeds):
     for spec in specs:
         for m in micro:
-            caps = captures if spec.name.startswith("dobb") and m > 1 else ["first" if spec.name.startswith("dobb") else None]
+            # the capture grid applies to optimizers that take a capture option (dobb.valid_hparams)
+            takes = "capture" in dobb.valid_hparams(spec.name)
+            caps = captures if takes and m > 1 else ["first" if takes else None]
             for cap in caps:
                 for seed in seeds:
                     yield spec, m, cap, seed
@@ -256,7 +258,7 @@ def cmd_microbatch(args) -> int:
     import multiprocessing as mp
     from pathlib import Path
 
-    from .cli import CliError
+    from .errors import CliError
     from .model import GPT, ModelConfig
     from .provenance import provenance
     from .specs import parse_spec
@@ -364,11 +366,3 @@ def add_parsers(sub) -> None:
     p = sub.add_parser("microbatch-table", help="the tables of a microbatch record (docs/microbatch.md)")
     p.add_argument("record")
     p.set_defaults(func=cmd_render)
-
-
-if __name__ == "__main__":  # python -m dobb_bench.diagnostics microbatch ...: imports only this command
-    import sys
-
-    from dobb_bench import cli
-
-    sys.exit(cli.main(modules=["diagnostics"]))

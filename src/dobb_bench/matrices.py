@@ -13,7 +13,7 @@ import os
 import torch
 from torch import nn
 
-from .cli import CliError
+from .errors import CliError
 
 _COLWISE = ("q", "k", "v", "qkv", "fc")  # output axis sharded under TP (column parallel)
 

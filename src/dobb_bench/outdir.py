@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .cli import CliError
+from .errors import CliError
 from .train import METRICS_FILE
 
 

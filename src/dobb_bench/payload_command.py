@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from . import payload as P
-from .cli import CliError
+from .errors import CliError
 from .shapes import matrix_shapes, preset
 from .specs import parse_spec
 from .timing_report import jsonable

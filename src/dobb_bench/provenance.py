@@ -66,15 +66,23 @@ def cpu_bf16_flags() -> list[str]:
     return []
 
 
-def machine() -> dict:
-    """Host description for records; ``native_bf16`` is oneDNN's answer (what torch's bf16 products
-    use), ``bf16_flags`` the CPU flags behind it, since Dobb's and Muon's bf16 paths differ by host."""
-    import dobb.functional
+def native_bf16() -> bool:
+    """Whether oneDNN has native bf16 products on this CPU (AVX512-BF16/AMX): what torch's bf16
+    products, and so Dobb's and Muon's bf16 paths, run on. Asked of torch directly, the same
+    question the library's ``product_dtype="auto"`` rule asks."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
+
+def machine() -> dict:
+    """Host description for records; ``native_bf16`` is oneDNN's answer (``native_bf16()``),
+    ``bf16_flags`` the CPU flags behind it, since Dobb's and Muon's bf16 paths differ by host."""
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"cpu": cpu_model(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "gpu": gpu, "host_os": platform.platform(terse=True),
-            "native_bf16": dobb.functional.cpu_native(torch.bfloat16), "bf16_flags": cpu_bf16_flags()}
+            "native_bf16": native_bf16(), "bf16_flags": cpu_bf16_flags()}
 
 
 def command_line(argv: list[str] | None = None) -> str:

@@ -1,11 +1,11 @@
-"""Committed run records and the docs tables regenerated from them.
+"""Committed run records: collected from run folders, checked, loaded.
 
 Why: a number in docs/ is only worth reading if it can be traced to the run that produced it.
 ``dobb-bench report --collect RUN_DIR --study NAME`` turns a ``compare``/``sweep`` output folder
 into compact records (final values, the eval curve, every hyperparameter, provenance) appended to
 ``docs/results/records/NAME.jsonl``; ``dobb-bench report`` rewrites every table in ``docs/*.md``
 that sits between ``<!-- table:NAME -->`` and ``<!-- /table -->`` from those records
-(generators in ``tables.py``). ``tests/bench/test_docs_tables.py`` fails when a docs table
+(``TABLE`` below; the generators by name in ``dobb_bench.studies.docs_tables``). ``tests/bench/test_docs_tables.py`` fails when a docs table
 differs from its regeneration or rests on a record from a dirty tree.
 
 ``report`` checks every record and renders every table before it writes a byte (a bad record in one
@@ -141,53 +141,3 @@ def check_all(records_dir: Path | None = None) -> int:
 def clean(rec: dict) -> bool:
     p = rec.get("provenance") or {}
     return bool(p.get("git_rev")) and p.get("git_dirty") is False
-
-
-# ----- docs tables ---------------------------------------------------------------------------------
-def render(name: str) -> tuple[str, list[dict]]:
-    from . import tables
-
-    fn = tables.TABLES.get(name)
-    if fn is None:
-        raise ValueError(f"docs table {name!r} has no generator in dobb_bench.tables.TABLES")
-    text, used = fn()
-    return text.rstrip("\n") + "\n", used
-
-
-def regenerate_text(text: str, where: str = "") -> tuple[str, list[tuple[str, list[dict]]]]:
-    """``text`` with every marked table rewritten; also each table's name and records used."""
-    used_by = []
-
-    def sub(m):
-        try:
-            body, used = render(m.group(2))
-        except (KeyError, TypeError, AttributeError, IndexError, ZeroDivisionError) as exc:
-            raise ValueError(f"{where or 'docs'}: table {m.group(2)!r} cannot be generated from its records "
-                             f"({type(exc).__name__}: {exc}); nothing was written") from None
-        used_by.append((m.group(2), used))
-        return m.group(1) + body + m.group(4)
-
-    return TABLE.sub(sub, text), used_by
-
-
-def regenerate_docs(docs: Path | None = None, write: bool = True) -> dict[str, list[str]]:
-    """Rewrites the marked tables of ``docs/*.md``; returns {file: [table names that changed]}.
-
-    All or nothing: every record is checked and every table rendered first; only then are the
-    changed files written (a bad record anywhere leaves every file as it was).
-    """
-    docs = Path(DOCS if docs is None else docs)
-    check_all()
-    changed, pending = {}, []
-    for md in sorted(docs.glob("*.md")):
-        text = md.read_text()
-        new, used_by = regenerate_text(text, str(md))
-        if new != text:
-            old_bodies = {m.group(2): m.group(3) for m in TABLE.finditer(text)}
-            new_bodies = {m.group(2): m.group(3) for m in TABLE.finditer(new)}
-            changed[md.name] = [k for k in new_bodies if old_bodies.get(k) != new_bodies[k]]
-            pending.append((md, new))
-    if write:
-        for md, new in pending:
-            md.write_text(new)
-    return changed

@@ -20,11 +20,15 @@ import torch
 
 import dobb.registry
 
-__all__ = ["OptimizerSpec", "parse_spec", "parse_hparams", "parse_value", "default_label", "PRETTY"]
+__all__ = ["OptimizerSpec", "parse_spec", "parse_hparams", "parse_value", "default_label", "PRETTY", "registry_entry",
+           "refreshes"]
 
 # Display names: each optimizer's label in dobb.registry (declared there once).
 PRETTY = {name: entry.label for name, entry in dobb.registry.OPTIMIZERS.items()}
 HP_SHORT = {"blocks": "B", "rank_fraction": "rho"}
+# The timing bench's torch references (``torch.optim.AdamW(foreach=True)``, ``torch.optim.Muon``):
+# not library optimizers, so not in the registry; each stands for the registry entry it times against.
+TORCH_REFERENCES = {"torch-adamw": "adamw", "torch-muon": "muon"}
 _KEY = re.compile(r"[A-Za-z_]\w*")
 _COMMA_KEY = re.compile(r",\s*[A-Za-z_]\w*\s*=")  # ",qr=" inside a value: the old comma grammar
 
@@ -103,3 +107,16 @@ def parse_spec(text: str) -> OptimizerSpec:
         raise ValueError(f"optimizer spec {text!r}: separate hyperparameters with ':', not ',' (e.g. {fixed!r})")
     hparams = parse_hparams(items, f"hyperparameter in {text!r}")
     return OptimizerSpec(name, hparams, label.strip() or default_label(name, hparams), text)
+
+
+def registry_entry(name: str) -> "dobb.registry.Entry | None":
+    """The ``dobb.registry`` entry of an optimizer name (a torch reference: the entry it stands for);
+    ``None`` for a name the registry does not know. The bench asks the registry what an optimizer
+    is (its class, preset, blocked axis) instead of reading it from the name's prefix."""
+    return dobb.registry.OPTIMIZERS.get(TORCH_REFERENCES.get(name, name))
+
+
+def refreshes(name: str) -> bool:
+    """Whether ``name`` is Dobb or one of its presets (a basis refreshed every ``refresh_every`` steps)."""
+    entry = registry_entry(name)
+    return entry is not None and entry.refreshes

@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from .cli import CliError
+from .errors import CliError
 from .spectral_run import run_spectrum, table2_from_training
 from .spectral_tables import markdown, spectrum_report, table1a, table1b
 

@@ -13,7 +13,7 @@ import torch
 
 import dobb
 
-from .cli import CliError
+from .errors import CliError
 from .spectral_tables import F64, spectrum_rows, table2_rows
 
 

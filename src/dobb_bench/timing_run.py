@@ -41,7 +41,7 @@ from torch import nn
 import dobb
 from dobb.meter import PayloadMeter, state_bytes  # state_bytes: the one definition (re-exported)
 
-from .cli import CliError
+from .errors import CliError
 from .matrices import DistContext, MatrixBank, init_distributed
 from .shapes import matrix_shapes
 from .specs import OptimizerSpec, parse_spec

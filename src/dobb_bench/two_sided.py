@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from . import records as R
 from .report import gap_closure
-from .tables import SHARED_LR, _group, _headline, _loss, _muon, fmt_ms, lr_grid_table, noise, setting_line, stats
+from .main_job import _headline
+from .tables import SHARED_LR, _group, _loss, _muon, fmt_ms, lr_grid_table, noise, setting_line, stats
 
 REFS = ("AdamW", "Muon", "Muon-fp32", "NorMuon-fp32", "SOAP", "Dobb B=1", "Dobb B=4")
 STUDY = "two-sided"

@@ -156,3 +156,16 @@ def test_twin_table_finds_the_first_diverging_step():
     other_seed = dict(twin, seed=1)  # no one-micro-batch run with seed 1: not listed
     row = [x for x in twin_table([base, twin, other_seed]).splitlines() if x.startswith("| Dobb")]
     assert row == ["| Dobb B=16 | 2 | all | 0 | 4 | 4 | 5 | -0.1500 |"]
+
+
+def test_capture_grid_only_for_optimizers_that_take_a_capture_option():
+    """The micro-batch grid varies ``capture`` for optimizers whose hyperparameters include it
+    (dobb.valid_hparams: Dobb and its presets), and gives the others one cell per split."""
+    from dobb_bench.diagnostics import _cells
+    from dobb_bench.specs import parse_spec
+
+    specs = [parse_spec("dobb-g:blocks=2"), parse_spec("muon")]
+    cells = [(s.name, m, cap) for s, m, cap, _ in _cells(specs, [1, 2], ["first", "all"], [0])]
+    assert cells == [("dobb-g", 1, "first"), ("dobb-g", 2, "first"), ("dobb-g", 2, "all"),
+                     ("muon", 1, None), ("muon", 2, None)]
+    assert ["capture" in dobb.valid_hparams(n) for n in ("dobb-g", "muon")] == [True, False]

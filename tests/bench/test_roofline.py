@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import dobb
-from dobb_bench import roofline as R
+from dobb_bench import looptime as L, roofline as R
 from dobb_bench.cli import main
 
 
@@ -31,6 +31,12 @@ def test_dobb_cost_counts_blocks():
     assert c["state_bytes"] == 4 * m * n + 6 * n * s  # Table 18: mn fp32 + fp32 stat + bf16 basis
     g = R.step_cost("dobb-g", m, n, {"blocks": B})  # output side blocks the m axis
     assert g["state_bytes"] == 4 * m * n + 6 * m * (m // B)
+    # the blocked axis is the registry's (dobb-g: output) unless side= says otherwise: a side=output
+    # Dobb costs what Dobb-G costs, and Dobb-G-l2 (no "dobb-g" prefix rule needed) blocks the m axis
+    assert R.step_cost("dobb", m, n, {"blocks": B, "side": "output"}) == g
+    assert R.step_cost("dobb-g-l2", m, n, {"blocks": B}) == g
+    with pytest.raises(ValueError, match="no cost model"):
+        R.step_cost("owner-muon", m, n)
 
 
 def test_derived_state_bytes_equal_allocated_buffers():
@@ -39,12 +45,12 @@ def test_derived_state_bytes_equal_allocated_buffers():
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(32, 64, bias=False), nn.ReLU(), nn.Linear(64, 32, bias=True))
         spec = text + "".join(f":{k}={v}" for k, v in hp.items())
-        _, opt = R.build(spec, model, 1e-3, 0.1)
+        _, opt = L.build(spec, model, 1e-3, 0.1)
         model(torch.randn(8, 32)).square().sum().backward()
         opt.step()  # torch AdamW creates its state lazily
-        shapes, other = R._matrix_split(opt)
+        shapes, other = L._matrix_split(opt)
         derived = R.set_cost(text, shapes, hp, other)["state_bytes"]
-        measured = R.state_bytes(opt)
+        measured = L.state_bytes(opt)
         scalars = sum(1 for st in opt.state.values() for k, v in st.items()
                       if isinstance(v, torch.Tensor) and v.dim() == 0) * 4  # AdamW's step counters
         assert measured - scalars == pytest.approx(derived, rel=0, abs=0), text
@@ -64,7 +70,7 @@ def test_profile_split():
           SimpleNamespace(key="aten::linalg_qr", self_cpu_time_total=100.0),
           SimpleNamespace(key="aten::lerp_", self_cpu_time_total=200.0),
           SimpleNamespace(key="Optimizer.step#Dobb.step", self_cpu_time_total=999.0)]
-    out = R.classify_profile(ev, 1000.0)
+    out = L.classify_profile(ev, 1000.0)
     assert out["matmul_qr"] == pytest.approx(0.4) and out["elementwise"] == pytest.approx(0.2)
     assert out["overhead"] == pytest.approx(0.4)
 

@@ -56,3 +56,17 @@ def test_display_names_are_the_registry_labels():
     assert specs.PRETTY == {n: e.label for n, e in dobb.registry.OPTIMIZERS.items()}
     assert parse_spec("dobb-g-l2:blocks=4").label == dobb.registry.get("dobb-g-l2").label + " B=4"
     assert set(timing_run.DOBB_NAMES) == {n for n, e in dobb.registry.OPTIMIZERS.items() if issubclass(e.cls, dobb.Dobb)}
+
+
+def test_what_an_optimizer_is_comes_from_the_registry():
+    """``refreshes``/``registry_entry`` answer from dobb.registry's classes and presets, not a name's
+    prefix: every Dobb preset refreshes and nothing else does (a Dobb-named optimizer that is not
+    ``Dobb`` would be wrong under a prefix rule); the torch references stand for their entries."""
+    import dobb
+
+    for name, entry in dobb.registry.OPTIMIZERS.items():
+        assert specs.refreshes(name) is issubclass(entry.cls, dobb.Dobb)
+        assert specs.registry_entry(name) is entry
+    assert specs.registry_entry("torch-adamw").cls is torch.optim.AdamW and not specs.refreshes("torch-adamw")
+    assert specs.registry_entry("torch-muon").cls is dobb.Muon
+    assert specs.registry_entry("dobbish") is None and not specs.refreshes("dobbish")

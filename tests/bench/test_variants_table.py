@@ -1,7 +1,7 @@
 """The muon-variants study: its table (each row's best seed-0 lr, every seed at that lr, the
 difference from Muon-fp32 at *its* best lr under the project's noise rule; hand-computed numbers)
 and the bench passing the run's length to SAMuon."""
-from dobb_bench import tables
+from dobb_bench import main_job
 
 
 def _rec(run, lr, seed, loss):
@@ -16,7 +16,7 @@ def test_best_lr_seeds_and_difference_from_muon_at_its_own_best():
             _rec("Muon-fp32", 2e-3, 1, 1.9), _rec("Muon-fp32", 1e-3, 1, 1.0),  # seed 1 never picks the lr
             _rec("SAMuon-fp32", 1e-3, 0, 1.5), _rec("SAMuon-fp32", 2e-3, 0, 1.7),
             _rec("SAMuon-fp32", 1e-3, 1, 1.6), _rec("SAMuon-fp32", 1e-3, 2, 1.7)]
-    text = tables.variants_table(recs)
+    text = main_job.variants_table(recs)
     muon = next(x for x in text.splitlines() if x.startswith("| Muon-fp32"))
     sam = next(x for x in text.splitlines() if x.startswith("| SAMuon-fp32"))
     assert "| **1.800** | 0.002 | 0,1 | 1.850 ± 0.071 | — |" in muon
