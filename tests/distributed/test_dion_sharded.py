@@ -14,12 +14,12 @@ step, in logical entries (``s = min(m, n)``: ``P``'s axis, ``l = max(m, n)``: ``
 from __future__ import annotations
 
 import math
-import traceback
 
 import pytest
 import torch
 from torch import nn
 
+from _common import checker
 from _compare import max_diff
 from _spawn import spawn
 from dobb import Dion
@@ -123,12 +123,7 @@ def worker2(rank, world, path):
 
     mesh = init_device_mesh("cpu", (world,))
     results = {}
-
-    def check(key, fn, *args, **kw):
-        try:
-            results[key] = fn(*args, **kw)
-        except Exception:
-            results[key] = traceback.format_exc()
+    check = checker(results)
 
     for i, (shape, dim, qr) in enumerate(CASES_2):
         check(("case", shape, dim, qr), _run, mesh, [[Shard(dim)]], [shape], [i], meter=True, qr=qr,
@@ -174,12 +169,7 @@ def worker4(rank, world, path):
     mesh = init_device_mesh("cpu", (world,))
     mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     results = {}
-
-    def check(key, fn, *args, **kw):
-        try:
-            results[key] = fn(*args, **kw)
-        except Exception:
-            results[key] = traceback.format_exc()
+    check = checker(results)
 
     for shape, qr in UNEVEN:
         check(("uneven", shape, qr), _run, mesh, [[Shard(0)]], [shape], [30], meter=True, qr=qr)
