@@ -267,6 +267,32 @@ def test_state_of_another_layout_is_refused_naming_the_parameter_and_changes_not
     assert torch.equal(mine.state[w]["Q"], q) and mine.param_groups[0]["rank_fraction"] == 1.0
 
 
+def test_integer_state_saved_as_tensors_loads_as_ints():
+    """torch.distributed.checkpoint hands Python ints back as tensors; the counters (``step``,
+    ``captures``) are ints again after the load, and the run continues as the uninterrupted one."""
+    model = Net()
+    opt = build("dobb", model, refresh_every=2)
+    train(model, opt, 3)
+    sd = copy.deepcopy(opt.state_dict())
+    # the matrices' counters (the AdamW part keeps torch's tensor step)
+    ints = {i: {k: v for k, v in st.items() if k in ("step", "captures") and type(v) is int}
+            for i, st in sd["state"].items()}
+    assert sum(len(st) for st in ints.values()) == 2 * len(list(opt.iter_matrix_params()))
+    for i, st in ints.items():
+        sd["state"][i].update({k: torch.tensor(v) for k, v in st.items()})
+    twin = Net()
+    twin.load_state_dict(model.state_dict())
+    fresh = build("dobb", twin, refresh_every=2)
+    fresh.load_state_dict(sd)
+    for p, q in zip(opt.iter_matrix_params(), fresh.iter_matrix_params()):
+        for k in ("step", "captures"):
+            assert type(fresh.state[q][k]) is int and fresh.state[q][k] == opt.state[p][k]
+    train(model, opt, 3, start=3)
+    train(twin, fresh, 3, start=3)
+    for (n, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(p, q), n
+
+
 # ----------------------------------------------------------------------------- the AdamW part, tensor lr
 def test_tensor_lr_adamw_part_equals_torch_adamw_with_the_same_tensor_lr():
     """A scheduler holding the lr in a tensor: the AdamW part takes torch's single-tensor path, as

@@ -74,3 +74,19 @@ def test_copy_of_a_dobb_without_model_steps_as_the_original(how):
             o.step()
     for (n, p), q in zip(model.named_parameters(), model2.parameters()):
         assert torch.equal(p, q), n
+
+
+def test_copy_of_an_optimizer_holding_a_process_group_refuses_naming_it():
+    """A process group cannot be carried by a copy (the same refusal as for a model's hooks)."""
+    import torch.distributed as dist
+
+    from _one_rank import one_rank_group
+    from dobb.baselines import OwnerMuon
+
+    with one_rank_group():
+        opt = OwnerMuon([nn.Parameter(torch.zeros(4, 4))], lr=0.1, replicated_group=dist.group.WORLD)
+        for how in COPIES.values():
+            with pytest.raises(TypeError) as err:
+                how(opt)
+            assert str(err.value).startswith("OwnerMuon cannot be copied or pickled: it holds a process group "
+                                              "('_replicated_group'). Save opt.state_dict() instead")
