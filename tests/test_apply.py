@@ -1,4 +1,5 @@
-"""Dobb's apply kernels (``dobb._apply``: the CPU fast paths of the step, issue 12) against a float64 dense reference.
+"""Dobb's apply (``dobb._apply``, over ``functional.add_directions_``: the CPU fast paths of the step,
+issue 12) against the float64 dense reference (``_dobb_reference``).
 
 Three ways the step writes ``W <- (1 - lr wd) W - lr s O``: small blocks with transposed products,
 large blocks with the decay folded into ``baddbmm``, and the general path (decay pass + strided
@@ -13,8 +14,9 @@ import torch
 from torch import nn
 
 import dobb
-import dobb.dobb as D
+from dobb import _apply
 from dobb import functional as F
+from _dobb_reference import block_bases, dense_direction
 
 PATHS = {"small": dict(small=16, fuse=1 << 60), "fused": dict(small=0, fuse=0),
          "general": dict(small=0, fuse=1 << 60)}
@@ -23,18 +25,13 @@ PATHS = {"small": dict(small=16, fuse=1 << 60), "fused": dict(small=0, fuse=0),
 def _blocks_of(u, basis, blocks):
     """(column slice, float64 basis block) per block of the blocked (last) axis of ``u``."""
     s = u.shape[1] // blocks
-    return [(slice(b * s, (b + 1) * s), basis.double()[b * s:(b + 1) * s, :s]) for b in range(blocks)]
+    return [(slice(b * s, (b + 1) * s), q) for b, q in enumerate(block_bases(basis, [s] * blocks))]
 
 
 def _raw_direction(u, basis, blocks, norm):
-    """float64 ``O[:, b] = normalize(U[:, b] Q_b) Q_b^T``, sign scaled by ``1/sqrt(rows)``."""
-    u = u.double()
-    o = torch.zeros_like(u)
-    for cols, q in _blocks_of(u, basis, blocks):
-        c = u[:, cols] @ q
-        c = torch.sign(c) / math.sqrt(u.shape[0]) if norm == "sign" else c / c.norm(dim=0, keepdim=True)
-        o[:, cols] = c @ q.T
-    return o
+    """The float64 reference direction from the stored basis (blocked axis last)."""
+    sizes = [u.shape[1] // blocks] * blocks
+    return dense_direction(u, sizes, block_bases(basis, sizes), norm)
 
 
 def _step_once(path_monkeypatch, path, norm, side, source, product, steps=3):
@@ -66,8 +63,8 @@ def _observed_direction(r):
 
 
 def _force_path(monkeypatch, path):
-    monkeypatch.setattr(D.Dobb, "_SMALL_BLOCK", PATHS[path]["small"])
-    monkeypatch.setattr(D.Dobb, "_FUSE_MIN_BLOCK_WORK", PATHS[path]["fuse"])
+    monkeypatch.setattr(F, "SMALL_BLOCK", PATHS[path]["small"])
+    monkeypatch.setattr(_apply, "FUSE_MIN_BLOCK_WORK", PATHS[path]["fuse"])
 
 
 VARIANTS = [("sign", "input", "activation"), ("l2", "input", "activation"), ("sign", "output", "output_grad")]

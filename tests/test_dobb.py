@@ -9,28 +9,9 @@ from torch import nn
 
 import dobb
 from dobb import functional as F
+from _dobb_reference import dense_direction, eigh_bases
 
 F64 = dict(basis_dtype=torch.float64, stat_dtype=torch.float64)
-
-
-def _split(k, blocks):
-    q, r = divmod(k, blocks)
-    return [q + 1] * r + [q] * (blocks - r)
-
-
-def _ref_direction(u, stat_source, blocks, norm, side):
-    """Independent dense float64 Dobb direction: eigh bases of each diagonal block of the statistic."""
-    u = u if side == "input" else u.T
-    out = torch.zeros_like(u)
-    start = 0
-    for s in _split(u.shape[1], blocks):
-        a = stat_source[:, start : start + s].T @ stat_source[:, start : start + s] / stat_source.shape[0]
-        q = torch.linalg.eigh(a).eigenvectors
-        c = u[:, start : start + s] @ q
-        c = torch.sign(c) / math.sqrt(u.shape[0]) if norm == "sign" else c / c.norm(dim=0, keepdim=True)
-        out[:, start : start + s] = c @ q.T
-        start += s
-    return out if side == "input" else out.T
 
 
 def _one_layer(m, n, seed=0):
@@ -55,7 +36,8 @@ def test_first_update_equals_dense_reference(variant, blocks):
     grad = layer.weight.grad.clone()
     opt.step()
     feats = x.reshape(-1, n) if source == "activation" else t.reshape(-1, m)  # dL/dy = t
-    o_ref = _ref_direction(grad, feats, blocks, norm, side)
+    sizes = F.block_sizes(n if side == "input" else m, blocks)
+    o_ref = dense_direction(grad, sizes, eigh_bases(feats, sizes), norm, side)
     s = tau * math.sqrt(max(m, n))
     torch.testing.assert_close(layer.weight.detach(), (1 - lr * wd) * w0 - lr * s * o_ref, atol=1e-12, rtol=0)
     # Table 9: ||O||_F^2 = n (input side) or m (output side); update RMS tau*sqrt(max(m,n)/m) for Dobb.
@@ -256,7 +238,8 @@ def test_grad_gram_source_uses_gradient_blocks():
     grad = layer.weight.grad.clone()
     w0 = layer.weight.detach().clone()
     opt.step()
-    o_ref = _ref_direction(grad, grad, 2, "sign", "input")  # blocks of G^T G / m
+    sizes = F.block_sizes(8, 2)
+    o_ref = dense_direction(grad, sizes, eigh_bases(grad, sizes), "sign", "input")  # blocks of G^T G / m
     torch.testing.assert_close(layer.weight.detach(), w0 - 0.1 * 0.2 * math.sqrt(8) * o_ref, atol=1e-12, rtol=0)
 
 
@@ -278,7 +261,7 @@ def test_stagger_spreads_refresh_work_with_same_period():
 @pytest.mark.parametrize("nesterov", [False, True])
 @pytest.mark.parametrize("norm", ["sign", "l2"])
 def test_momentum_forms_match_spec_sum_form(nesterov, norm):
-    """Three steps against SPEC step 1 in its sum form: M <- mu M + G; U = M or G + mu M."""
+    """Three steps against docs/algorithm.md step 1 in its sum form: M <- mu M + G; U = M or G + mu M."""
     m, n, lr, mu = 6, 8, 0.05, 0.9
     layer = _one_layer(m, n)
     opt = dobb.Dobb([layer.weight], layer, lr=lr, momentum=mu, nesterov=nesterov, norm=norm, basis="eigh",
@@ -296,7 +279,7 @@ def test_momentum_forms_match_spec_sum_form(nesterov, norm):
         opt.zero_grad()
         mom = mu * mom + grad
         u = grad + mu * mom if nesterov else mom
-        expected = w0 - lr * s * _ref_direction(u, x, 1, norm, "input")
+        expected = w0 - lr * s * dense_direction(u, [n], eigh_bases(x, [n]), norm, "input")
         torch.testing.assert_close(layer.weight.detach(), expected, atol=1e-12, rtol=0)
 
 

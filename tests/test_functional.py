@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dobb.functional as F
+from _dobb_reference import dense_direction
 
 
 def _orthogonal(n, seed, dtype=torch.float64):
@@ -113,22 +114,6 @@ def test_eigh_basis_diagonalizes():
 
 
 # ----------------------------------------------------------------------------- direction
-def _dense_direction(u, sizes, bases, norm, side):
-    """float64 reference, written independently of the batched code path."""
-    u = u if side == "input" else u.T
-    out = torch.zeros_like(u)
-    start = 0
-    for s, q in zip(sizes, bases):
-        c = u[:, start : start + s] @ q
-        if norm == "sign":
-            c = torch.sign(c) / math.sqrt(u.shape[0])
-        else:
-            c = c / c.norm(dim=0, keepdim=True)
-        out[:, start : start + s] = c @ q.T
-        start += s
-    return out if side == "input" else out.T
-
-
 @pytest.mark.parametrize("side", ["input", "output"])
 @pytest.mark.parametrize("norm", ["sign", "l2"])
 @pytest.mark.parametrize("blocks", [1, 4, 3])
@@ -145,7 +130,7 @@ def test_direction_matches_dense_reference_and_norm(side, norm, blocks):
         stacked[start : start + s, :s] = q
         start += s
     o = F.direction(u, stacked, sizes, norm, side)
-    torch.testing.assert_close(o, _dense_direction(u, sizes, bases, norm, side), atol=1e-12, rtol=0)
+    torch.testing.assert_close(o, dense_direction(u, sizes, bases, norm, side), atol=1e-12, rtol=0)
     # Table 9: ||O||_F^2 = n for the input side, m for the output side (nonzero coefficients).
     assert o.square().sum().item() == pytest.approx(k, rel=1e-10)
 
@@ -177,3 +162,126 @@ def test_warm_started_orthogonal_iteration_keeps_an_eigh_basis():
     assert off_diagonal(q1) < off_diagonal(q0[0]) < 0.05
     lam = torch.linalg.eigvalsh(a)
     torch.testing.assert_close((q0[0].T @ a @ q0[0]).diagonal(), lam.flip(0), atol=1e-12, rtol=0)
+
+
+# ----------------------------------------------------------------------------- stacks (a matrix is a stack of one)
+def _dense_gram_blocks(x, sizes):
+    """float64 diagonal blocks of X^T X, row-stacked and zero-padded to the largest block."""
+    x, out, start = x.double(), torch.zeros(sum(sizes), max(sizes), dtype=torch.float64), 0
+    for s in sizes:
+        out[start : start + s, :s] = x[:, start : start + s].T @ x[:, start : start + s]
+        start += s
+    return out
+
+
+@pytest.mark.parametrize("E", [1, 3])
+@pytest.mark.parametrize("sizes", [[4, 4, 4], [5, 5, 4, 4], [7]])
+def test_gram_blocks_of_a_stack_match_each_matrix_dense(E, sizes):
+    g = torch.Generator().manual_seed(E)
+    x = torch.randn(E, 9, sum(sizes), generator=g, dtype=torch.float64)
+    out = F.gram_blocks(x, sizes, torch.float64)
+    assert out.shape == (E, sum(sizes), max(sizes))
+    for e in range(E):
+        torch.testing.assert_close(out[e], _dense_gram_blocks(x[e], sizes), atol=1e-12, rtol=0)
+    # the (rows, k) form of one matrix is the stack of one
+    sums, n = F.second_moment_blocks(x[0], sizes, torch.float64)
+    assert n == 9 and torch.equal(sums, F.gram_blocks(x[:1], sizes, torch.float64)[0])
+
+
+def test_fold_statistic_first_capture_ema_selection_and_device_keep():
+    g = torch.Generator().manual_seed(0)
+    stat, new = torch.randn(4, 6, 3, generator=g, dtype=torch.float64), torch.randn(4, 6, 3, generator=g, dtype=torch.float64)
+    d = 0.9
+    ema = d * stat + (1 - d) * new
+    # every matrix chosen, none first: the EMA
+    s = stat.clone()
+    F.fold_statistic_(s, new, [False] * 4, [0, 1, 2, 3], d)
+    torch.testing.assert_close(s, ema, atol=1e-15, rtol=0)
+    # matrix 1 on its first capture (a copy), matrix 3 not chosen (kept)
+    s = stat.clone()
+    F.fold_statistic_(s, new, [False, True, False, False], [0, 1, 2], d)
+    expected = torch.stack([ema[0], new[1], ema[2], stat[3]])
+    torch.testing.assert_close(s, expected, atol=1e-15, rtol=0)
+    # device flags: matrix 2 had no row on any rank, so it keeps its statistic
+    s = stat.clone()
+    F.fold_statistic_(s, new, [False] * 4, [0, 1, 2, 3], d, keep=torch.tensor([True, True, False, True]))
+    torch.testing.assert_close(s, torch.stack([ema[0], ema[1], stat[2], ema[3]]), atol=1e-15, rtol=0)
+    s = stat.clone()
+    F.fold_statistic_(s, new, [False] * 4, [], d)  # nothing chosen: nothing changes
+    assert torch.equal(s, stat)
+
+
+def test_refresh_bases_solves_each_entry_by_its_rule_in_the_order_given():
+    """Mixed sizes and rules, interleaved: each result equals its own float64 solve (eigh: diagonalizes
+    A with descending eigenvalues; orthogonal iteration: ``qr(A Q0)`` of that entry alone)."""
+    g = torch.Generator().manual_seed(3)
+
+    def spd(b, s):
+        x = torch.randn(b, 3 * s, s, generator=g, dtype=torch.float64)
+        return x.transpose(1, 2) @ x
+
+    entries = [(spd(2, 4), _orthogonal(4, 1).expand(2, -1, -1), False), (spd(3, 5), _orthogonal(5, 2).expand(3, -1, -1), True),
+               (spd(1, 4), _orthogonal(4, 3)[None], False), (spd(2, 5), _orthogonal(5, 4).expand(2, -1, -1), False),
+               (spd(1, 4), _orthogonal(4, 5)[None], True)]
+    out = F.refresh_bases(entries, ortho_steps=1, qr="householder")
+    assert [q.shape for q in out] == [a.shape for a, _, _ in entries]
+    for (a, q0, exact), q in zip(entries, out):
+        if exact:
+            lam = torch.linalg.eigvalsh(a).flip(-1)
+            torch.testing.assert_close(q.transpose(1, 2) @ a @ q, torch.diag_embed(lam), atol=1e-9, rtol=0)
+        else:
+            torch.testing.assert_close(q, torch.linalg.qr(a @ q0).Q, atol=1e-12, rtol=0)
+
+
+def _stack_case(E, m, sizes, seed):
+    g = torch.Generator().manual_seed(seed)
+    u = torch.randn(E, m, sum(sizes), generator=g, dtype=torch.float64)
+    bases = [[_orthogonal(s, 100 * seed + 10 * e + i) for i, s in enumerate(sizes)] for e in range(E)]
+    stacked = torch.zeros(E, sum(sizes), max(sizes), dtype=torch.float64)
+    for e in range(E):
+        start = 0
+        for s, q in zip(sizes, bases[e]):
+            stacked[e, start : start + s, :s] = q
+            start += s
+    return u, bases, stacked
+
+
+# the transposed small-block kernel serves a stack of one with sign; the fused decay one matrix's view
+KERNELS = [("small", 1, "sign"), ("fused", 1, "sign"), ("fused", 1, "l2"),
+           *[("general", E, norm) for E in (1, 3) for norm in ("sign", "l2")]]
+
+
+@pytest.mark.parametrize("kernel,E,norm", KERNELS)
+def test_add_directions_equals_the_float64_reference(monkeypatch, kernel, E, norm):
+    """Each of the three kernels (forced), for a stack of one and of three, against the one dense
+    reference: ``W <- beta W + factor * O_e`` per matrix (sign's ``1/sqrt(rows)`` is in ``factor``)."""
+    monkeypatch.setattr(F, "SMALL_BLOCK", 1 << 30 if kernel == "small" else 0)
+    m, sizes = 7, [4, 4, 3]
+    u, bases, stacked = _stack_case(E, m, sizes, seed=E)
+    w0 = torch.randn(E, m, sum(sizes), generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    w = w0.clone()
+    factor, beta = -0.3, (0.9 if kernel == "fused" else None)
+    for run in F.block_runs(sizes):
+        cols = slice(run.start, run.stop)
+        F.add_directions_([(w[:, :, cols], u[:, :, cols], F.stack_block_view(stacked, run), factor, beta)], norm,
+                          torch.float64)
+    for e in range(E):
+        ref = dense_direction(u[e], sizes, bases[e], norm) * (math.sqrt(m) if norm == "sign" else 1.0)
+        torch.testing.assert_close(w[e], (beta or 1.0) * w0[e] + factor * ref, atol=1e-12, rtol=0)
+
+
+def test_add_directions_batches_several_stacks_in_one_call():
+    """The accelerator form (all items of a batch in one bmm pair) equals the items one by one."""
+    m, sizes = 5, [3, 3]
+    items, ws = [], []
+    for E, seed in ((1, 1), (2, 2)):
+        u, _, stacked = _stack_case(E, m, sizes, seed)
+        w = torch.zeros(E, m, sum(sizes), dtype=torch.float64)
+        ws.append(w)
+        run = F.block_runs(sizes)[0]
+        items.append((w, u, F.stack_block_view(stacked, run), -0.5, None))
+    F.add_directions_(items, "l2", torch.float64)
+    for w, (_, u, q, factor, _) in zip(ws, items):
+        single = torch.zeros_like(w)
+        F.add_directions_([(single, u, q, factor, None)], "l2", torch.float64)
+        torch.testing.assert_close(w, single, atol=1e-14, rtol=0)

@@ -36,3 +36,28 @@ def test_block_state_is_row_stacked_identity_or_zeros():
     # a statistic of a narrower span is zero-padded to the state's columns
     assert lay.stat_to_state(torch.ones(5, 2)).shape == (5, 3)
 
+
+
+def test_a_matrix_is_a_stack_of_one_and_an_expert_stack_one_of_E():
+    """The stack view Dobb's step works on: leading stack dim, one capture count per matrix (the
+    state keeps an int for a matrix, a list for a stack), means in the same typed form."""
+    from dobb.experts import expert_layout
+
+    w2, w3 = torch.randn(4, 6), torch.randn(3, 4, 6)
+    lay2, lay3 = plain_layout(w2, "input", 2), expert_layout(w3, "input", 2)
+    assert lay2.stacked(w2).shape == (1, 4, 6) and lay2.stacked(w2).data_ptr() == w2.data_ptr()
+    assert lay3.stacked(w3) is w3
+    assert (lay2.stack_size, lay2.stack_local, lay2.stack_span, lay2.stack_offset) == (1, 1, 1, 0)
+    assert (lay3.stack_size, lay3.stack_local, lay3.stack_span, lay3.stack_offset) == (3, 3, 3, 0)
+    assert lay2.counts(5) == [5] and lay2.counts_value([6]) == 6
+    assert lay3.counts([1, 0, 2]) == [1, 0, 2] and lay3.counts_value([2, 1, 3]) == [2, 1, 3]
+    sums = torch.arange(18.0).view(6, 3)
+    r2 = lay2.mean(sums, [3])
+    assert torch.equal(r2.mean, (sums / 3)[None]) and r2.seen == [True] and r2.keep is None
+    assert lay2.mean(sums, [0]).seen == [False]
+    r3 = lay3.mean(torch.stack([sums, sums, sums]), [2, 0, 4])
+    assert r3.seen == [True, False, True]
+    assert torch.equal(r3.mean[0], sums / 2) and torch.equal(r3.mean[2], sums / 4)
+    d3 = lay3.mean_on_device(torch.stack([sums, sums, sums]), torch.tensor([2.0, 0.0, 4.0]))
+    assert d3.seen == [True] * 3 and d3.keep.tolist() == [True, False, True]
+    assert not lay2.routed and lay3.routed

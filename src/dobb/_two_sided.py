@@ -42,7 +42,7 @@ from torch import Tensor
 from . import functional as F
 
 __all__ = ["blockwise", "rotate", "unrotate", "adam_direction", "block_pair_rms_", "two_sided_direction",
-           "two_sided_layouts", "TwoSidedKernels"]
+           "two_sided_layouts", "two_sided_update_"]
 
 
 # ----------------------------------------------------------------------------- pure math
@@ -126,28 +126,22 @@ def two_sided_layouts(p: Tensor, group: dict, stat_group, transposed: bool, layo
 
 
 # ----------------------------------------------------------------------------- the step
-class TwoSidedKernels:
-    """The apply step of ``side="both"`` groups (a mixin of ``dobb.Dobb``, which owns ``_layouts``,
-    ``_out_layouts`` and ``state``)."""
-
-    def _apply_two_sided(self, group: dict, active: list, u: list, grads: list, params: list) -> None:
-        norm, lr, tau, mu = group["norm"], group["lr"], group["tau"], group["momentum"]
-        b2, eps = group["beta2"], group["eps"]
-        for p, ut, gt, pt in zip(active, u, grads, params):
-            lin, lout, state = self._layouts[p], self._out_layouts[p], self.state[p]
-            dtype = F.matmul_dtype(group["basis_dtype"], pt.device, group["product_dtype"])
-            sides = sorted(((lin, "basis"), (lout, "out_basis")), key=lambda s: s[0].blocked_axis)
-            rows, cols = ((lay.local(state[key]), lay.local_sizes) for lay, key in sides)
-            if norm == "sign":
-                d = rotate(ut.to(dtype), rows, cols).sign_()
-            else:  # rotate the momentum and the gradient in one pass; V and the ratio in fp32 at least
-                c, gr = rotate(torch.stack([ut, gt]).to(dtype), rows, cols).unbind(0)
-                v = lin.local(state["second_moment"])
-                gr = gr.to(v.dtype)
-                v.mul_(b2).addcmul_(gr, gr, value=1.0 - b2)
-                d = adam_direction(c.to(v.dtype), v, state["step"] + 1, mu, b2, eps)
-                d = block_pair_rms_(d, rows[1], cols[1]).to(dtype)
-            o = unrotate(d, rows, cols)
-            # sign's 1/sqrt(m) with m = the global output axis (lin.rows), as one-sided Dobb
-            o.mul_(-lr * F.update_scale(*lin.shape, tau) / math.sqrt(lin.rows))
-            pt.add_(o.to(pt.dtype))
+def two_sided_update_(w: Tensor, u: Tensor, g: Tensor, rows: tuple[Tensor, Sequence[int]],
+                      cols: tuple[Tensor, Sequence[int]], factor: float, dtype: torch.dtype, norm: str = "sign",
+                      v: Tensor | None = None, step: int = 1, momentum: float = 0.0, beta2: float = 0.95,
+                      eps: float = 1e-8) -> None:
+    """``W += factor * Q_rows D Q_cols^T`` for one matrix (``w``, ``u`` the momentum, ``g`` the gradient,
+    all oriented ``(rows axis, cols axis)``), products in ``dtype``. ``norm="adam"`` also updates
+    ``v`` (the EMA of the squared rotated gradient, in its own dtype, fp32 at least) in place and
+    takes ``step`` (1-based) for the bias corrections. ``factor`` carries sign's ``1/sqrt(m)``."""
+    if norm == "sign":
+        d = rotate(u.to(dtype), rows, cols).sign_()
+    else:  # rotate the momentum and the gradient in one pass; V and the ratio in fp32 at least
+        c, gr = rotate(torch.stack([u, g]).to(dtype), rows, cols).unbind(0)
+        gr = gr.to(v.dtype)
+        v.mul_(beta2).addcmul_(gr, gr, value=1.0 - beta2)
+        d = adam_direction(c.to(v.dtype), v, step, momentum, beta2, eps)
+        d = block_pair_rms_(d, rows[1], cols[1]).to(dtype)
+    o = unrotate(d, rows, cols)
+    o.mul_(factor)
+    w.add_(o.to(w.dtype))

@@ -24,8 +24,7 @@ from torch import nn
 
 from . import functional as F
 from .collectives import all_reduce_sum_
-from .experts import ExpertLayout
-from .layout import MatrixLayout
+from .layout import MatrixLayout, ReducedStat
 
 
 def in_backward() -> bool:
@@ -85,8 +84,8 @@ class CaptureHooks:
         if not self.armed or self.paused or not module.training or not torch.is_grad_enabled() or in_backward():
             return
         for p in self._module_params[module]:
-            if p not in self.armed or isinstance(self.layouts[p], ExpertLayout):
-                continue  # a stack's rows are routed: only Dobb.capture knows them
+            if p not in self.armed or self.layouts[p].routed:
+                continue  # an expert stack's rows are routed: only Dobb.capture knows them
             group = self.groups[p]
             if group["capture"] == "first":
                 self.armed.discard(p)
@@ -168,15 +167,17 @@ class CaptureHooks:
             prev.count += count
 
 
-def gram_statistic(grad_local: torch.Tensor, layout: MatrixLayout, dtype=torch.float32) -> torch.Tensor:
-    """Gradient-Gram source: diagonal blocks of ``G^T G / m`` (input side) or ``G G^T / n`` (output).
+def gram_statistic(grad_local: torch.Tensor, layout: MatrixLayout, dtype=torch.float32) -> ReducedStat:
+    """Gradient-Gram source: diagonal blocks of ``G^T G / m`` (input side) or ``G G^T / n`` (output)
+    of every local matrix of the stack, as the statistic of a refresh (every matrix has its rows).
 
     Rows of the Gram sum may be sharded (the other axis split across ranks): partial sums are
     added over ``layout.l2_group`` (the same ranks that share column norms).
     """
-    g = grad_local if layout.blocked_axis == 1 else grad_local.transpose(0, 1)
+    g = layout.stacked(grad_local)
+    g = g if layout.blocked_axis == 1 else g.transpose(1, 2)
     if not layout.local_sizes:  # empty shard: so are the other ranks of its l2 group
-        return g.new_zeros(0, layout.state_cols, dtype=dtype)
-    sums, _ = F.second_moment_blocks(g, layout.local_sizes, dtype)
-    all_reduce_sum_(sums, layout.l2_group)
-    return layout.pad_state_cols(sums.div_(layout.rows))
+        sums = g.new_zeros(g.shape[0], 0, layout.state_cols, dtype=dtype)
+    else:
+        sums = all_reduce_sum_(F.gram_blocks(g, layout.local_sizes, dtype), layout.l2_group)
+    return ReducedStat(layout.pad_state_cols(sums.div_(layout.rows)), [True] * layout.stack_span)

@@ -1,7 +1,14 @@
-"""The Dobb optimizer: orchestration of state, capture hooks and the refresh schedule.
+"""The Dobb optimizer: state, schedule and capture hooks, orchestrating the step's components.
 
-The math lives in ``functional`` (pure functions), placement in ``layout``/``sharding`` (chosen by
-``placement.layout_for``), communication in ``collectives``, capture in ``capture``. Per matrix ``W`` (``m x n``) with gradient ``G`` the step is
+The class owns the state and the schedule (``_due``) and calls, in order: ``_agreement.agree``
+(what the ranks decide together: statistics, finiteness), ``_refresh.fold_side`` and
+``functional.refresh_bases`` (the statistic fold and the batched basis solve), ``_apply`` (the
+direction via ``functional.add_directions_`` or ``_two_sided.two_sided_update_``, and the update).
+The math on plain tensors is in ``functional``; placement in ``layout``/``sharding``/``experts``
+(chosen by ``placement.layout_for``); communication in ``collectives``; capture in ``capture``.
+Every matrix is a stack (a 2-D parameter a stack of one, an expert stack one of ``E``, see
+``layout``): one statistic, refresh and apply path serves both. Per matrix ``W`` (``m x n``) with
+gradient ``G`` the step is
 
 1. ``M <- mu M + G``; ``U = G + mu M`` (Nesterov) or ``U = M``;
 2. on refresh steps: block statistics ``A_b`` (EMA over captures) and bases
@@ -21,16 +28,19 @@ import torch
 from torch import nn
 
 from . import functional as F
-from ._apply import DirectionKernels
-from ._two_sided import TwoSidedKernels, two_sided_layouts
-from ._decide import HOOK_SOURCES as _HOOK_SOURCES, StepDecisions
+from ._agreement import DueStat, agree
+from ._apply import apply_directions, apply_two_sided, decay_in_update
 from ._base import MatrixOptimizer, _name_of
 from ._dtensor import is_dtensor
+from ._refresh import fold_side
+from ._two_sided import two_sided_layouts
 from .capture import CaptureHooks, gram_statistic
-from .collectives import common_group, plain_stat_group
-from .experts import ExpertLayout, expert_layout, expert_parts, refresh_stack, stack_gram_statistic
-from .layout import MatrixLayout
+from .collectives import common_group, group_ranks, plain_stat_group
+from .experts import expert_layout, expert_parts
+from .layout import MatrixLayout, ReducedStat
 from .placement import layout_for
+
+_HOOK_SOURCES = ("activation", "output_grad")
 
 _CHOICES = {
     "basis": ("orthogonal_iteration", "eigh"),
@@ -45,7 +55,7 @@ _FLIP = {"input": "output", "output": "input"}
 _UNRESOLVED = object()
 
 
-class Dobb(DirectionKernels, TwoSidedKernels, StepDecisions, MatrixOptimizer):
+class Dobb(MatrixOptimizer):
     """Distributed Optimizer with Block-diagonal Eigenbases (see README and docs/algorithm.md for every option).
 
     Args (beyond ``torch.optim`` conventions; every one may be overridden per param group):
@@ -125,8 +135,8 @@ class Dobb(DirectionKernels, TwoSidedKernels, StepDecisions, MatrixOptimizer):
         self._offsets: dict[torch.Tensor, int] = {}
         self._hooks: CaptureHooks | None = None
         self._plain_group = _UNRESOLVED
-        self._reduced: dict[torch.Tensor, torch.Tensor | None] = {}
-        self._reduced_out: dict[torch.Tensor, torch.Tensor | None] = {}  # side="both": output-side means
+        # the statistics agreed on by _prepare_step: [side][param] (side 1: the output side of side="both")
+        self._agreed: tuple[dict[torch.Tensor, ReducedStat], dict[torch.Tensor, ReducedStat]] = ({}, {})
         self._idle: list[tuple[dict, torch.Tensor]] = []  # (group, param): shared statistic, no grad here
         self._constructed = False
         super().__init__(params, lr=lr, weight_decay=weight_decay, **kwargs)
@@ -209,10 +219,8 @@ class Dobb(DirectionKernels, TwoSidedKernels, StepDecisions, MatrixOptimizer):
         if group["stagger"]:
             T = group["refresh_every"]
             # global (rank-invariant) block sizes: every rank must pick the same refresh offsets
-            def work(q):  # an expert stack refreshes its E experts together
-                lay = self._layouts[q]
-                out = sum(s**3 for s in self._out_layouts[q].global_sizes) if q in self._out_layouts else 0
-                return sum(s**3 for s in lay.global_sizes) * (lay.experts if isinstance(lay, ExpertLayout) else 1) + out
+            def work(q):  # a stack refreshes all its matrices together
+                return sum(sum(s**3 for s in lay.global_sizes) * lay.stack_size for lay in self._sides(q))
 
             for p in sorted(group["params"], key=lambda q: -work(q)):
                 off = min(range(T), key=lambda o: cost[o])
@@ -223,8 +231,8 @@ class Dobb(DirectionKernels, TwoSidedKernels, StepDecisions, MatrixOptimizer):
         # Created eagerly and identically on every rank, so distributed checkpoints see one key set.
         state = {
             "step": 0,
-            # per expert of the captured span for a stack (each expert's statistic has its own count)
-            "captures": [0] * layout.span_count if isinstance(layout, ExpertLayout) else 0,
+            # one count per matrix of the captured span: an int for a 2-D matrix, a list for a stack
+            "captures": layout.counts_value([0] * layout.stack_span),
             "momentum": torch.zeros_like(p, memory_format=torch.preserve_format),
             "stat": layout.new_block_state(group["stat_dtype"], identity=False, like=p),
             "basis": layout.new_block_state(group["basis_dtype"], identity=True, like=p),
@@ -321,32 +329,46 @@ class Dobb(DirectionKernels, TwoSidedKernels, StepDecisions, MatrixOptimizer):
             raise ValueError(f"capture records layer inputs: the weight's group has source={group['source']!r}, "
                              f"it needs source='activation'")
         layout = self._layouts[weight]
-        if not isinstance(layout, ExpertLayout):
+        name = _name_of(weight, self._param_names, index)
+        if not layout.routed:
             if expert is not None:
-                raise ValueError(f"capture: expert={expert} given, but {_name_of(weight, self._param_names, index)} "
-                                 f"is a 2-D matrix, not an (E, out, in) expert stack")
+                raise ValueError(f"capture: expert={expert} given, but {name} is a 2-D matrix, not an (E, out, in) "
+                                 f"expert stack")
             return self._hooks.capture(weight, features)
-        E, n = layout.experts, layout.shape[layout.blocked_axis]  # activation: the blocked axis is the input
-        parts = expert_parts(features, expert, E, n, _name_of(weight, self._param_names, index))
-        return self._hooks.capture_experts(weight, parts)
+        n = layout.shape[layout.blocked_axis]  # activation: the blocked axis is the input
+        return self._hooks.capture_experts(weight, expert_parts(features, expert, layout.stack_size, n, name))
 
     # ------------------------------------------------------------------ schedule
-    def _is_refresh(self, p: torch.Tensor, group: dict) -> bool:
-        # Until a first statistic exists every step is due (a zero-lr step or a forward pass that
-        # skipped the layer must not leave the identity basis in place for a whole period).
+    def _sides(self, p: torch.Tensor) -> list[MatrixLayout]:
+        """The layouts of ``p``'s statistic/basis sides: one, or [input, output] for side="both"."""
+        return [self._layouts[p], self._out_layouts[p]] if p in self._out_layouts else [self._layouts[p]]
+
+    def _counts(self, p: torch.Tensor) -> list[list[int]]:
+        """Capture counts per side, one per matrix of the captured span (``state["captures"]``: an int
+        for a one-sided 2-D matrix, a list per expert for a stack, ``[input, output]`` for side="both")."""
+        value = self.state[p]["captures"]
+        if p in self._out_layouts:
+            return [[value[0]], [value[1]]]
+        return [self._layouts[p].counts(value)]
+
+    def _set_counts(self, p: torch.Tensor, counts: list[list[int]]) -> None:  # the inverse of _counts
+        two = p in self._out_layouts
+        self.state[p]["captures"] = [counts[0][0], counts[1][0]] if two else self._layouts[p].counts_value(counts[0])
+
+    def _due(self, p: torch.Tensor, group: dict) -> list[bool]:
+        """Per matrix of the captured span: due for a refresh. The first step and every
+        ``refresh_every``-th after the matrix's offset, and, until a first statistic exists on every
+        side, every step (a zero-lr step or a forward pass that skipped the layer must not leave the
+        identity basis in place for a whole period)."""
         step = self.state[p]["step"]
-        return step == 0 or self._unseen(p) or (step - self._offsets.get(p, 0)) % group["refresh_every"] == 0
-
-    def _unseen(self, p: torch.Tensor) -> bool:  # no statistic yet (a stack: some expert has none)
-        captures = self.state[p]["captures"]
-        return 0 in captures if isinstance(captures, list) else captures == 0
-
-    def _due_experts(self, p: torch.Tensor, group: dict) -> list[bool]:
-        """Per expert of a stack's captured span: due as a matrix of its own would be."""
-        state = self.state[p]
-        step = state["step"]
         on = step == 0 or (step - self._offsets.get(p, 0)) % group["refresh_every"] == 0
-        return [on or c == 0 for c in state["captures"]]
+        return [on or 0 in per_matrix for per_matrix in zip(*self._counts(p))]
+
+    def _is_refresh(self, p: torch.Tensor, group: dict) -> bool:
+        return any(self._due(p, group))
+
+    def _unseen(self, p: torch.Tensor) -> bool:  # some matrix (some side) has no statistic yet
+        return any(0 in side for side in self._counts(p))
 
     def _rearm(self) -> None:
         if self._hooks is None:
@@ -360,20 +382,55 @@ class Dobb(DirectionKernels, TwoSidedKernels, StepDecisions, MatrixOptimizer):
         return any(self._is_refresh(p, g) for g in self._dobb_groups() for p in g["params"])
 
     # ------------------------------------------------------------------ the step
+    def _prepare_step(self) -> None:
+        """What the ranks must decide together before any state changes (``_agreement``): the
+        statistics of every matrix due for a refresh, whether or not its layer ran here, and the
+        finiteness of all gradients. Raising here leaves every weight and state untouched."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        self._idle.clear()
+        due = []
+        for g in self._dobb_groups():
+            if g["source"] not in _HOOK_SOURCES or self._hooks is None:
+                continue
+            dtype = torch.promote_types(g["stat_dtype"], torch.float32)
+            for p in g["params"]:
+                if p.grad is None and self._layouts[p].stat_group is not None:
+                    # a shared statistic is shared state: its schedule and collectives cannot depend on
+                    # whether this rank got a gradient (no gradient sync, a layer unused here only)
+                    self._idle.append((g, p))
+                elif p.grad is None:
+                    continue
+                if not self._is_refresh(p, g):
+                    continue
+                unseen = self._unseen(p)
+                for side, (lay, pending) in enumerate(zip(self._sides(p), (self._hooks.pending, self._hooks.pending_out))):
+                    due.append(DueStat(p, side, lay, pending.get(p), dtype, unseen))
+        agreed = agree(due, params, self._step_group, self.check_finite)
+        if agreed.nonfinite is not None:
+            self._rearm()  # the next forward passes capture afresh
+            index, ranks = agreed.nonfinite
+            i = next(i for g in self.param_groups for i, q in enumerate(g["params"]) if q is params[index])
+            where = "" if self._step_group is None else f" on {ranks} of {len(group_ranks(self._step_group))} ranks"
+            raise ValueError(f"non-finite gradient (NaN or Inf) in {_name_of(params[index], self._param_names, i)}{where}; "
+                             f"no weight or optimizer state was changed on any rank (pass check_finite=False to skip "
+                             f"this check)")
+        self._agreed = agreed.stats
+
     def _after_step(self) -> None:
         # Matrices with a shared statistic but no gradient on this rank: the weight and momentum
         # stay (as torch skips a parameter without grad), but the statistic, basis and schedule
         # advance as on the ranks that stepped them, so every rank keeps issuing the same collectives.
+        # (refreshed before their step count advances: the due rule reads it)
         idle = defaultdict(list)
         for g, p in self._idle:
             if self._is_refresh(p, g) and not _zero_lr(g):
                 idle[id(g)].append((g, p))
-            self.state[p]["step"] += 1
         for items in idle.values():
             self._refresh(items[0][0], [p for _, p in items], [None] * len(items))
+        for _, p in self._idle:
+            self.state[p]["step"] += 1
         self._idle.clear()
-        self._reduced.clear()
-        self._reduced_out.clear()
+        self._agreed = ({}, {})
         self._rearm()
 
     def _matrix_step(self, group: dict[str, Any], active: list[torch.Tensor]) -> None:
@@ -396,77 +453,35 @@ class Dobb(DirectionKernels, TwoSidedKernels, StepDecisions, MatrixOptimizer):
         lr, wd = group["lr"], group["weight_decay"]
         # Where the reconstruction runs per matrix in the weight's dtype (CPU), the decay is its
         # baddbmm's beta: one pass over W instead of a multiply pass and a strided add pass.
-        fused = [self._decay_in_update(pt, lay, group) for pt, lay in zip(params, layouts)]
+        fused = [decay_in_update(pt, lay, group) for pt, lay in zip(params, layouts)]
         if wd != 0 and not all(fused):
             torch._foreach_mul_([pt for pt, f in zip(params, fused) if not f], 1.0 - lr * wd)
         if group["side"] == "both":
-            self._apply_two_sided(group, active, u, grads, params)
+            apply_two_sided(group, [(lay, self._out_layouts[p], s, ut, gt, pt)
+                                    for p, lay, s, ut, gt, pt in zip(active, layouts, states, u, grads, params)])
         else:
-            self._apply_directions(group, active, u, params, [1.0 - lr * wd if f else None for f in fused])
+            apply_directions(group, [(lay, lay.local(s["basis"]), ut, pt, 1.0 - lr * wd if f else None)
+                                     for lay, s, ut, pt, f in zip(layouts, states, u, params, fused)])
         for s in states:
             s["step"] += 1
 
-    def _refresh(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-        batches: dict[tuple, list[tuple]] = defaultdict(list)  # (size, exact) -> [(A blocks, Q blocks, put)]
-        gram = group["source"] == "grad_gram"
+    def _refresh(self, group: dict, params: list[torch.Tensor], grads: list) -> None:
+        """Fold the new statistics of ``params`` (agreed in ``_prepare_step``, or their gradient
+        Gram) into their EMAs and refresh the bases of the blocks that took one, all in one
+        ``functional.refresh_bases`` call."""
+        requests: list[tuple] = []  # (A blocks, Q blocks, exact, put)
         dtype = torch.promote_types(group["stat_dtype"], torch.float32)
         for p, g in zip(params, grads):
-            layout, state = self._layouts[p], self.state[p]
-            if isinstance(layout, ExpertLayout):
-                new, has = (stack_gram_statistic(g, layout, dtype), [True] * layout.span_count) if gram else (
-                    self._reduced.get(p), None)
-                if new is None:
-                    continue  # no rank captured it (layer unused in this step's forward): keep the basis
-                if isinstance(new, tuple):  # a stack's per-expert flags
-                    new, has = new
-                refresh_stack(state, layout, new, has, self._due_experts(p, group), group,
-                              lambda key, a, q0, put: batches[key].append((a, q0, put)))
-                continue
-            sides = [(layout, "stat", "basis", self._reduced)]
-            if p in self._out_layouts:  # side="both": captures = [input, output]
-                sides.append((self._out_layouts[p], "out_stat", "out_basis", self._reduced_out))
-            for side, (lay, stat_key, basis_key, reduced) in enumerate(sides):
-                new = gram_statistic(g, lay, dtype) if gram else reduced.get(p)
-                if new is None:
-                    continue  # no rank captured it (layer unused in this step's forward): keep the basis
-                has = None
-                if isinstance(new, tuple):  # a matrix's device flag
-                    new, has = new
-                self._fold(group, state, side if len(sides) > 1 else None, lay, state[stat_key], state[basis_key],
-                           new, has, batches)
-        for (size, exact), items in batches.items():
-            a = torch.cat([a for a, _, _ in items])
-            a = a.to(torch.promote_types(a.dtype, torch.float32))
-            if exact:
-                q = F.eigh_basis(a)
-            else:
-                q0 = torch.cat([q for _, q, _ in items])
-                q = F.orthogonal_iteration(a, q0, group["ortho_steps"], group["qr"])
-            for (_, _, put), q_new in zip(items, q.split([a_.shape[0] for a_, _, _ in items])):
-                put(q_new)
-
-    def _fold(self, group, state, side, layout, stat, basis, new, has, batches) -> None:
-        """Fold a new statistic into one side's EMA and queue its blocks for the batched basis
-        refresh. ``side``: the index into ``state["captures"]`` of a two-sided matrix, else None."""
-        stat, basis = layout.local(stat), layout.local(basis)
-        new = new.to(stat.dtype)
-        count = state["captures"] if side is None else state["captures"][side]
-        if count == 0:
-            stat.copy_(new)
-        elif has is None:
-            stat.lerp_(new, 1.0 - group["stat_decay"])
-        else:  # decided on the device: a refresh without a row on any rank keeps the statistic
-            stat.copy_(torch.where(has, stat.lerp(new, 1.0 - group["stat_decay"]), stat))
-        exact = group["basis"] == "eigh" or (count == 0 and group["init_basis"] == "eigh")
-        # on the device path: counted whether or not any rank had a row
-        if side is None:
-            state["captures"] += 1
-        else:
-            state["captures"][side] += 1
-        for run in F.block_runs(layout.local_sizes):
-            q_view = F.block_view(basis, run)
-            put = q_view.copy_ if has is None else (lambda q, v=q_view, h=has: v.copy_(torch.where(h, q, v)))
-            batches[(run.size, exact)].append((F.block_view(stat, run), q_view, put))
+            counts, due = self._counts(p), self._due(p, group)
+            for side, (lay, key) in enumerate(zip(self._sides(p), ("", "out_"))):
+                new = (gram_statistic(g, lay, dtype) if group["source"] == "grad_gram"
+                       else self._agreed[side].get(p))
+                if new is not None:
+                    fold_side(group, self.state[p], lay, key, counts[side], due, new, requests)
+            self._set_counts(p, counts)
+        bases = F.refresh_bases([r[:3] for r in requests], group["ortho_steps"], group["qr"])
+        for (*_, put), q in zip(requests, bases):
+            put(q)
 
     # ------------------------------------------------------------------ state dict
     # statistics (fp32) and bases (bf16) keep their own precision on load

@@ -1,11 +1,12 @@
 """Expert stacks: a 3-D parameter ``(E, out, in)`` (grouped MoE experts) optimized as ``E`` matrices.
 
 Expert ``e`` computes ``x_e @ W[e].T`` for the tokens ``x_e`` routed to it. Dobb gives it what a
-2-D ``(out, in)`` parameter gets, with a leading expert axis on the state: ``momentum`` is
-``(E, out, in)``, ``stat`` and ``basis`` are ``(E, k, s_max)`` (each expert's row-stacked blocks,
-see ``functional``), ``captures`` is a list with one counter per expert. Every expert has the same
-block partition, so its equal-size blocks join one batched ``bmm``/QR/``eigh`` call over all
-experts (``E * count`` blocks); no step loops over experts in Python.
+2-D ``(out, in)`` parameter gets: Dobb's step treats every matrix as a stack (a 2-D parameter is a
+stack of one, see ``layout``), and ``ExpertLayout`` is the layout of a stack of ``E``. The state has
+a leading expert axis: ``momentum`` is ``(E, out, in)``, ``stat`` and ``basis`` are ``(E, k, s_max)``
+(each expert's row-stacked blocks, see ``functional``), ``captures`` is a list with one counter per
+expert. Every expert has the same block partition, so its equal-size blocks join one batched
+``bmm``/QR/``eigh`` call over all experts (``E * count`` blocks); no step loops over experts.
 
 Statistics: from ``Dobb.capture`` (the rows routed to each expert: an expert's statistic is the
 mean over its own rows, and an expert that got no row in a refresh keeps its statistic and basis)
@@ -26,9 +27,9 @@ import torch
 
 from . import functional as F
 from ._dtensor import is_dtensor, to_local
-from .layout import MatrixLayout, plain_features
+from .layout import MatrixLayout, ReducedStat, plain_features
 
-__all__ = ["ExpertLayout", "expert_layout", "expert_parts", "stack_gram_statistic", "apply_stack", "refresh_stack"]
+__all__ = ["ExpertLayout", "expert_layout", "expert_parts"]
 
 
 @dataclass
@@ -54,6 +55,36 @@ class ExpertLayout(MatrixLayout):
 
     def local(self, t: torch.Tensor) -> torch.Tensor:
         return to_local(t)
+
+    # the stack view of ``MatrixLayout``: E experts, the captured span's counts in a list
+    @property
+    def stack_size(self) -> int:
+        return self.experts
+
+    @property
+    def stack_local(self) -> int:
+        return self.local_experts
+
+    @property
+    def stack_span(self) -> int:
+        return self.span_count
+
+    @property
+    def stack_offset(self) -> int:
+        return self.span_offset
+
+    @property
+    def routed(self) -> bool:
+        return True
+
+    def stacked(self, t: torch.Tensor) -> torch.Tensor:
+        return self.local(t)
+
+    def counts(self, value) -> list[int]:
+        return list(value)
+
+    def counts_value(self, counts: list[int]):
+        return list(counts)
 
     @property
     def capture_shape(self) -> tuple[int, int, int]:
@@ -89,19 +120,14 @@ class ExpertLayout(MatrixLayout):
         return DTensor.from_local(local, self.mesh, self.state_placements, run_check=False,
                                   shape=torch.Size((self.experts, k, s)), stride=(k * s, s, 1))
 
-    def mean(self, sums: torch.Tensor, totals: list[float]):
-        """Per-expert means of reduced ``sums`` over ``totals`` rows: ``(local stat, has_rows per
-        span expert)``, or None when no expert of the span got a row."""
-        has = [t > 0 for t in totals]
-        if not any(has):
-            return None
+    def mean(self, sums: torch.Tensor, totals: list[float]) -> ReducedStat:
+        """Per-expert means of reduced ``sums`` over ``totals`` rows (an expert without rows divides by 1)."""
         denom = torch.tensor([t if t > 0 else 1.0 for t in totals], dtype=sums.dtype, device=sums.device)
-        return self.stat_to_state(sums / denom.view(-1, 1, 1)), has
+        return ReducedStat(self.stat_to_state(sums / denom.view(-1, 1, 1)), [t > 0 for t in totals])
 
-    def mean_on_device(self, sums: torch.Tensor, totals: torch.Tensor):
-        """``mean`` with the reduced ``totals`` left on the device (no host read): ``(local stat,
-        has-rows per span expert as a bool tensor)``."""
-        return self.stat_to_state(sums / totals.clamp_min(1).view(-1, 1, 1)), totals > 0
+    def mean_on_device(self, sums: torch.Tensor, totals: torch.Tensor) -> ReducedStat:
+        return ReducedStat(self.stat_to_state(sums / totals.clamp_min(1).view(-1, 1, 1)), [True] * self.span_count,
+                           totals > 0)
 
 
 def expert_layout(param: torch.Tensor, side: str, blocks: int, stat_group=None) -> ExpertLayout:
@@ -141,98 +167,6 @@ def expert_layout(param: torch.Tensor, side: str, blocks: int, stat_group=None) 
     return ExpertLayout((m, n), (m, n), axis, sizes, 0, group, None, experts=E, local_experts=E_local,
                         expert_start=start, span_start=span_start, span_count=span_count, mesh=mesh,
                         state_placements=placements)
-
-
-def stack_gram_statistic(grad_local: torch.Tensor, layout: ExpertLayout, dtype=torch.float32) -> torch.Tensor:
-    """``grad_gram`` per expert: diagonal blocks of ``G_e^T G_e / out`` (input side) or
-    ``G_e G_e^T / in`` (output side), ``(local_experts, k, s)``; all experts in one ``bmm`` per run."""
-    g = grad_local if layout.blocked_axis == 1 else grad_local.transpose(1, 2)
-    E, rows, k = g.shape
-    out = g.new_zeros(E, k, layout.state_cols, dtype=dtype)
-    with torch.autocast(device_type=g.device.type, enabled=False):
-        for run in F.block_runs(layout.local_sizes):
-            xs = (g[:, :, run.start : run.stop].to(dtype).reshape(E, rows, run.count, run.size)
-                  .transpose(1, 2).reshape(E * run.count, rows, run.size))
-            blocks = torch.bmm(xs.transpose(1, 2), xs).view(E, run.count, run.size, run.size)
-            out[:, run.start : run.stop, : run.size].view(E, run.count, run.size, run.size).copy_(blocks)
-    return out.div_(layout.rows)
-
-
-def stack_block_view(stacked: torch.Tensor, run: F.BlockRun) -> torch.Tensor:
-    """``(E, count, size, size)`` view of a run in ``(E, k, s_max)`` block state."""
-    return stacked[:, run.start : run.stop, : run.size].reshape(stacked.shape[0], run.count, run.size, run.size)
-
-
-def apply_stack(layout: ExpertLayout, basis: torch.Tensor, ut: torch.Tensor, pt: torch.Tensor, norm: str,
-                factor: float, dtype: torch.dtype) -> None:
-    """``W_e[:, b] += factor * normalize(U_e[:, b] Q_eb) Q_eb^T`` for every expert and block: one
-    ``bmm`` pair per run of equal blocks, over all local experts."""
-    uo, po = (ut, pt) if layout.blocked_axis == 1 else (ut.transpose(1, 2), pt.transpose(1, 2))
-    E, r = uo.shape[0], uo.shape[1]
-    if E == 0:
-        return
-    for run in F.block_runs(layout.local_sizes):
-        c_, s_ = run.count, run.size
-        ub = uo[:, :, run.start : run.stop].to(dtype).reshape(E, r, c_, s_).transpose(1, 2).reshape(E * c_, r, s_)
-        q = stack_block_view(basis, run).reshape(E * c_, s_, s_).to(dtype)
-        o = torch.bmm(F.block_coefficients(ub, q, norm), q.transpose(1, 2))
-        po[:, :, run.start : run.stop].view(E, r, c_, s_).add_(o.view(E, c_, r, s_).transpose(1, 2), alpha=factor)
-
-
-def refresh_stack(state: dict, layout: ExpertLayout, new: torch.Tensor, has, due: list[bool],
-                  group: dict, add) -> None:
-    """The statistic update of a stack's refresh, per expert as for a matrix of its own: experts of
-    the span that are ``due`` and ``has`` rows count a capture; the local ones among them fold ``new``
-    (``(local_experts, k, s)``) into their statistic (copy on the first capture, else the EMA) and
-    queue their blocks through ``add((size, exact), a, q0, put)`` for the batched basis refresh
-    (``put(q)`` stores the new bases). The others keep statistic and basis.
-
-    ``has`` is a list of bools, or a bool tensor on the device (every expert already has a
-    statistic, and no host read was made): then every due expert counts a capture and the
-    keep-or-update choice per expert is a ``torch.where``."""
-    lo, E = layout.span_offset, layout.local_experts
-    captures = state["captures"]
-    keep = None
-    if isinstance(has, torch.Tensor):
-        keep, has = has[lo : lo + E], [True] * len(captures)
-    first = [captures[lo + i] == 0 for i in range(E)]
-    mine = [due[lo + i] and has[lo + i] for i in range(E)]
-    for j in range(len(captures)):
-        if due[j] and has[j]:
-            captures[j] += 1
-    if not any(mine):
-        return
-    stat, basis = layout.local(state["stat"]), layout.local(state["basis"])
-    new = new.to(stat.dtype)
-    first_t = torch.tensor(first, device=stat.device).view(-1, 1, 1)
-    merged = torch.where(first_t, new, stat.lerp(new, 1.0 - group["stat_decay"]))
-    if keep is not None:
-        merged = torch.where(keep.view(-1, 1, 1), merged, stat)
-    chosen = [i for i in range(E) if mine[i]]
-    if len(chosen) == E:
-        stat.copy_(merged)
-    else:
-        idx = torch.tensor(chosen, device=stat.device)
-        stat.index_copy_(0, idx, merged.index_select(0, idx))
-    for exact in (True, False):
-        sel = [i for i in chosen if (group["basis"] == "eigh" or (first[i] and group["init_basis"] == "eigh")) == exact]
-        if not sel:
-            continue
-        idx = None if len(sel) == E else torch.tensor(sel, device=stat.device)
-        for run in F.block_runs(layout.local_sizes):
-            sv, bv = stack_block_view(stat, run), stack_block_view(basis, run)
-            a = (sv if idx is None else sv.index_select(0, idx)).reshape(-1, run.size, run.size)
-            q0 = (bv if idx is None else bv.index_select(0, idx)).reshape(-1, run.size, run.size)
-            k4 = None if keep is None else (keep if idx is None else keep.index_select(0, idx)).view(-1, 1, 1, 1)
-            if idx is None:
-                def put(q, bv=bv, k4=k4):
-                    q = q.view(bv.shape)
-                    bv.copy_(q if k4 is None else torch.where(k4, q, bv))
-            else:
-                def put(q, bv=bv, idx=idx, k4=k4):
-                    q = q.reshape(len(idx), *bv.shape[1:]).to(bv.dtype)
-                    bv.index_copy_(0, idx, q if k4 is None else torch.where(k4, q, bv.index_select(0, idx)))
-            add((run.size, exact), a, q0, put)
 
 
 def expert_parts(features, expert, E: int, n: int, name: str) -> list[tuple[int, torch.Tensor]]:

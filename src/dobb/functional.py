@@ -29,13 +29,18 @@ __all__ = [
     "block_runs",
     "block_view",
     "identity_blocks",
+    "stack_block_view",
     "second_moment_blocks",
+    "gram_blocks",
+    "fold_statistic_",
+    "refresh_bases",
     "qr_householder",
     "qr_cholesky",
     "orthogonal_iteration",
     "eigh_basis",
     "normalize_l2",
     "block_direction",
+    "add_directions_",
     "direction_input",
     "direction",
     "update_scale",
@@ -132,23 +137,70 @@ def identity_blocks(sizes: Sequence[int], dtype=torch.float32, device=None) -> T
     return out
 
 
+def stack_block_view(stacked: Tensor, run: BlockRun) -> Tensor:
+    """``(E, count, size, size)`` view of a run inside a stack ``(E, k, s_max)`` of row-stacked blocks."""
+    return stacked[:, run.start : run.stop, : run.size].reshape(stacked.shape[0], run.count, run.size, run.size)
+
+
 # ----------------------------------------------------------------------------- statistics
+def gram_blocks(x: Tensor, sizes: Sequence[int], dtype=torch.float32) -> Tensor:
+    """Unnormalized diagonal blocks of ``X_e^T X_e`` for a stack ``x`` of ``E`` matrices ``(E, r, k)``:
+    ``(E, k, s_max)`` row-stacked sums, every run of equal blocks of every matrix in one ``bmm``.
+
+    Only the diagonal blocks are formed: ``k^2 / B`` work per row, not ``k^2``. Computed in
+    ``dtype`` even inside an autocast region (capture hooks run in the model's forward, where
+    autocast would turn the ``bmm`` into a bf16 product). For ``E = 1`` every block of a run is a
+    strided view of ``x`` (no copy); wider stacks copy each run once to batch all their blocks.
+    """
+    E, r, k = x.shape
+    x = x.to(dtype)
+    out = x.new_zeros(E, k, max(sizes))
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        for run in block_runs(sizes):
+            c, s = run.count, run.size
+            xs = x[:, :, run.start : run.stop].reshape(E, r, c, s).transpose(1, 2).reshape(E * c, r, s)
+            out[:, run.start : run.stop, :s].view(E, c, s, s).copy_(torch.bmm(xs.transpose(1, 2), xs).view(E, c, s, s))
+    return out
+
+
 def second_moment_blocks(x: Tensor, sizes: Sequence[int], dtype=torch.float32) -> tuple[Tensor, int]:
     """Unnormalized diagonal blocks of ``sum_i x_i x_i^T`` over the rows of ``x`` (``(..., k)``).
 
     Returns the row-stacked ``(k, s_max)`` sums and the number of rows ``N``; the second moment is
-    ``sums / N``. Only the diagonal blocks are formed: ``k^2 / B`` work per row, not ``k^2``.
-    Computed in ``dtype`` even inside an autocast region (capture hooks run in the model's
-    forward, where autocast would turn the ``bmm`` into a bf16 product).
+    ``sums / N`` (``gram_blocks`` of the rows as one matrix).
     """
     k = sum(sizes)
-    x = x.reshape(-1, k).to(dtype)
-    out = x.new_zeros(k, max(sizes))
-    with torch.autocast(device_type=x.device.type, enabled=False):
-        for run in block_runs(sizes):
-            xs = x[:, run.start : run.stop].reshape(-1, run.count, run.size).transpose(0, 1)
-            block_view(out, run).copy_(torch.bmm(xs.transpose(1, 2), xs))
-    return out, x.shape[0]
+    x = x.reshape(1, -1, k)
+    return gram_blocks(x, sizes, dtype)[0], x.shape[1]
+
+
+def fold_statistic_(stat: Tensor, new: Tensor, first: Sequence[bool], chosen: Sequence[int], decay: float,
+                    keep: Tensor | None = None) -> None:
+    """Fold new statistics into a stack of EMAs ``stat`` ``(E, k, s)``, in place: matrix ``e`` of
+    ``chosen`` takes ``new[e]`` on its ``first`` capture, else ``A <- decay A + (1 - decay) A_new``;
+    the others keep theirs. ``keep`` (optional, bool ``(E,)`` on the device): matrices whose flag
+    is False keep their statistic whatever ``chosen`` says (decided without a host read)."""
+    E = stat.shape[0]
+    if not chosen:
+        return
+    new = new.to(stat.dtype)
+    if keep is None and len(chosen) == E and not any(first):
+        stat.lerp_(new, 1.0 - decay)  # the common case: one pass, no temporary
+        return
+    if all(first):
+        merged = new
+    elif not any(first):
+        merged = stat.lerp(new, 1.0 - decay)
+    else:
+        merged = torch.where(torch.tensor(list(first), device=stat.device).view(-1, 1, 1), new,
+                             stat.lerp(new, 1.0 - decay))
+    if keep is not None:
+        merged = torch.where(keep.view(-1, 1, 1), merged, stat)
+    if len(chosen) == E:
+        stat.copy_(merged)
+    else:
+        idx = torch.tensor(list(chosen), device=stat.device)
+        stat.index_copy_(0, idx, merged.index_select(0, idx))
 
 
 # ----------------------------------------------------------------------------- QR and bases
@@ -210,6 +262,28 @@ def eigh_basis(a: Tensor) -> Tensor:
     return torch.linalg.eigh(a).eigenvectors.flip(-1)
 
 
+def refresh_bases(blocks: Sequence[tuple[Tensor, Tensor, bool]], ortho_steps: int = 1,
+                  qr: str = "householder") -> list[Tensor]:
+    """The basis refresh of a list of block batches: for each ``(A, Q0, exact)`` (``(b, s, s)``
+    statistic and current basis blocks), new bases ``(b, s, s)``: ``eigh_basis(A)`` when ``exact``,
+    else ``orthogonal_iteration(A, Q0, ortho_steps, qr)``. Entries of equal block size and rule are
+    solved in one batched call (in fp32 at least); the results come back in the order given."""
+    groups: dict[tuple[int, bool], list[int]] = {}
+    for i, (a, _, exact) in enumerate(blocks):
+        groups.setdefault((a.shape[-1], exact), []).append(i)
+    out: list[Tensor] = [None] * len(blocks)  # type: ignore[list-item]
+    for (_, exact), idx in groups.items():
+        a = torch.cat([blocks[i][0] for i in idx])
+        a = a.to(torch.promote_types(a.dtype, torch.float32))
+        if exact:
+            q = eigh_basis(a)
+        else:
+            q = orthogonal_iteration(a, torch.cat([blocks[i][1] for i in idx]), ortho_steps, qr)
+        for i, q_i in zip(idx, q.split([blocks[i][0].shape[0] for i in idx])):
+            out[i] = q_i
+    return out
+
+
 # ----------------------------------------------------------------------------- the direction
 def normalize_l2(c: Tensor, col_sq_norms: Tensor | None = None, eps: float = 1e-30) -> Tensor:
     """Dobb-ell2: every coefficient column scaled to unit ell2 norm (zero columns stay zero).
@@ -247,6 +321,52 @@ def block_coefficients(ub: Tensor, q: Tensor, norm: str = "sign", col_sq_sum=Non
     return c
 
 
+# CPU: blocks up to this size, sign-normalized, take the transposed products in ``add_directions_``
+SMALL_BLOCK = 16
+
+
+def add_directions_(items: Sequence[tuple], norm: str, dtype: torch.dtype, col_sq_sum=None) -> None:
+    """``W_b <- beta W_b + factor * normalize(U_b Q_b) Q_b^T`` for a batch of equal blocks, in place.
+
+    ``items``: ``(w, u, q, factor, beta)`` per stack of matrices: ``w`` and ``u`` ``(E, r, c * s)``
+    (the weight and the update over one run of ``c`` blocks of size ``s`` of the blocked, last,
+    axis; ``w`` may be a strided view of the weight), ``q`` their bases ``(E, c, s, s)``, ``beta`` the
+    decay folded into the reconstruction or None (``w`` already decayed). The products run in
+    ``dtype``; every item has the same ``r``, ``s``. Sign is returned unscaled: callers fold
+    ``1/sqrt(rows)`` into ``factor``, so no update-sized temporary is scaled. ``col_sq_sum``
+    (optional) sums the ell2 column norms over the ranks holding other rows.
+
+    Three kernels, chosen by shape (``docs/timing.md``): a stack of one with sign and small blocks
+    (``SMALL_BLOCK``) multiplies with the long row axis as the product's N (``C_b^T = Q_b^T U_b^T``:
+    MKL's batched GEMM is 3-7x faster so at s = 8); a stack of one with a ``beta`` writes
+    ``W_b <- beta W_b + factor C_b Q_b^T`` as one ``baddbmm`` into the weight's strided view (one
+    pass over ``W``); otherwise one ``bmm`` pair over all blocks of all items and a strided add.
+    """
+    w0, u0, q0, _, beta0 = items[0]
+    E0, r, k = u0.shape
+    size = q0.shape[-1]
+    if len(items) == 1 and E0 == 1 and norm == "sign" and size <= SMALL_BLOCK and beta0 is None:
+        count, factor = q0.shape[1], items[0][3]
+        q = q0[0].to(dtype)
+        ct = torch.bmm(q.transpose(1, 2), u0[0].to(dtype).t().reshape(count, size, r)).sign_()
+        w0[0].t().view(count, size, r).add_(torch.bmm(q, ct), alpha=factor)
+        return
+    counts = [it[2].shape[0] * it[2].shape[1] for it in items]
+    views = [u.to(dtype).reshape(u.shape[0], r, q.shape[1], size).transpose(1, 2).reshape(n, r, size)
+             for (_, u, q, _, _), n in zip(items, counts)]
+    ub = views[0] if len(items) == 1 else torch.cat(views)
+    qs = [q.reshape(n, size, size) for (_, _, q, _, _), n in zip(items, counts)]
+    q = (qs[0] if len(items) == 1 else torch.cat(qs)).to(dtype)
+    c = block_coefficients(ub, q, norm, col_sq_sum)
+    if len(items) == 1 and E0 == 1 and beta0 is not None:  # W_b <- beta W_b + factor C_b Q_b^T, one pass
+        w0[0].view(r, counts[0], size).transpose(0, 1).baddbmm_(c, q.transpose(1, 2), beta=beta0, alpha=items[0][3])
+        return
+    o = torch.bmm(c, q.transpose(1, 2))
+    for ob, (w, _, qi, factor, _) in zip(o.split(counts), items):
+        E, cnt = qi.shape[0], qi.shape[1]
+        w.view(E, r, cnt, size).add_(ob.view(E, cnt, r, size).transpose(1, 2), alpha=factor)
+
+
 def direction_input(
     u: Tensor,
     basis: Tensor,
@@ -258,15 +378,16 @@ def direction_input(
 
     ``u`` is ``m x n``, ``basis`` the row-stacked ``(n, s_max)`` bases. ``rows`` is the global row
     count used by sign normalization (differs from ``u.shape[0]`` when rows are sharded).
-    ``||O||_F^2 = n`` when no coefficient is zero (Table 9).
+    ``||O||_F^2 = n`` when no coefficient is zero (Table 9). The optimizer's kernel
+    (``add_directions_``) applied to a zero matrix, in ``u``'s dtype.
     """
     m = u.shape[0]
     scale = 1.0 / math.sqrt(m if rows is None else rows) if norm == "sign" else 1.0
-    out = torch.empty_like(u)
+    out = torch.zeros_like(u)
+    u3, o3, b3 = u.unsqueeze(0), out.unsqueeze(0), basis.unsqueeze(0)
     for run in block_runs(sizes):
-        ub = u[:, run.start : run.stop].reshape(m, run.count, run.size).transpose(0, 1)
-        o = block_direction(ub, block_view(basis, run).to(u.dtype), norm)
-        out[:, run.start : run.stop] = o.transpose(0, 1).reshape(m, run.count * run.size) * scale
+        cols = slice(run.start, run.stop)
+        add_directions_([(o3[:, :, cols], u3[:, :, cols], stack_block_view(b3, run), scale, None)], norm, u.dtype)
     return out
 
 

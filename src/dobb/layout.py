@@ -1,8 +1,14 @@
 """Where a matrix's blocks are: ``MatrixLayout`` (plain tensors; DTensor layouts extend it in
-``sharding``) and the captured-feature checks that go with it.
+``sharding``, expert stacks in ``experts``) and the captured-feature checks that go with it.
 
 The optimizers ask ``placement.layout_for`` for a layout per matrix parameter and then work on
 local tensors only (``layout.local(t)``); the math in ``functional`` never sees a DTensor.
+
+Every layout describes a *stack* of matrices with the same blocks: a 2-D parameter is a stack of
+one, an expert stack ``(E, out, in)`` one of ``E``. ``stacked(t)`` gives the local tensor with the
+leading stack dim; ``stack_span`` matrices have their statistic captured, reduced and counted on
+this rank (``stack_local`` of them held here, from ``stack_offset`` within the span). Dobb's step
+works on that one form; only the layouts know which parameters are 2-D.
 """
 from __future__ import annotations
 
@@ -13,7 +19,23 @@ import torch
 from ._dtensor import is_dtensor
 from .functional import block_sizes, identity_blocks
 
-__all__ = ["MatrixLayout", "plain_features", "plain_layout"]
+__all__ = ["MatrixLayout", "ReducedStat", "plain_features", "plain_layout"]
+
+
+@dataclass
+class ReducedStat:
+    """A statistic every rank of its group agreed on, for one layout's stack.
+
+    ``mean``: ``(stack_local, k_local, state_cols)``, the new statistic of each local matrix.
+    ``seen``: per matrix of the captured span, whether it counts a capture (some rank saw a row).
+    ``keep``: None when ``seen`` was decided on the host; else bool ``(stack_span,)`` on the device,
+    False where no rank saw a row (that matrix keeps statistic and basis; ``seen`` is then all True:
+    the capture counts, as the host did not look).
+    """
+
+    mean: torch.Tensor
+    seen: list[bool]
+    keep: torch.Tensor | None = None
 
 
 @dataclass
@@ -60,6 +82,51 @@ class MatrixLayout:
     def local(self, t: torch.Tensor) -> torch.Tensor:
         return t
 
+    # ---------------------------------------------------------------- the stack view (see module doc)
+    @property
+    def stack_size(self) -> int:
+        """Matrices in the whole stack (all ranks)."""
+        return 1
+
+    @property
+    def stack_local(self) -> int:
+        return 1
+
+    @property
+    def stack_span(self) -> int:
+        return 1
+
+    @property
+    def stack_offset(self) -> int:
+        return 0
+
+    @property
+    def routed(self) -> bool:
+        """Whether the matrices' input rows are routed (an expert stack): forward hooks cannot see
+        them, only ``Dobb.capture`` can."""
+        return False
+
+    def stacked(self, t: torch.Tensor) -> torch.Tensor:
+        """The local tensor with the leading stack dim: ``(1, ...)`` for a matrix."""
+        return self.local(t).unsqueeze(0)
+
+    def counts(self, value) -> list[int]:
+        """A state's ``captures`` as one count per matrix of the span (a matrix stores an int)."""
+        return [value]
+
+    def counts_value(self, counts: list[int]):
+        """``counts`` in the state's form (the inverse of ``counts``)."""
+        return counts[0]
+
+    def mean(self, sums: torch.Tensor, totals: list[float]) -> ReducedStat:
+        """Reduced captured ``sums`` over ``totals`` rows (known on the host) as the local statistic."""
+        total = totals[0]
+        return ReducedStat(self.stat_to_state(sums / total if total else sums).unsqueeze(0), [total > 0])
+
+    def mean_on_device(self, sums: torch.Tensor, totals: torch.Tensor) -> ReducedStat:
+        """``mean`` with the reduced row ``totals`` left on the device (no host read)."""
+        return ReducedStat(self.stat_to_state(sums / totals.clamp_min(1)).unsqueeze(0), [True], totals > 0)
+
     @property
     def state_cols(self) -> int:
         """Columns of the local row-stacked block state (the largest block)."""
@@ -97,8 +164,8 @@ class MatrixLayout:
         return self.pad_state_cols(stat)
 
     def pad_state_cols(self, stat: torch.Tensor) -> torch.Tensor:
-        """Zero-pad a local ``(k_local, s)`` block tensor to the state's ``state_cols`` columns."""
-        pad = self.state_cols - stat.shape[1]
+        """Zero-pad a local ``(..., k_local, s)`` block tensor to the state's ``state_cols`` columns."""
+        pad = self.state_cols - stat.shape[-1]
         return torch.nn.functional.pad(stat, (0, pad)) if pad > 0 else stat
 
     def local_features(self, x: torch.Tensor) -> torch.Tensor:
