@@ -15,9 +15,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from dobb_bench import commands_train as T
 from dobb_bench.provenance import provenance
-from dobb_bench.train import run_training
+from dobb_bench.training import commands_train as T
+from dobb_bench.training.train import run_training
 
 NAMES = ("soap", "newton-muon")
 

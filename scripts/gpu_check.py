@@ -12,7 +12,7 @@ library's own hooks. Reported, with goals:
 - Dobb with its non-refresh step replayed from a CUDA graph (the element-wise chains and products
   of a shape-static step, captured once; refresh steps stay eager);
 - optimizer-state bytes measured (``optimizer.state``) and peak step memory against the derived
-  state (``dobb_bench.roofline.set_cost``), and each step's fraction of the roofline bound measured
+  state (``dobb_bench.cost.roofline.set_cost``), and each step's fraction of the roofline bound measured
   on the same GPU (bandwidth: triad; matmul: 4096^3 fp32/bf16).
 
 ``--cpu-smoke`` runs the same code on CPU on two tiny layers (no CUDA graph) in seconds, which is
@@ -32,9 +32,9 @@ from torch import nn
 
 import dobb
 from dobb.meter import state_bytes
-from dobb_bench import roofline as R
+from dobb_bench.cost import roofline as R
+from dobb_bench.cost.shapes import matrix_shapes
 from dobb_bench.provenance import provenance
-from dobb_bench.shapes import matrix_shapes
 
 
 class Bank(nn.Module):

@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 
 import dobb
-from dobb_bench import commands_train as T
 from dobb_bench.provenance import provenance
-from dobb_bench.train import run_training
+from dobb_bench.training import commands_train as T
+from dobb_bench.training.train import run_training
 
 
 def _triton_only(*args, **kwargs):

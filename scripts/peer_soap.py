@@ -15,9 +15,9 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from dobb_bench import commands_train as T
 from dobb_bench.provenance import provenance
-from dobb_bench.train import run_training
+from dobb_bench.training import commands_train as T
+from dobb_bench.training.train import run_training
 
 PACKAGES = {"pytorch_optimizer": "pytorch_optimizer.SOAP", "heavyball": "heavyball.SOAP"}
 

@@ -21,17 +21,17 @@ import time
 from dobb_bench.errors import CliError, Interrupted  # noqa: F401 (re-exported: dobb_bench.cli.CliError)
 from dobb_bench.errors import one_line as _one_line
 
-_COMMAND_MODULES = [
-    "docs_tables",
-    "commands_train",
-    "ablations",
-    "spectral",
-    "timing",
-    "payload_command",
-    "diagnostics",
-    "controlled",
-    "looptime",
-    "roofline",
+_COMMAND_MODULES = [  # dotted under dobb_bench; the order is the help's
+    "studies.docs_tables",      # report
+    "training.commands_train",  # train, compare, sweep
+    "studies.ablations",        # ablate
+    "spectral.commands",        # orthogonality, spectrum
+    "cost.timing",              # timing
+    "cost.payload_command",     # payload
+    "studies.diagnostics",      # microbatch, microbatch-table
+    "studies.controlled",       # controlled
+    "cost.looptime",            # looptime
+    "cost.roofline",            # roofline
 ]
 
 

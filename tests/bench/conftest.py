@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dobb_bench.data import load_corpus
-from dobb_bench.model import ModelConfig
-from dobb_bench.train import TrainConfig
+from dobb_bench.training.data import load_corpus
+from dobb_bench.training.model import ModelConfig
+from dobb_bench.training.train import TrainConfig
 
 FILES = ("argparse.py", "ast.py", "typing.py", "inspect.py", "dataclasses.py", "functools.py",
          "pathlib.py", "shutil.py", "tarfile.py", "zipfile.py", "textwrap.py", "string.py")

@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from dobb_bench import docs_tables as D, records as R
+from dobb_bench.reports import records as R
+from dobb_bench.studies import docs_tables as D
 
 
 def test_docs_tables_match_their_regeneration():
@@ -35,7 +36,7 @@ def _record(run, loss, seed=0, dirty=False, optimizer="adamw", hparams=None):
 
 
 def test_regeneration_detects_a_hand_edit_and_dirty_records(tmp_path, monkeypatch):
-    from dobb_bench import tables
+    from dobb_bench.reports import tables
 
     recs = [_record("AdamW", 2.0, s) for s in (0, 1)] + [_record("Muon", 1.5, s) for s in (0, 1)]
     recs += [_record("Dobb B=4", 1.75, 0, optimizer="dobb", hparams={"blocks": "4"}),
@@ -54,30 +55,3 @@ def test_regeneration_detects_a_hand_edit_and_dirty_records(tmp_path, monkeypatc
     assert not R.clean({**recs[0], "provenance": {"git_rev": None, "git_dirty": False}})
     with pytest.raises(ValueError, match="no generator"):
         D.regenerate_text("<!-- table:nope -->\n<!-- /table -->")
-
-
-def test_width_points_and_fp32_muon_reference():
-    """penalty / gap = (Dobb B - Dobb B=1) / (AdamW - Muon) on seed means; Muon-fp32 stands in for Muon."""
-    from dobb_bench import main_job, tables
-
-    recs = [_record("AdamW", 2.2, s) for s in (0, 1)] + [_record("Muon-fp32", 1.6, s, optimizer="muon") for s in (0, 1)]
-    recs += [_record("Dobb B=1", v, s, optimizer="dobb", hparams={"blocks": "1"}) for s, v in ((0, 1.7), (1, 1.8))]
-    recs += [_record("Dobb B=8", v, s, optimizer="dobb", hparams={"blocks": "8"}) for s, v in ((0, 1.9), (1, 2.0))]
-    (b1, w1, p1, *_), (b8, w8, p8, m8, _, n8) = main_job.width_points(recs)[128]
-    assert (b1, w1, b8, w8, n8) == (1, 128, 8, 16, 2) and p1 == 0.0
-    assert p8 == pytest.approx((1.95 - 1.75) / (2.2 - 1.6)) and m8 == pytest.approx(1.95)
-    assert "| Dobb B=8 |" in tables.seeds_table(recs) and "42%" in tables.seeds_table(recs)  # (2.2-1.95)/0.6
-
-
-def test_collect_keeps_only_the_named_runs(tmp_path):
-    run_dir = tmp_path / "out" / "runs"
-    for i, label in enumerate(("AdamW", "Dobb B=2")):
-        d = run_dir / f"r{i}"
-        d.mkdir(parents=True)
-        final = dict(_record(label, 2.0 - i), type="final", train={"seed": 0, "batch_size": 4, "micro_batches": 1})
-        d.joinpath("metrics.jsonl").write_text(json.dumps({"type": "eval", "step": 5, "val_loss": 2.5}) + "\n"
-                                               + json.dumps(final) + "\n")
-    new = R.collect(tmp_path / "out", "s", records_dir=tmp_path, runs=["Dobb B=2"])
-    assert [r["run"] for r in new] == ["Dobb B=2"] and [r["run"] for r in R.load("s", tmp_path)] == ["Dobb B=2"]
-    with pytest.raises(ValueError, match="no finished run labelled"):
-        R.collect(tmp_path / "out", "s", records_dir=tmp_path, runs=["Muon"])

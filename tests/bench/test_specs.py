@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from dobb_bench import payload_command, specs, timing_run
+from dobb_bench import specs
+from dobb_bench.cost import payload_command, timing_run
 from dobb_bench.specs import parse_spec
 
 
@@ -70,3 +71,13 @@ def test_what_an_optimizer_is_comes_from_the_registry():
     assert specs.registry_entry("torch-adamw").cls is torch.optim.AdamW and not specs.refreshes("torch-adamw")
     assert specs.registry_entry("torch-muon").cls is dobb.Muon
     assert specs.registry_entry("dobbish") is None and not specs.refreshes("dobbish")
+
+
+def test_spec_parsing():
+    s = parse_spec("dion:rank_fraction=1/16")
+    assert (s.name, s.hparams, s.label) == ("dion", {"rank_fraction": 0.0625}, "Dion rho=1/16")
+    s = parse_spec("dobb:blocks=4:norm=l2:nesterov=true@Mine")
+    assert s.hparams == {"blocks": 4, "norm": "l2", "nesterov": True} and s.label == "Mine"
+    assert parse_spec("dobb:basis_dtype=float32").hparams["basis_dtype"] is torch.float32
+    with pytest.raises(ValueError, match="malformed"):  # dobb_bench.specs: a ValueError, exit code 2 in the CLI
+        parse_spec("dobb:blocks")

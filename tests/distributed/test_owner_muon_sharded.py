@@ -178,7 +178,7 @@ def test_sharded_payload_is_derived_count_in_two_all_to_alls(run):
         expected = 8 * (sum(r["local"]) + mine)
         assert r["log"] == [(2, expected, ["all_to_all", "all_to_all"])] * STEPS
     # summed over ranks: the table's leading count (dobb-bench payload), 2 mn per matrix, exactly
-    from dobb_bench.payload import payload_entries
+    from dobb_bench.cost.payload import payload_entries
 
     total = sum(r["log"][0][1] for r in results)
     assert total == 8 * sum(payload_entries("owner-muon", *s, shards=world) for s, _ in CASES)

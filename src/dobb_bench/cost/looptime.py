@@ -1,0 +1,227 @@
+"""``optimizer.step()`` time inside a training loop: ``dobb-bench looptime``.
+
+Real forward/backward on the bench's GPT model, capture hooks live, every optimizer on its own
+copy of the model, interleaved step by step with a rotated order so that all of them see the same
+machine load; per cycle of ``T`` steps the amortized time, its ratio to torch AdamW (foreach) of
+the same cycle and max/median; optionally a ``torch.profiler`` split of the step into matmul/QR,
+element-wise work and overhead; optimizer-state bytes per parameter, measured
+(``dobb.meter.state_bytes``) against derived (``dobb_bench.cost.roofline.set_cost``). The record
+(``looptime.json``) is what ``dobb-bench roofline --looptime`` places on the roofline.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from dobb.meter import state_bytes
+
+from dobb_bench.cost.roofline import set_cost, write_record
+from dobb_bench.provenance import provenance
+from dobb_bench.specs import parse_spec, refreshes, registry_entry
+
+_MATMUL_OPS = ("bmm", "mm", "matmul", "baddbmm", "addmm", "addbmm", "linalg_", "geqrf", "orgqr",
+               "householder_product", "cholesky", "triangular_solve", "eigh", "_linalg")
+
+
+def _q(values: list[float]) -> dict:
+    v = sorted(values)
+    if len(v) == 1:
+        return {"median": v[0], "q25": v[0], "q75": v[0], "n": 1}
+    q = statistics.quantiles(v, n=4, method="inclusive")
+    return {"median": statistics.median(v), "q25": q[0], "q75": q[2], "n": len(v)}
+
+
+# ----------------------------------------------------------------------------- training-loop timing
+def build(spec_text: str, model, lr: float, weight_decay: float):
+    """``torch-adamw`` (``torch.optim.AdamW(foreach=True)``, betas 0.9/0.95, the reference) or any
+    ``dobb.build_optimizer`` spec; Dobb variants default to ``blocks=16``."""
+    import dobb
+
+    spec = parse_spec(spec_text)
+    if spec.name == "torch-adamw":
+        return spec, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95),
+                                       foreach=True, **spec.hparams)
+    hp = dict(spec.hparams)
+    if refreshes(spec.name):  # Dobb and its presets (dobb.registry)
+        hp.setdefault("blocks", 16)
+    return spec, dobb.build_optimizer(spec.name, model, lr=lr, weight_decay=weight_decay, **hp)
+
+
+def _matrix_split(opt) -> tuple[list[tuple[int, int]], int]:
+    """Shapes of the matrices an optimizer updates with its matrix rule, and the entries it hands to
+    AdamW (all of them for torch AdamW)."""
+    shapes, other = [], 0
+    for g in opt.param_groups:
+        matrix = g.get("algorithm", "adamw") != "adamw"
+        for p in g["params"]:
+            if matrix:
+                shapes.append(tuple(p.shape))
+            else:
+                other += p.numel()
+    return shapes, other
+
+
+def classify_profile(events, wall_us: float) -> dict:
+    """Split a step's time into matmul/QR, element-wise (every other aten kernel) and overhead
+    (Python, dispatch, allocator: the wall time no aten operator accounts for)."""
+    mat = elem = 0.0
+    for e in events:
+        if not e.key.startswith("aten::"):
+            continue
+        if any(op in e.key for op in _MATMUL_OPS):
+            mat += e.self_cpu_time_total
+        else:
+            elem += e.self_cpu_time_total
+    over = max(0.0, wall_us - mat - elem)
+    tot = max(wall_us, 1e-9)
+    return {"matmul_qr": mat / tot, "elementwise": elem / tot, "overhead": over / tot, "wall_ms": wall_us / 1e3}
+
+
+def run_looptime(optimizers: list[str], *, preset: str = "small-cpu", vocab: int = 4096, batch: int = 16,
+                 seq_len: int = 128, layers: int | None = None, cycles: int = 5, cycle_len: int = 9, warmup: int = 9, lr: float = 3.54e-3,
+                 weight_decay: float = 0.1, seed: int = 0, profile: bool = False, log=print) -> dict:
+    """Interleaved training-loop step timing; see the module docstring."""
+    from dobb_bench.training.model import GPT, config_from_preset
+
+    if not optimizers or optimizers[0] != "torch-adamw":
+        optimizers = ["torch-adamw"] + [o for o in optimizers if o != "torch-adamw"]
+    cfg = config_from_preset(preset, vocab_size=vocab, seq_len=max(seq_len, 1), layers=layers)
+    entries = []
+    for text in optimizers:
+        model = GPT(cfg, seed=seed)
+        spec, opt = build(text, model, lr, weight_decay)
+        entries.append({"spec": spec.text, "name": spec.name, "hparams": spec.hparams, "model": model, "opt": opt,
+                        "ms": [], "loss": [], "refresh": []})
+    gen = torch.Generator().manual_seed(seed)
+
+    def one_step(e, x) -> None:
+        opt = e["opt"]
+        refresh = bool(getattr(opt, "is_refresh_step", lambda: False)())
+        opt.zero_grad(set_to_none=True)
+        _, loss = e["model"](x[:, :-1], x[:, 1:])
+        loss.backward()
+        t0 = time.perf_counter()
+        opt.step()
+        e["ms"].append(1e3 * (time.perf_counter() - t0))
+        e["loss"].append(loss.item())
+        e["refresh"].append(refresh)
+
+    total = warmup + cycles * cycle_len
+    for step in range(total):
+        x = torch.randint(0, vocab, (batch, seq_len + 1), generator=gen)
+        k = step % len(entries)
+        for e in entries[k:] + entries[:k]:  # rotated order: no optimizer always runs first
+            one_step(e, x)
+    summaries = []
+    ref = entries[0]
+    for e in entries:
+        ms = e["ms"][warmup:]
+        cyc = [ms[i * cycle_len:(i + 1) * cycle_len] for i in range(cycles)]
+        refc = [ref["ms"][warmup:][i * cycle_len:(i + 1) * cycle_len] for i in range(cycles)]
+        shapes, other = _matrix_split(e["opt"])
+        try:
+            adamw = not getattr(registry_entry(e["name"]), "is_matrix", True)  # torch-adamw, adamw: no matrix rule
+            derived = set_cost(e["name"], shapes, e["hparams"], other) if shapes or adamw else None
+        except ValueError:  # no derived cost model for this optimizer (block Muon): time it anyway
+            derived = None
+        measured = state_bytes(e["opt"])
+        summaries.append({
+            "spec": e["spec"], "name": e["name"], "hparams": e["hparams"],
+            "amortized_ms": _q([statistics.mean(c) for c in cyc]),
+            "ratio_to_adamw": _q([statistics.mean(c) / statistics.mean(r) for c, r in zip(cyc, refc)]),
+            "max_over_median": _q([max(c) / statistics.median(c) for c in cyc]),
+            "final_loss": statistics.mean(e["loss"][-cycle_len:]),
+            "params": sum(p.numel() for p in e["model"].parameters()),
+            "matrix_shapes": shapes, "adamw_entries": other,
+            "state_bytes_measured": measured, "derived": derived,
+            "steps_ms": ms, "refresh": e["refresh"][warmup:],
+        })
+        log(f"  {e['spec']:34s} amortized {summaries[-1]['amortized_ms']['median']:8.2f} ms  "
+            f"x AdamW {summaries[-1]['ratio_to_adamw']['median']:.2f}  "
+            f"max/median {summaries[-1]['max_over_median']['median']:.2f}")
+    if profile:
+        for e, s in zip(entries, summaries):
+            s["profile"] = _profile(e, lambda: torch.randint(0, vocab, (batch, seq_len + 1), generator=gen),
+                                    one_step, cycle_len)
+    return {"kind": "looptime", "config": {"preset": preset, "layers": cfg.layers, "width": cfg.width,
+                                           "vocab": vocab, "batch": batch, "seq_len": seq_len,
+                                           "cycles": cycles, "cycle_len": cycle_len, "warmup": warmup, "lr": lr,
+                                           "weight_decay": weight_decay, "seed": seed,
+                                           "threads": torch.get_num_threads()},
+            "summaries": summaries}
+
+
+def _profile(e, batch_fn, one_step, steps: int) -> dict:
+    """Shares of one cycle's ``step()`` time; forward/backward run outside the profiled region."""
+    from torch.profiler import profile
+
+    agg: dict[str, list[float]] = {"matmul_qr": [], "elementwise": [], "overhead": [], "wall_ms": []}
+    opt = e["opt"]
+    for _ in range(steps):
+        x = batch_fn()
+        opt.zero_grad(set_to_none=True)
+        _, loss = e["model"](x[:, :-1], x[:, 1:])
+        loss.backward()
+        with profile() as prof:
+            t0 = time.perf_counter()
+            opt.step()
+            wall = 1e6 * (time.perf_counter() - t0)
+        for k, v in classify_profile(prof.key_averages(), wall).items():
+            agg[k].append(v)
+    walls = agg["wall_ms"]
+    return {k: (sum(w * x for w, x in zip(walls, v)) / sum(walls) if k != "wall_ms" else statistics.mean(v))
+            for k, v in agg.items()}
+
+
+def looptime_markdown(rec: dict) -> str:
+    out = ["| optimizer | amortized ms [IQR] | x torch AdamW [IQR] | max/median | state B/param measured | "
+           "derived | matmul/QR | element-wise | overhead |", "|---|---|---|---|---|---|---|---|---|"]
+    for s in rec["summaries"]:
+        a, r, mm = s["amortized_ms"], s["ratio_to_adamw"], s["max_over_median"]
+        d = s.get("derived")
+        p = s.get("profile") or {}
+        share = [f"{100 * p[k]:.0f}%" if k in p else "–" for k in ("matmul_qr", "elementwise", "overhead")]
+        derived = f"{d['state_bytes'] / d['params']:.3f}" if d else "–"
+        out.append(f"| {s['spec']} | {a['median']:.2f} [{a['q25']:.2f}, {a['q75']:.2f}] | "
+                   f"{r['median']:.2f} [{r['q25']:.2f}, {r['q75']:.2f}] | {mm['median']:.2f} | "
+                   f"{s['state_bytes_measured'] / s['params']:.3f} | {derived} | " + " | ".join(share) + " |")
+    return "\n".join(out) + "\n"
+
+
+# ----------------------------------------------------------------------------- command
+def cmd_looptime(args) -> int:
+    from dobb_bench.errors import CliError
+
+    if args.cycles < 2 or args.cycle_len < 1:
+        raise CliError("--cycles must be >= 2 and --cycle-len >= 1")
+    torch.set_num_threads(args.threads)
+    rec = run_looptime(args.optimizers, preset=args.preset, vocab=args.vocab, batch=args.batch,
+                       seq_len=args.seq_len, layers=args.layers, cycles=args.cycles, cycle_len=args.cycle_len, warmup=args.warmup,
+                       seed=args.seed, profile=args.profile)
+    rec["provenance"] = provenance()
+    out = Path(args.out)
+    write_record(out / "looptime.json", rec)
+    (out / "looptime.md").write_text(looptime_markdown(rec))
+    print((out / "looptime.md").read_text())
+    return 0
+
+
+def add_parsers(sub) -> None:
+    lt = sub.add_parser("looptime", help="optimizer.step() time inside the training loop, interleaved")
+    lt.add_argument("--optimizers", nargs="+", default=["torch-adamw", "dobb:blocks=16", "dobb:blocks=4",
+                                                        "dobb:blocks=16:stagger=false", "muon", "dion:rank_fraction=1/16"])
+    lt.add_argument("--preset", default="small-cpu", help="bench model preset (default: the compare default)")
+    lt.add_argument("--layers", type=int, help="layers (default: the preset's; the loss records use 2)")
+    lt.add_argument("--vocab", type=int, default=4096)
+    lt.add_argument("--batch", type=int, default=16)
+    lt.add_argument("--seq-len", type=int, default=128)
+    lt.add_argument("--cycles", type=int, default=5, help="measured cycles (repeats)")
+    lt.add_argument("--cycle-len", type=int, default=9, help="steps per cycle (Dobb's refresh period)")
+    lt.add_argument("--warmup", type=int, default=9)
+    lt.add_argument("--seed", type=int, default=0)
+    lt.add_argument("--threads", type=int, default=1)
+    lt.add_argument("--profile", action="store_true", help="also split one cycle by operator class")
+    lt.add_argument("--out", default="runs/looptime")
+    lt.set_defaults(func=cmd_looptime)

@@ -1,0 +1,273 @@
+"""Reports for benchmark runs: a markdown table and PNG plots (matplotlib, Agg backend).
+
+Why: ``compare`` is read by people, so its results must be a table they can paste (final val
+loss, throughput, optimizer time, memory) plus the two pictures the paper leads with: validation
+loss against step, and final loss against the optimizer-specific cross-shard payload relative to
+Muon (Fig. 1). The payload ratios come from ``dobb_bench.cost.payload.relative_payload`` (owned by
+another module); when it is absent the scatter is skipped with a note.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from pathlib import Path
+
+import dobb.registry
+
+from dobb_bench.specs import parse_value
+
+
+def _fmt(x, spec: str) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "n/a"
+    return format(x, spec)
+
+
+def _loss(f: dict) -> float:
+    v = f.get("final_val_loss")
+    return math.inf if v is None or f.get("diverged") or not math.isfinite(v) else v
+
+
+def results_markdown(finals: list[dict], *, grid: bool, shared_lr: float | None) -> str:
+    """One row per optimizer label. With ``grid``: shared-lr loss and best-of-grid (lr, loss)."""
+    by_label: dict[str, list[dict]] = defaultdict(list)
+    for f in finals:
+        by_label[f["run"]].append(f)
+    head = ["optimizer"]
+    if grid and shared_lr is not None:
+        head += [f"val loss @ lr {shared_lr:.3g}", "best lr", "best val loss"]
+    elif grid:
+        head += ["best lr", "best val loss"]
+    else:
+        head += ["lr", "final val loss"]
+    head += ["gap closure", "block widths", "bits/byte", "tokens/s", "opt ms/step", "peak mem MB", "opt state MB"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def ref_loss(label):
+        runs = by_label.get(label)
+        if not runs:
+            return None
+        shared = next((r for r in runs if shared_lr is not None and abs(r["lr"] - shared_lr) < 1e-12), None)
+        v = _loss(shared or min(runs, key=_loss))
+        return None if v == math.inf else v
+
+    adamw, muon = ref_loss("AdamW"), ref_loss("Muon")
+    for label, runs in by_label.items():
+        best = min(runs, key=_loss)
+        shared = next((r for r in runs if shared_lr is not None and abs(r["lr"] - shared_lr) < 1e-12), None)
+        ref = shared or best
+        cells = [label]
+        if grid and shared_lr is not None:
+            cells += [_cell_loss(shared), _fmt(best["lr"], ".3g"), _cell_loss(best)]
+        elif grid:
+            cells += [_fmt(best["lr"], ".3g"), _cell_loss(best)]
+        else:
+            cells += [_fmt(ref["lr"], ".3g"), _cell_loss(ref)]
+        gc = gap_closure(_loss(ref), adamw, muon) if _loss(ref) < math.inf else None
+        cells += ["—" if gc is None or label in ("AdamW", "Muon") else f"{100 * gc:.0f}%",
+                  block_widths(ref["optimizer"], ref.get("hparams", {}), ref.get("model", {})) or "—"]
+        cells += [_fmt(ref.get("final_val_bpb"), ".4f"), _fmt(ref.get("tokens_per_s"), ".0f"),
+                  _fmt(ref.get("opt_ms_per_step"), ".2f"), _fmt(ref.get("peak_mem_mb"), ".0f"),
+                  _fmt(ref.get("opt_state_mb"), ".2f")]
+        rows.append("| " + " | ".join(cells) + " |")
+    f0 = finals[0]
+    m, t = f0.get("model", {}), f0.get("train", {})
+    rows.append("")
+    rows.append(f"Model {m.get('layers')}/{m.get('width')}/{m.get('heads')} (layers/width/heads), "
+                f"{f0.get('n_params')} parameters; {t.get('steps')} steps x {t.get('batch_size')} sequences "
+                f"x {t.get('seq_len') or m.get('seq_len')} tokens; seed {t.get('seed')}; device {f0.get('device')}"
+                f" ({f0.get('world')} process(es), dist {f0.get('dist')}, {f0.get('threads')} thread(s)). Loss in nats/token on fixed "
+                "held-out sequences; opt ms/step times optimizer.step() only, first step excluded; "
+                "peak mem is the max RSS of the run's process on CPU (with --no-isolate, a high-water "
+                "mark shared by the runs before it) or max allocated CUDA memory. Gap closure = "
+                "(AdamW - x) / (AdamW - Muon) at the shared lr; block widths: attention and MLP-in / "
+                "MLP-out input (input side), or attention-out and MLP-out / MLP-in / fused qkv output "
+                "(output side).")
+    return "\n".join(rows) + "\n"
+
+
+def _cell_loss(f: dict | None) -> str:
+    if f is None:
+        return "n/a"
+    return "diverged" if f.get("diverged") else _fmt(f.get("final_val_loss"), ".4f")
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_curves(records: list[dict], path: Path) -> str:
+    """Validation loss vs step, one line per run (label, plus lr when a label has several)."""
+    plt = _pyplot()
+    curves: dict[tuple, list] = defaultdict(list)
+    for r in records:
+        if r.get("type") == "eval" and r.get("val_loss") is not None:
+            curves[(r["run"], r["lr"])].append((r["step"], r["val_loss"]))
+    labels = defaultdict(int)
+    for run, _ in curves:
+        labels[run] += 1
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    colors = plt.get_cmap("tab20").colors
+    for i, ((run, lr), pts) in enumerate(curves.items()):  # color x line style: 40 distinct lines
+        pts.sort()
+        name = f"{run} (lr {lr:.3g})" if labels[run] > 1 else run
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], color=colors[(2 * i) % 20 + (i // 10) % 2],
+                linestyle=("-", "--")[(i // 20) % 2], marker=".", label=name)
+    ax.set_xlabel("step")
+    ax.set_ylabel("validation loss (nats/token)")
+    finals = [pts[-1][1] for pts in curves.values() if pts]
+    if finals:  # zoom on the end of training, where optimizers differ
+        lo, hi = min(finals), max(finals)
+        everything = max(v for pts in curves.values() for _, v in pts)
+        top = min(everything, lo + max(1.0, 4 * (hi - lo)))
+        ax.set_ylim(lo - 0.05 * (top - lo), top + 0.02 * (top - lo))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"validation curves: {path.name}"
+
+
+def plot_payload(finals: list[dict], shapes: list[tuple[int, int]], path: Path) -> str:
+    """Fig. 1-style scatter: final loss vs cross-shard payload relative to Muon (if available)."""
+    try:
+        from dobb_bench.cost.payload import relative_payload
+    except ImportError:
+        return "payload scatter skipped: dobb_bench.cost.payload.relative_payload is not available"
+    points = []
+    for f in finals:
+        if _loss(f) == math.inf:
+            continue
+        try:
+            ratio = relative_payload(f["optimizer"], _typed(f.get("hparams", {})), shapes)
+        except (ValueError, KeyError, TypeError) as exc:
+            return f"payload scatter skipped: {exc}"
+        points.append((f["run"], ratio, _loss(f)))
+    best = {}
+    for label, ratio, loss in points:  # one point per label: its best lr
+        if label not in best or loss < best[label][1]:
+            best[label] = (ratio, loss)
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for label, (ratio, loss) in best.items():
+        ax.scatter([ratio], [loss])
+        ax.annotate(label, (ratio, loss), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("optimizer-specific cross-shard payload / Muon's")
+    ax.set_ylabel("final validation loss (nats/token)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"payload scatter: {path.name}"
+
+
+def _typed(hparams: dict) -> dict:
+    """Hyperparameters come back from JSON as strings: typed again by the spec grammar's one rule
+    (``dobb_bench.specs.parse_value``: ``"4"`` -> 4, ``"True"`` -> True, ``"torch.float32"`` -> dtype)."""
+    return {k: parse_value(k, v) if isinstance(v, str) else v for k, v in hparams.items()}
+
+
+# ----- normalised reading of a loss table ----------------------------------------------------------
+# The axis each optimizer blocks by default (dobb.registry's blocks_side; None: it does not block)
+_BLOCKED = {name: e.blocks_side for name, e in dobb.registry.OPTIMIZERS.items() if e.blocks_side}
+
+
+def block_widths(optimizer: str, hparams: dict, model: dict) -> str | None:
+    """Block widths per matrix kind, e.g. ``"32 / 128 (attn+MLP-in / MLP-out input)"``; None if unblocked.
+
+    Dobb's input side blocks each matrix's input axis: width ``d`` for q/k/v, attention-out and
+    MLP-in, ``4d`` for MLP-out. The output side (Dobb-G; block Muon axis=0) blocks the output
+    axis: ``3d`` (fused qkv), ``d``, ``4d``, ``d``. ``side``/``axis`` in ``hparams`` override.
+    """
+    side = _BLOCKED.get(optimizer)
+    if side is None:
+        return None
+    hp = _typed(hparams)
+    if "side" in hp:
+        side = hp["side"]
+    if optimizer == "block-muon" and str(hp.get("axis", 1)) == "0":
+        side = "output"
+    blocks = int(hp.get("blocks", 4 if optimizer == "block-muon" else 1))
+    d = int(model.get("width", 0))
+    if not d:
+        return None
+
+    def w(n):
+        return str(math.ceil(n / blocks))
+
+    if side == "input":
+        return f"{w(d)} / {w(4 * d)}"
+    return f"{w(d)} / {w(4 * d)} / {w(3 * d)}"
+
+
+def block_width_note(optimizer: str) -> str:
+    side = _BLOCKED.get(optimizer)
+    return ("input axis: attention and MLP-in / MLP-out" if side == "input"
+            else "output axis: attention-out and MLP-out / MLP-in / fused qkv")
+
+
+def gap_closure(x: float, adamw: float, muon: float) -> float | None:
+    """(AdamW - x) / (AdamW - Muon): 0 = AdamW, 1 = Muon; None when the gap is not positive."""
+    if None in (x, adamw, muon) or not adamw > muon:
+        return None
+    return (adamw - x) / (adamw - muon)
+
+
+def plain_summary(finals: list[dict], shapes: list[tuple[int, int]], noise: float = 0.1) -> str:
+    """Where each Dobb row lands against AdamW, Muon and Dion (nearest payload), in plain words.
+
+    One row per label (its run at the shared lr, else its first run). With one seed a
+    difference under ``noise`` nats is called within noise. That bar is a floor, not a bound: a run
+    that leaves the loss plateau late can differ from its other seeds by more (docs/results.md).
+    """
+    from dobb_bench.cost.payload import relative_payload
+
+    rows = {}
+    for f in finals:
+        rows.setdefault(f["run"], f)
+    loss = {k: _loss(f) for k, f in rows.items()}
+    adamw, muon = loss.get("AdamW"), loss.get("Muon")
+    pay = {}
+    for k, f in rows.items():
+        try:
+            pay[k] = relative_payload(f["optimizer"], _typed(f.get("hparams", {})), shapes)
+        except (ValueError, KeyError, TypeError):
+            pay[k] = None
+    dions = [k for k, f in rows.items() if f["optimizer"] == "dion" and loss[k] < math.inf]
+
+    def versus(x, other, name):
+        if other is None:
+            return f"{name}: not in this run"
+        if other == math.inf:
+            return f"{name}: no finite result"
+        d = x - other
+        where = "ahead of" if d < 0 else "behind"
+        tail = f" (within the {noise:g}-nat noise of one seed)" if abs(d) < noise else ""
+        return f"{abs(d):.3f} {where} {name}{tail}"
+
+    lines = [f"Summary (one seed; differences under {noise:g} nats are within noise):"]
+    for k, f in rows.items():
+        entry = dobb.registry.OPTIMIZERS.get(f["optimizer"])
+        if entry is None or not entry.refreshes:  # the summary reads the Dobb family's rows
+            continue
+        x = loss[k]
+        if x == math.inf:
+            lines.append(f"- {k}: diverged.")
+            continue
+        bw = block_widths(f["optimizer"], f.get("hparams", {}), f.get("model", {}))
+        gc = gap_closure(x, adamw, muon) if adamw not in (None, math.inf) and muon not in (None, math.inf) else None
+        parts = [versus(x, adamw, "AdamW"), versus(x, muon, "Muon")]
+        if dions and pay.get(k) is not None:
+            near = min(dions, key=lambda d: abs((pay[d] or 0) - pay[k]))
+            parts.append(versus(x, loss[near], f"{near} (the Dion row nearest in payload: "
+                                               f"{pay[near]:.3f} of Muon's vs {pay[k]:.3f})"))
+        lines.append(f"- {k} (blocks {bw} wide, {block_width_note(f['optimizer'])}): loss {x:.3f}; "
+                     + "; ".join(parts)
+                     + ("" if gc is None else f"; closes {100 * gc:.0f}% of the AdamW-Muon gap") + ".")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,4 @@
+"""The studies room: each study's experiment or docs tables (``main_job``, ``ablations``,
+``controlled``, ``diagnostics``, ``operating_point``, ``family_dash``, ``family_soap``,
+``two_sided``) and ``docs_tables``, every docs table by name and the ``report`` command.
+"""

@@ -1,0 +1,473 @@
+"""CLI subcommands ``train``, ``compare`` and ``sweep``: the project's main benchmark job.
+
+``compare`` trains the same model on the same data with the same seed once per optimizer spec
+(``NAME[:key=value[:key=value]][@Label]``, e.g. ``dobb:blocks=4`` or ``dion:rank_fraction=1/16``)
+and writes JSON lines, a markdown table and PNG plots to ``--out``. On CPU each run executes in a
+fresh child process (``--isolate``, the default there) so that its peak-memory figure (the
+process's max RSS) belongs to that run alone; under ``torchrun`` runs execute in-process.
+
+Threads: one torch thread per process by default. Measured here (2 cores shared with other
+jobs), ``compare --quick`` took 115 s with 1 thread and 638 s with 2: torch's intra-op pool spins
+and collapses when cores are shared. Curves also depend on the thread count (reduction order), so
+a fixed default makes them reproducible across machines. ``--threads N`` overrides it.
+
+Optimizers come only from ``dobb.build_optimizer(name, model, lr=, weight_decay=, **hparams)``.
+Every spec is first built on one layer of the real model (same widths, so ``blocks`` is checked
+against the matrices it will block), so an unknown name or a bad hyperparameter fails in a second
+instead of after the runs before it.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import multiprocessing as mp
+import re
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from dobb_bench.errors import CliError, Interrupted
+from dobb_bench.provenance import provenance
+from dobb_bench.reports import report
+from dobb_bench.specs import OptimizerSpec, default_label, parse_hparams, parse_spec, refreshes  # noqa: F401 (re-exported)
+from dobb_bench.training import children
+from dobb_bench.training.data import load_corpus
+from dobb_bench.training.model import GPT, PRESETS, ModelConfig, config_from_preset
+from dobb_bench.training.outdir import _check_out, _check_rows, _finished_with, _read_final  # noqa: F401 (_read_final re-exported)
+from dobb_bench.training.train import METRICS_FILE, TrainConfig, run_training, setup_dist, write_jsonl
+
+GRID_BASE = 5e-3
+# Dobb rows keep blocks >= 32 wide (width 128 / B=4): narrower blocks are a measured quality risk
+# (docs/results.md, block-width study), not the regime a user should pick.
+DEFAULT_COMPARE = ("adamw,muon,dion:rank_fraction=1/4,dion:rank_fraction=1/16,rmnp,"
+                   "block-muon:blocks=4,dobb:blocks=1,dobb:blocks=4,dobb-l2:blocks=4,dobb-g:blocks=4")
+# Measured wall times are in the final report / README; both fit their budgets on 2 CPU cores.
+RUN_PRESETS = {
+    # 2 layers x width 128, 64-token context, 800 steps: past the loss plateau near 2.9 nats for
+    # every optimizer (docs/results.md, horizon study) at a quarter of small-cpu's step cost.
+    "default": dict(preset="small-cpu", layers=2, context=64, steps=800, batch_size=16, eval_every=50,
+                    eval_seqs=64),
+    "quick": dict(preset="tiny", steps=100, batch_size=8, eval_every=20, eval_seqs=32),
+}
+
+
+def grid_lr(j: float) -> float:
+    """The paper's learning-rate grid ``lr_j = 5e-3 * 2**(j/2)`` [T8, T10]."""
+    return GRID_BASE * 2 ** (j / 2)
+
+
+# ----- optimizer specs (the grammar: dobb_bench.specs) -----------------------------------------
+def split_specs(text: str) -> list[str]:
+    """Splits at commas outside parentheses (so ``adamw_betas=(0.9,0.99)`` stays whole)."""
+    parts, depth, cur = [], 0, ""
+    for ch in text:
+        depth += ch in "([" and 1 or (-1 if ch in ")]" else 0)
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    parts.append(cur)
+    return [p for p in (s.strip() for s in parts) if p]
+
+
+def make_optimizer(name: str, hparams: dict, lr: float, weight_decay: float, model):
+    """Module-level (picklable) factory: ``functools.partial(make_optimizer, ...)(model)`` calls
+    ``dobb.build_optimizer`` (the one builder) with the model last."""
+    import dobb  # the library's public entry point is the only way optimizers are made
+
+    return dobb.build_optimizer(name, model, lr=lr, weight_decay=weight_decay, **hparams)
+
+
+def run_hparams(spec: OptimizerSpec, steps: int) -> dict:
+    """The spec's hyperparameters, plus ``total_steps=steps`` (the run's length) for an optimizer
+    that takes it (SAMuon's gamma warmup spans a fraction of the run) when the spec leaves it out."""
+    import dobb
+
+    hp = dict(spec.hparams)
+    if "total_steps" not in hp and "total_steps" in dobb.valid_hparams(spec.name):
+        hp["total_steps"] = steps
+    return hp
+
+
+def validate_spec(spec: OptimizerSpec, model_cfg: ModelConfig | None = None) -> None:
+    """Builds the optimizer on one layer of ``model_cfg`` (every layer has the same matrix shapes),
+    or on a width-32 probe when no model is given yet."""
+    cfg = replace(model_cfg, layers=1) if model_cfg is not None else ModelConfig(layers=1, width=32, heads=2,
+                                                                                 seq_len=8)
+    probe = GPT(cfg)
+    try:
+        opt = make_optimizer(spec.name, spec.hparams, 1e-3, 0.0, probe)
+    except (ValueError, TypeError, KeyError) as exc:
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CliError(f"optimizer {spec.label!r}: {msg}") from None
+    getattr(opt, "remove_hooks", lambda: None)()
+
+
+# ----- shared arguments -------------------------------------------------------------------------
+def _add_common(p: argparse.ArgumentParser) -> None:
+    m = p.add_argument_group("model")
+    m.add_argument("--preset", choices=sorted(PRESETS), help="model size (default: small-cpu)")
+    m.add_argument("--layers", type=int)
+    m.add_argument("--width", type=int)
+    m.add_argument("--heads", type=int)
+    m.add_argument("--context", type=int, help="model context (learned positions); default: preset's")
+    m.add_argument("--seq-len", type=int, help="training sequence length (<= context; default: context)")
+    m.add_argument("--separate-qkv", action="store_true", help="q/k/v as three Linears (default fused)")
+    m.add_argument("--untied", action="store_true", help="untie the LM head from the embedding")
+    d = p.add_argument_group("data")
+    d.add_argument("--data", help="text file/folder, or nanoGPT train.bin/val.bin (default: stdlib .py)")
+    d.add_argument("--cache-dir", help="token cache (default ~/.cache/dobb_bench)")
+    d.add_argument("--tokenizer", choices=("byte", "bpe"), default="byte")
+    d.add_argument("--vocab-size", type=int, help="bpe vocabulary size (default 4096)")
+    d.add_argument("--val-fraction", type=float, default=0.02)
+    t = p.add_argument_group("training")
+    t.add_argument("--quick", action="store_true", help="the small preset (tiny model, few steps)")
+    t.add_argument("--steps", type=int)
+    t.add_argument("--batch-size", type=int, help="global sequences per optimizer step")
+    t.add_argument("--micro-batches", type=int, default=1, help="gradient-accumulation micro-batches")
+    t.add_argument("--lr", type=float, help="base lr (default 5e-3*2**(-1/2) = 3.54e-3, grid j=-1)")
+    t.add_argument("--weight-decay", type=float, default=0.1)
+    t.add_argument("--warmup", type=int, help="warmup steps (default 5%% of steps)")
+    t.add_argument("--schedule", choices=("cosine", "linear", "constant"), default="cosine")
+    t.add_argument("--min-lr-ratio", type=float, default=0.1, help="decay floor, fraction of lr")
+    t.add_argument("--grad-clip", type=float, default=0.0, help="max grad norm (0 = off)")
+    t.add_argument("--eval-every", type=int)
+    t.add_argument("--eval-seqs", type=int)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--device", default="auto")
+    t.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads per process (default 1: see the module docstring)")
+    t.add_argument("--dist", choices=("none", "ddp", "fsdp"), default="none",
+                   help="under torchrun: DDP or FSDP2 (gloo on CPU, nccl on GPU)")
+    t.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0 = off)")
+    t.add_argument("--no-resume", action="store_true",
+                   help="start over: ignore, and replace, the checkpoints and finished results in --out "
+                        "(without it a finished run with other settings is refused, never replaced)")
+    t.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    t.add_argument("--out", help="output folder (default bench-out/<command>)")
+
+
+def _configs(args) -> tuple[ModelConfig, TrainConfig, dict]:
+    preset = RUN_PRESETS["quick" if args.quick else "default"]
+    if args.threads < 1:
+        raise CliError(f"--threads must be a positive integer, got {args.threads}")
+    torch.set_num_threads(args.threads)
+    for flag, value in (("--steps", args.steps), ("--batch-size", args.batch_size),
+                        ("--eval-every", args.eval_every), ("--eval-seqs", args.eval_seqs),
+                        ("--micro-batches", args.micro_batches), ("--layers", args.layers),
+                        ("--width", args.width), ("--heads", args.heads), ("--context", args.context),
+                        ("--vocab-size", args.vocab_size)):
+        if value is not None and value < 1:  # 0 must not fall through to the preset's value
+            raise CliError(f"{flag} must be a positive integer, got {value}")
+    for flag, value in (("--warmup", args.warmup), ("--checkpoint-every", args.checkpoint_every),
+                        ("--grad-clip", args.grad_clip)):
+        if value is not None and value < 0:
+            raise CliError(f"{flag} must be >= 0, got {value}")
+    corpus = load_corpus(args.data, cache_dir=args.cache_dir, tokenizer=args.tokenizer,
+                         vocab_size=args.vocab_size, val_fraction=args.val_fraction)
+    own = args.preset is None  # the run preset's model overrides apply to its own model preset only
+    model_cfg = config_from_preset(args.preset or preset["preset"],
+                                   layers=args.layers if args.layers is not None else (
+                                       preset.get("layers") if own else None),
+                                   width=args.width, heads=args.heads,
+                                   seq_len=args.context if args.context is not None else (
+                                       preset.get("context") if own else None),
+                                   vocab_size=corpus.vocab_size, fused_qkv=not args.separate_qkv,
+                                   tied=not args.untied)
+    if args.seq_len is not None and args.seq_len > model_cfg.seq_len:
+        raise CliError(f"--seq-len {args.seq_len} exceeds the model context {model_cfg.seq_len} "
+                       "(raise --context)")
+    if args.seq_len is not None and args.seq_len < 1:
+        raise CliError(f"--seq-len must be positive, got {args.seq_len}")
+    train_cfg = TrainConfig(
+        steps=args.steps or preset["steps"], seq_len=args.seq_len,
+        batch_size=args.batch_size or preset["batch_size"], micro_batches=args.micro_batches,
+        lr=args.lr if args.lr is not None else grid_lr(-1), weight_decay=args.weight_decay,
+        warmup=args.warmup, schedule=args.schedule, min_lr_ratio=args.min_lr_ratio,
+        grad_clip=args.grad_clip, eval_every=args.eval_every or preset["eval_every"],
+        eval_seqs=args.eval_seqs or preset["eval_seqs"], seed=args.seed,
+        checkpoint_every=args.checkpoint_every, device=args.device, dist=args.dist)
+    data_args = dict(data=args.data, cache_dir=args.cache_dir, tokenizer=args.tokenizer,
+                     vocab_size=args.vocab_size, val_fraction=args.val_fraction)
+    return model_cfg, train_cfg, (corpus, data_args)
+
+
+def _slug(label: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._=-]+", "_", label).strip("_") or "run"
+
+
+def _out(args, command: str) -> Path:
+    return Path(args.out or Path("bench-out") / command)
+
+
+# ----- running ----------------------------------------------------------------------------------
+def _run_one(spec: OptimizerSpec, lr: float, model_cfg, train_cfg, corpus, run_dir: Path, *,
+             progress: bool, resume: bool, env=None, keep_checkpoint=True, stop_after=None,
+             prov: dict | None = None) -> dict:
+    hparams = run_hparams(spec, train_cfg.steps)
+    meta = {"run": spec.label, "optimizer": spec.name, "hparams": {k: str(v) for k, v in hparams.items()},
+            "lr": lr, "weight_decay": train_cfg.weight_decay,
+            "provenance": prov}  # the parent's command line, not a spawned child's
+    factory = functools.partial(make_optimizer, spec.name, hparams, lr, train_cfg.weight_decay)
+    return run_training(model_cfg, replace(train_cfg, lr=lr), corpus, factory, out_dir=run_dir, meta=meta,
+                        progress=progress, resume=resume, env=env, keep_checkpoint=keep_checkpoint,
+                        stop_after=stop_after)
+
+
+def _child(spec, lr, model_cfg, train_cfg, data_args, run_dir, progress, resume, threads, prov=None) -> int:
+    torch.set_num_threads(threads)
+    corpus = load_corpus(data_args.pop("data"), **data_args)
+    final = _run_one(spec, lr, model_cfg, train_cfg, corpus, run_dir, progress=progress, resume=resume,
+                     keep_checkpoint=False, prov=prov)
+    return 130 if final["type"] == "interrupted" else 0  # stopped by SIGTERM, checkpoint saved
+
+
+def _settings(spec: OptimizerSpec, lr: float, model_cfg: ModelConfig, train_cfg: TrainConfig) -> dict:
+    from dataclasses import asdict
+
+    return {"optimizer": spec.name, "hparams": {k: str(v) for k, v in spec.hparams.items()}, "lr": lr,
+            "model": model_cfg.to_dict(), "train": asdict(replace(train_cfg, lr=lr))}
+
+
+def run_many(jobs: list[tuple[OptimizerSpec, float]], args, model_cfg, train_cfg, corpus_info, out: Path) -> list[dict]:
+    """Runs every (spec, lr) job once; a finished run found in ``out`` is reused unless --no-resume.
+
+    Isolated runs (one child process each) go ``--jobs`` at a time: on 2 cores two one-thread
+    runs use the machine fully, and each child's max RSS is still its own.
+    """
+    corpus, data_args = corpus_info
+    env = setup_dist(train_cfg.dist, train_cfg.device)
+    isolate = args.isolate if args.isolate is not None else (env.world == 1 and env.device.type == "cpu")
+    if getattr(args, "jobs", 1) < 1:
+        raise CliError(f"--jobs must be a positive integer, got {args.jobs}")
+    n_jobs = args.jobs if isolate and hasattr(args, "jobs") else 1
+    progress, resume = not args.no_progress and n_jobs == 1, not args.no_resume
+    prov = provenance(getattr(args, "argv", None))
+    several = len(jobs) > len({j[0].label for j in jobs})
+    todo, finals = [], [None] * len(jobs)
+    for i, (spec, lr) in enumerate(jobs):
+        run_dir = out / "runs" / _slug(f"{spec.label}" + (f"_lr{lr:.3g}" if several else ""))
+        expect = _settings(spec, lr, model_cfg, train_cfg)
+        final = _finished_with(run_dir, expect) if resume else None
+        if final is not None:
+            _done(finals, i, final, run_dir, jobs, env, 0.0)
+        else:
+            todo.append((i, spec, lr, run_dir, expect))
+    if not isolate:
+        for i, spec, lr, run_dir, _ in todo:
+            t0 = time.perf_counter()
+            final = _run_one(spec, lr, model_cfg, train_cfg, corpus, run_dir, progress=progress,
+                             resume=resume, env=env, keep_checkpoint=False, prov=prov)
+            final.pop("evals", None)
+            if final["type"] == "interrupted":
+                raise Interrupted(f"interrupted: run {spec.label!r} stopped after step {final['step']} with a "
+                                  f"checkpoint in {run_dir}; finished runs are kept in {out / 'runs'}: rerun "
+                                  "the same command to resume")
+            _done(finals, i, final, run_dir, jobs, env, time.perf_counter() - t0)
+        return finals
+    # Newton-Schulz rows cost ~10x an AdamW step on CPU (bf16 matmuls; records' train_cpu_s):
+    # starting them first keeps the two job slots balanced. Table order stays the spec order.
+    todo.sort(key=lambda t: t[1].name not in ("muon", "block-muon", "pr-muon", "dion2"))
+    ctx, active = mp.get_context("spawn"), []
+    try:
+        while todo or active:
+            while todo and len(active) < n_jobs:
+                i, spec, lr, run_dir, expect = todo.pop(0)
+                proc, pipe = children.start(ctx, _child, (spec, lr, model_cfg, train_cfg, dict(data_args), run_dir,
+                                                          progress, resume, torch.get_num_threads(), prov))
+                active.append((proc, pipe, i, spec, run_dir, expect, time.perf_counter()))
+            done = next((item for item in active if not item[0].is_alive()), None)  # whichever ends first
+            if done is None:
+                time.sleep(0.5)
+                continue
+            proc, pipe, i, spec, run_dir, expect, t0 = done
+            proc.join()
+            active.remove(done)
+            final = _read_final(run_dir, expect)
+            if proc.exitcode != 0 or final is None:
+                why = children.message(pipe) or f"exit code {proc.exitcode}"
+                raise CliError(f"run {spec.label!r} failed in its child process: {why}")
+            _done(finals, i, final, run_dir, jobs, env, time.perf_counter() - t0)
+    except KeyboardInterrupt:
+        children.stop([a[0] for a in active])
+        kept = sum(f is not None for f in finals)
+        raise Interrupted(f"interrupted: {kept} of {len(jobs)} runs finished and kept in {out / 'runs'}; the "
+                          f"{len(active)} running stopped with a checkpoint: rerun the same command to resume"
+                          ) from None
+    finally:
+        children.stop([a[0] for a in active])
+    return finals
+
+
+def _done(finals, i, final, run_dir, jobs, env, seconds) -> None:
+    final["run_dir"] = str(run_dir)
+    finals[i] = final
+    if env.rank == 0:
+        spec, lr = jobs[i]
+        loss = final.get("final_val_loss")
+        print(f"[{sum(f is not None for f in finals)}/{len(jobs)}] {spec.label} lr={lr:.3g}: val loss "
+              f"{'diverged' if loss is None or final.get('diverged') else f'{loss:.4f}'}, "
+              f"{final['tokens_per_s']:.0f} tok/s, opt {final['opt_ms_per_step']:.2f} ms/step "
+              f"({seconds:.1f} s)", flush=True)
+
+
+def _rank0() -> bool:
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+
+def _close_dist() -> None:
+    """Leaves the torchrun process group cleanly (no-op in a single process)."""
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+def _finish(out: Path, finals: list[dict], model_cfg: ModelConfig, *, grid: bool, shared_lr: float | None) -> None:
+    """Writes results.jsonl, results.md and the plots (rank 0 only)."""
+    if not _rank0():
+        return
+    records = []
+    for f in finals:
+        path = Path(f["run_dir"]) / METRICS_FILE
+        records += [json.loads(x) for x in path.read_text().splitlines() if x.strip()][:-1]
+        records.append(f)
+    write_jsonl(out / "results.jsonl", records)
+    table = report.results_markdown(finals, grid=grid, shared_lr=shared_lr)
+    notes = [report.plot_curves(records, out / "val_loss.png")]
+    shapes = [tuple(m.weight.shape) for blk in GPT(replace(model_cfg, layers=1)).blocks
+              for m in blk.modules() if isinstance(m, torch.nn.Linear)] * model_cfg.layers
+    notes.append(report.plot_payload(finals, shapes, out / "payload_vs_loss.png"))
+    text = table + "\n" + "\n".join(f"- {n}" for n in notes if n) + "\n"
+    if any(refreshes(f["optimizer"]) for f in finals):  # a Dobb row (dobb.registry): say where it lands
+        text += "\n" + report.plain_summary(finals, shapes)
+    (out / "results.md").write_text(text)
+    print("\n" + text)
+
+
+def cmd_train(args) -> int:
+    spec = OptimizerSpec(args.optimizer.lower(), parse_hparams(args.hp or [], "--hp"), "")
+    spec = replace(spec, label=default_label(spec.name, spec.hparams))
+    model_cfg, train_cfg, (corpus, _) = _configs(args)
+    validate_spec(spec, model_cfg)
+    out = _out(args, "train")
+    env = setup_dist(train_cfg.dist, train_cfg.device)
+    _check_out(out, "train")
+    if not args.no_resume:
+        _finished_with(out, _settings(spec, train_cfg.lr, model_cfg, train_cfg))
+    final = _run_one(spec, train_cfg.lr, model_cfg, train_cfg, corpus, out, progress=not args.no_progress,
+                     resume=not args.no_resume, env=env, stop_after=args.stop_after,
+                     prov=provenance(getattr(args, "argv", None)))
+    final.pop("evals", None)
+    if final.get("signal"):
+        raise Interrupted(f"interrupted ({final['signal']}) after step {final['step']}, with a checkpoint in "
+                          f"{out}: rerun the same command to resume")
+    if final["type"] == "interrupted":
+        if env.rank == 0:
+            print(f"stopped after step {final['step']} with a checkpoint in {out}; rerun the same "
+                  "command to resume")
+        _close_dist()
+        return 0
+    final["run_dir"] = str(out)
+    if env.rank == 0:
+        text = report.results_markdown([final], grid=False, shared_lr=None)
+        (out / "results.md").write_text(text)
+        print(text)
+    _close_dist()
+    return 0
+
+
+def cmd_compare(args) -> int:
+    specs = [parse_spec(s) for s in split_specs(args.optimizers or DEFAULT_COMPARE)]
+    if not specs:
+        raise CliError("--optimizers is empty")
+    if len({s.label for s in specs}) != len(specs):
+        raise CliError("--optimizers has duplicate labels; add @Label to tell them apart")
+    grid = [float(j) for j in _parse_grid(args.lr_grid)] if args.lr_grid else []
+    model_cfg, train_cfg, corpus_info = _configs(args)
+    for spec in specs:
+        validate_spec(spec, model_cfg)
+    lrs = [train_cfg.lr] + [lr for lr in map(grid_lr, grid) if abs(lr - train_cfg.lr) > 1e-12]
+    jobs = [(s, lr) for s in specs for lr in lrs]
+    out = _out(args, "compare")
+    _check_out(out, "compare")
+    if not args.no_resume:
+        _check_rows(out, jobs)
+    t0 = time.perf_counter()
+    finals = run_many(jobs, args, model_cfg, train_cfg, corpus_info, out)
+    _finish(out, finals, model_cfg, grid=bool(grid), shared_lr=train_cfg.lr)
+    if _rank0():
+        print(f"compare: {len(jobs)} runs in {time.perf_counter() - t0:.0f} s; results in {out}")
+    _close_dist()
+    return 0
+
+
+def cmd_sweep(args) -> int:
+    spec = parse_spec(args.optimizer + "".join(f":{h}" for h in args.hp or []))
+    grid = _parse_grid(args.grid)
+    model_cfg, train_cfg, corpus_info = _configs(args)
+    validate_spec(spec, model_cfg)
+    out = _out(args, "sweep")
+    jobs = [(spec, grid_lr(j)) for j in grid]
+    _check_out(out, "sweep")
+    if not args.no_resume:
+        _check_rows(out, jobs)
+    finals = run_many(jobs, args, model_cfg, train_cfg, corpus_info, out)
+    _finish(out, finals, model_cfg, grid=True, shared_lr=None)
+    _close_dist()
+    return 0
+
+
+def _parse_grid(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise CliError(f"malformed grid {text!r}: expected comma-separated numbers like -2,-1,0,1") from None
+    if not values:
+        raise CliError("the learning-rate grid is empty")
+    return values
+
+
+_NEGATIVE_LIST = re.compile(r"^-\d")
+
+
+def _allow_negative_lists(p: argparse.ArgumentParser) -> None:
+    """Lets ``--grid -2,-1,0,1`` parse: argparse would take ``-2,-1,0,1`` for an unknown flag.
+
+    argparse decides with the parser's ``_negative_number_matcher``; widening it to
+    any "-<digit>..." word is safe because no option of these parsers starts with a digit.
+    """
+    p._negative_number_matcher = _NEGATIVE_LIST
+
+
+def add_parsers(sub) -> None:
+    p = sub.add_parser("train", help="train one optimizer")
+    p.add_argument("--optimizer", required=True, help="name for dobb.build_optimizer")
+    p.add_argument("--hp", action="append", metavar="KEY=VALUE", help="optimizer hyperparameter (repeatable)")
+    p.add_argument("--stop-after", type=int, metavar="N",
+                   help="stop after step N with a checkpoint (rerun without it to resume)")
+    _add_common(p)
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("compare", help="same model/data/seed, one run per optimizer (the main job)")
+    p.add_argument("--optimizers", help=f"comma-separated NAME[:k=v...][@Label] (default: {DEFAULT_COMPARE})")
+    p.add_argument("--lr-grid", help="also run each optimizer at lr_j = 5e-3*2**(j/2) for these j")
+    p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
+                   help="one child process per run (default on CPU without torchrun)")
+    p.add_argument("--jobs", type=int, default=2, help="isolated runs at a time (default 2: two cores)")
+    _add_common(p)
+    _allow_negative_lists(p)
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("sweep", help="one optimizer over the paper's lr grid")
+    p.add_argument("--optimizer", required=True)
+    p.add_argument("--hp", action="append", metavar="KEY=VALUE")
+    p.add_argument("--grid", default="-2,-1,0,1", help="grid indices j, lr_j = 5e-3*2**(j/2)")
+    p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--jobs", type=int, default=2, help="isolated runs at a time")
+    _add_common(p)
+    _allow_negative_lists(p)
+    p.set_defaults(func=cmd_sweep)

@@ -1,0 +1,49 @@
+"""dobb_bench.reports.report, the main job's reading aids: block widths, gap closure and the
+plain-words summary (issue 14 items 1, 3, 6)."""
+import pytest
+
+from dobb_bench.reports import report
+
+
+def test_block_widths_per_matrix_kind():
+    model = {"width": 128}
+    assert report.block_widths("dobb", {"blocks": "4"}, model) == "32 / 128"  # d/B, 4d/B
+    assert report.block_widths("dobb", {"blocks": "16"}, model) == "8 / 32"
+    assert report.block_widths("dobb", {}, model) == "128 / 512"  # B=1: whole input axis
+    assert report.block_widths("dobb-g", {"blocks": "4"}, model) == "32 / 128 / 96"  # output side
+    assert report.block_widths("block-muon", {"blocks": "16"}, model) == "8 / 32"
+    assert report.block_widths("block-muon", {"blocks": "4", "axis": "0"}, model) == "32 / 128 / 96"
+    assert report.block_widths("adamw", {}, model) is None
+
+
+def test_gap_closure_and_summary():
+    assert report.gap_closure(1.8, 2.0, 1.5) == pytest.approx(0.4)
+    assert report.gap_closure(2.1, 2.0, 1.5) == pytest.approx(-0.2)
+    assert report.gap_closure(1.8, 1.5, 2.0) is None  # no AdamW-Muon gap to normalise by
+    model = {"width": 128, "layers": 2}
+
+    def row(run, name, loss, **hp):
+        return {"run": run, "optimizer": name, "hparams": {k: str(v) for k, v in hp.items()},
+                "final_val_loss": loss, "diverged": False, "model": model}
+
+    finals = [row("AdamW", "adamw", 2.0), row("Muon", "muon", 1.5),
+              row("Dion rho=1/16", "dion", 2.2, rank_fraction=1 / 16), row("Dion rho=1/4", "dion", 1.9, rank_fraction=0.25),
+              row("Dobb B=4", "dobb", 1.95, blocks=4)]
+    shapes = [(384, 128), (128, 128), (512, 128), (128, 512)] * 2
+    text = report.plain_summary(finals, shapes)
+    line = next(x for x in text.splitlines() if x.startswith("- Dobb B=4"))
+    assert "blocks 32 / 128 wide" in line and "closes 10%" in line
+    assert "0.050 ahead of AdamW (within the 0.1-nat noise" in line
+    assert "0.450 behind Muon;" in line
+    # Dobb's payload is 0, so the nearest Dion row in payload is rho=1/16 (1.5/16 of Muon's)
+    assert "0.250 ahead of Dion rho=1/16" in line and "vs 0.000" in line
+
+
+def test_summary_tells_a_missing_row_from_a_diverged_one():
+    model = {"width": 128, "layers": 2}
+    finals = [{"run": "Muon", "optimizer": "muon", "hparams": {}, "final_val_loss": float("nan"),
+               "diverged": True, "model": model},
+              {"run": "Dobb B=4", "optimizer": "dobb", "hparams": {"blocks": "4"}, "final_val_loss": 1.9,
+               "diverged": False, "model": model}]
+    line = next(x for x in report.plain_summary(finals, [(128, 128)]).splitlines() if x.startswith("- Dobb"))
+    assert "AdamW: not in this run" in line and "Muon: no finite result" in line
