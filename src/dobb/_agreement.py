@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ._dtensor import to_local
+from .capture import PendingStat
 from .collectives import SumBucket, group_ranks
 from .layout import MatrixLayout, ReducedStat
 
@@ -29,7 +30,7 @@ class DueStat:
     param: torch.Tensor
     side: int
     layout: MatrixLayout
-    pending: object | None
+    pending: PendingStat | None
     dtype: torch.dtype
     unseen: bool  # no statistic yet: the row counts must be read on the host (first capture, exact eigh)
 
@@ -40,7 +41,8 @@ class Agreement:
     into the step's parameters, number of ranks) of the first gradient with a NaN/Inf, else None
     (then ``stats`` is empty: nothing may be used)."""
 
-    stats: tuple[dict, dict] = field(default_factory=lambda: ({}, {}))
+    stats: tuple[dict[torch.Tensor, ReducedStat], dict[torch.Tensor, ReducedStat]] = field(
+        default_factory=lambda: ({}, {}))
     nonfinite: tuple[int, int] | None = None
 
 

@@ -29,10 +29,9 @@ def decay_in_update(pt: torch.Tensor, layout: MatrixLayout, group: dict) -> bool
     """Whether the weight decay of ``pt`` (local) is the ``beta`` of its reconstruction ``baddbmm``
     (one pass over ``W`` instead of a multiply pass and a strided add pass): on CPU, for a stack of
     one whose products run in the weight's dtype and whose smallest block is large enough."""
-    w = layout.stacked(pt)
-    if w.shape[0] != 1 or group["side"] == "both":
+    if layout.stack_local != 1 or group["side"] == "both":
         return False  # decayed by one foreach pass: the fused baddbmm writes one matrix's strided view
-    rows = w.shape[2 - layout.blocked_axis]
+    rows = pt.shape[-1 - layout.blocked_axis]  # the axis that is not blocked
     return (pt.device.type == "cpu" and not isinstance(group["lr"], torch.Tensor)
             and pt.dtype == F.matmul_dtype(group["basis_dtype"], pt.device, group["product_dtype"])
             and min((rows * s * s for s in layout.local_sizes if s > 0), default=0) >= FUSE_MIN_BLOCK_WORK)

@@ -355,20 +355,24 @@ class Dobb(MatrixOptimizer):
         two = p in self._out_layouts
         self.state[p]["captures"] = [counts[0][0], counts[1][0]] if two else self._layouts[p].counts_value(counts[0])
 
+    def _on_schedule(self, p: torch.Tensor, group: dict) -> bool:
+        step = self.state[p]["step"]
+        return step == 0 or (step - self._offsets.get(p, 0)) % group["refresh_every"] == 0
+
     def _due(self, p: torch.Tensor, group: dict) -> list[bool]:
         """Per matrix of the captured span: due for a refresh. The first step and every
         ``refresh_every``-th after the matrix's offset, and, until a first statistic exists on every
         side, every step (a zero-lr step or a forward pass that skipped the layer must not leave the
         identity basis in place for a whole period)."""
-        step = self.state[p]["step"]
-        on = step == 0 or (step - self._offsets.get(p, 0)) % group["refresh_every"] == 0
+        on = self._on_schedule(p, group)
         return [on or 0 in per_matrix for per_matrix in zip(*self._counts(p))]
 
-    def _is_refresh(self, p: torch.Tensor, group: dict) -> bool:
-        return any(self._due(p, group))
+    def _is_refresh(self, p: torch.Tensor, group: dict) -> bool:  # any(self._due(p, group)), on the hot path
+        return self._on_schedule(p, group) or self._unseen(p)
 
     def _unseen(self, p: torch.Tensor) -> bool:  # some matrix (some side) has no statistic yet
-        return any(0 in side for side in self._counts(p))
+        value = self.state[p]["captures"]  # every count, in the state's form (see _counts)
+        return 0 in value if isinstance(value, list) else value == 0
 
     def _rearm(self) -> None:
         if self._hooks is None:
