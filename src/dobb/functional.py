@@ -11,6 +11,12 @@ Blocks are contiguous. ``block_sizes`` defines the partition: the axis is cut at
 boundaries first (so no block straddles two shards), then every non-empty shard is split into the
 same number of nearly equal blocks (``torch.tensor_split`` sizes: the first ``s % k`` blocks are one
 longer).
+
+The step's kernels take *stacks* of matrices with the same blocks: weights and updates ``(E, r, k)``,
+block state ``(E, k, s_max)`` (``stack_block_view``); a 2-D matrix is the stack of one (``E = 1``,
+for which every block of a run stays a strided view of the matrix, no copy). In the step's order:
+``gram_blocks`` (statistic), ``fold_statistic_`` (EMA), ``refresh_bases`` (the batched basis
+solve), ``add_directions_`` (direction and update; ``direction`` is it on a zero matrix).
 """
 from __future__ import annotations
 
