@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import _refresh_split
 from . import functional as F
 from ._agreement import DueStat, agree
 from ._apply import apply_directions, apply_two_sided, decay_in_update
@@ -98,6 +99,10 @@ class Dobb(MatrixOptimizer):
             before any state changes. The decision is taken by all ranks that share the step
             together (one flag all-reduce, folded into the statistic reduction on refresh steps), so
             every rank raises the same error. Costs one host synchronisation per step; False skips it.
+        split_refresh: True: where ranks hold the same statistic and bases (FSDP2, DDP, HSDP), each
+            block's refresh runs on one of them and is broadcast in the basis dtype (bitwise the same
+            bases, ``n^2/B`` entries per matrix per refresh; ``_refresh_split``). False (default):
+            every rank computes every refresh; ``step()`` issues no collective of its own.
         stat_group: process group over which statistics are averaged (token-weighted). ``"default"``:
             DTensor parameters take the data-parallel dims of their mesh; plain parameters the
             process group of the ``DistributedDataParallel`` module passed as ``model``, and raise a
@@ -126,9 +131,12 @@ class Dobb(MatrixOptimizer):
     )
 
     def __init__(self, params, model: nn.Module | None = None, *, lr: float, weight_decay: float = 0.0,
-                 check_finite: bool = True, stat_group="default", **kwargs):
+                 check_finite: bool = True, stat_group="default", split_refresh: bool = False, **kwargs):
+        if not isinstance(split_refresh, bool):
+            raise ValueError(f"split_refresh must be True or False, got {split_refresh!r}")
         self.model = model
         self.check_finite = check_finite
+        self.split_refresh = split_refresh
         self._stat_group = stat_group
         self._layouts: dict[torch.Tensor, MatrixLayout] = {}
         self._out_layouts: dict[torch.Tensor, MatrixLayout] = {}  # side="both": the output side's
@@ -419,18 +427,34 @@ class Dobb(MatrixOptimizer):
                              f"no weight or optimizer state was changed on any rank (pass check_finite=False to skip "
                              f"this check)")
         self._agreed = agreed.stats
+        self._refresh_all()
+
+    def _refresh_all(self) -> None:
+        """Every refresh of the step before any update (due matrices with a gradient here, idle ones
+        sharing a statistic), all groups in one solve: the split's broadcasts are then the same on every
+        rank whoever holds which gradient. A refresh reads no weight or momentum: no number changes."""
+        idle = {id(p) for _, p in self._idle}
+        batches, puts = [], []
+        for g in self._dobb_groups():
+            if _zero_lr(g):
+                continue
+            ps = [p for p in g["params"] if (p.grad is not None or id(p) in idle) and self._is_refresh(p, g)]
+            if not ps:
+                continue
+            grads = [None if p.grad is None else self._layouts[p].local(p.grad) for p in ps]
+            requests, shared = self._queue_refresh(g, ps, grads)
+            batches.append(_refresh_split.RefreshBatch(g["ortho_steps"], g["qr"], g["basis_dtype"], [r[:3] for r in requests],
+                                                       shared if self.split_refresh else [None] * len(shared)))
+            puts.append([r[3] for r in requests])
+        for put_list, bases in zip(puts, _refresh_split.solve(batches)):
+            for put, q in zip(put_list, bases):
+                put(q)
 
     def _after_step(self) -> None:
         # Matrices with a shared statistic but no gradient on this rank: the weight and momentum
         # stay (as torch skips a parameter without grad), but the statistic, basis and schedule
         # advance as on the ranks that stepped them, so every rank keeps issuing the same collectives.
-        # (refreshed before their step count advances: the due rule reads it)
-        idle = defaultdict(list)
-        for g, p in self._idle:
-            if self._is_refresh(p, g) and not _zero_lr(g):
-                idle[id(g)].append((g, p))
-        for items in idle.values():
-            self._refresh(items[0][0], [p for _, p in items], [None] * len(items))
+        # (refreshed in _refresh_all, before their step count advances: the due rule reads it)
         for _, p in self._idle:
             self.state[p]["step"] += 1
         self._idle.clear()
@@ -449,10 +473,7 @@ class Dobb(MatrixOptimizer):
         torch._foreach_lerp_(moms, grads, 1.0 - mu)
         u = torch._foreach_lerp(grads, moms, mu) if group["nesterov"] else moms
 
-        refresh = [] if _zero_lr(group) else [i for i, p in enumerate(active) if self._is_refresh(p, group)]
-        if refresh:
-            self._refresh(group, [active[i] for i in refresh], [grads[i] for i in refresh])
-
+        # (this step's refreshes ran in _refresh_all)
         params = [lay.local(p) for lay, p in zip(layouts, active)]
         lr, wd = group["lr"], group["weight_decay"]
         # Where the reconstruction runs per matrix in the weight's dtype (CPU), the decay is its
@@ -469,11 +490,12 @@ class Dobb(MatrixOptimizer):
         for s in states:
             s["step"] += 1
 
-    def _refresh(self, group: dict, params: list[torch.Tensor], grads: list) -> None:
+    def _queue_refresh(self, group: dict, params: list[torch.Tensor], grads: list) -> tuple[list, list]:
         """Fold the new statistics of ``params`` (agreed in ``_prepare_step``, or their gradient
-        Gram) into their EMAs and refresh the bases of the blocks that took one, all in one
-        ``functional.refresh_bases`` call."""
+        Gram) into their EMAs and queue the blocks that take a new basis: ``(A, Q0, exact, put)``
+        requests and, per request, the group of ranks that hold it identically (``_refresh_split``)."""
         requests: list[tuple] = []  # (A blocks, Q blocks, exact, put)
+        shared: list = []
         dtype = torch.promote_types(group["stat_dtype"], torch.float32)
         for p, g in zip(params, grads):
             counts, due = self._counts(p), self._due(p, group)
@@ -482,10 +504,9 @@ class Dobb(MatrixOptimizer):
                        else self._agreed[side].get(p))
                 if new is not None:
                     fold_side(group, self.state[p], lay, key, counts[side], due, new, requests)
+                    shared += [_refresh_split.shared_group(lay)] * (len(requests) - len(shared))
             self._set_counts(p, counts)
-        bases = F.refresh_bases([r[:3] for r in requests], group["ortho_steps"], group["qr"])
-        for (*_, put), q in zip(requests, bases):
-            put(q)
+        return requests, shared
 
     # ------------------------------------------------------------------ state dict
     # statistics (fp32) and bases (bf16) keep their own precision on load
