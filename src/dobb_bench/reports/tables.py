@@ -115,22 +115,32 @@ def setting_line(recs: list[dict]) -> str:
             f"on {(p.get('machine') or {}).get('cpu')}, torch {p.get('torch')}.\n")
 
 
-def lr_grid_table(recs: list[dict], label_order: list[str] | None = None) -> str:
+def lr_grid_table(recs: list[dict], label_order: list[str] | None = None, grid_seed: int | None = None) -> str:
+    """Loss per (optimizer, lr) and each row's best lr. ``grid_seed``: the grid cells and the best lr
+    come from that seed alone (a seed-0 grid with more seeds run only at the best point, whose
+    mean would otherwise be compared with single seeds); a last column gives every seed at the best lr."""
     by = _group(recs, lambda r: r["run"])
     first = [k for k in (label_order or []) if k in by]
     by = {k: by[k] for k in first + [k for k in by if k not in first]}
-    lrs = sorted({r["lr"] for r in recs})
-    rows = ["| optimizer | " + " | ".join(f"lr {x:.3g}" for x in lrs) + " | best |",
-            "|---|" + "---|" * (len(lrs) + 1)]
+    lrs = sorted({r["lr"] for r in recs if grid_seed is None or r["seed"] == grid_seed})
+    tail = " | best | all seeds at best |" if grid_seed is not None else " | best |"
+    rows = ["| optimizer | " + " | ".join(f"lr {x:.3g}" for x in lrs) + tail,
+            "|---|" + "---|" * (len(lrs) + 1 + (grid_seed is not None))]
     for label, runs in by.items():
         cell = {}
+        on_grid = [r for r in runs if grid_seed is None or r["seed"] == grid_seed]
         for lr in lrs:
-            cell[lr] = stats([_loss(r) for r in runs if abs(r["lr"] - lr) < 1e-12])
+            cell[lr] = stats([_loss(r) for r in on_grid if abs(r["lr"] - lr) < 1e-12])
         done = {lr: v for lr, v in cell.items() if v[2]}
         best = min(done, key=lambda k: done[k][0]) if done else None
         cells = [("**" + fmt_ms(*cell[lr]) + "**" if lr == best else fmt_ms(*cell[lr])) if cell[lr][2]
                  else "" for lr in lrs]
-        rows.append(f"| {label} | " + " | ".join(cells) + f" | {'' if best is None else f'{best:.3g}'} |")
+        line = f"| {label} | " + " | ".join(cells) + f" | {'' if best is None else f'{best:.3g}'} |"
+        if grid_seed is not None:
+            at = [r for r in runs if best is not None and abs(r["lr"] - best) < 1e-12]
+            m, sd, n = stats([_loss(r) for r in at])
+            line += f" {fmt_ms(m, sd, n)} ({n} seed{'s' if n != 1 else ''}) |" if n else " |"
+        rows.append(line)
     return "\n".join(rows) + "\n" + setting_line(recs)
 
 

@@ -177,7 +177,7 @@ TABLES = {
     "main-job": _study("main-job", seeds_table),
     "muon-fp32": _study("muon-fp32", seeds_table),
     "own-lr": _study("own-lr", lambda recs: lr_grid_table(recs, ["AdamW", "Muon-fp32", "NorMuon-fp32", "Dobb B=1",
-                                                                  "Dobb B=4", "Dobb B=16", "Block Muon B=16"])),
+                                                                  "Dobb B=4", "Dobb B=16", "Block Muon B=16"], grid_seed=0)),
     "stagger": _study("stagger", lambda recs: seeds_table(recs, STAGGER_ORDER)),
     "nesterov": _study("nesterov", lambda recs: seeds_table(recs, NESTEROV_ORDER)),
     "muon-variants": lambda: (variants_table(recs := _variant_records()), recs),

@@ -50,3 +50,17 @@ def test_seeds_table_counts_a_diverged_seed_without_a_loss():
     row = next(x for x in T.seeds_table(recs).splitlines() if x.startswith("| X |"))
     # one finite seed: 1.9 vs AdamW 2.1 ± 0.141 -> -0.200 against 2 x 0.141 = 0.283: within
     assert "| 0,1 | 1.900 |" in row and "-0.200 (within noise)" in row
+
+
+def test_lr_grid_table_with_grid_seed_picks_the_best_lr_on_that_seed_alone():
+    # Seed 0 is best at lr 2e-3 (1.50 < 1.60); seeds 1-2 exist only at 1e-3 and would pull its mean
+    # to 1.40 < 1.50, which an all-seed grid would wrongly call best.
+    recs = [dict(_rec("X", 0, 1.60), lr=1e-3), dict(_rec("X", 1, 1.30), lr=1e-3), dict(_rec("X", 2, 1.30), lr=1e-3),
+            dict(_rec("X", 0, 1.50), lr=2e-3)]
+    row = next(line for line in T.lr_grid_table(recs, grid_seed=0).splitlines() if line.startswith("| X "))
+    assert row == "| X | 1.600 | **1.500** | 0.002 | 1.500 (1 seed) |"
+    mixed = next(line for line in T.lr_grid_table(recs).splitlines() if line.startswith("| X "))
+    assert mixed == "| X | **1.400 ± 0.173** | 1.500 | 0.001 |"
+    recs.append(dict(_rec("X", 1, 1.46), lr=2e-3))
+    row = next(line for line in T.lr_grid_table(recs, grid_seed=0).splitlines() if line.startswith("| X "))
+    assert row.endswith("| 0.002 | 1.480 ± 0.028 (2 seeds) |")
