@@ -122,7 +122,8 @@ def run_looptime(optimizers: list[str], *, preset: str = "small-cpu", vocab: int
         refc = [ref["ms"][warmup:][i * cycle_len:(i + 1) * cycle_len] for i in range(cycles)]
         shapes, other = _matrix_split(e["opt"])
         try:
-            adamw = not getattr(registry_entry(e["name"]), "is_matrix", True)  # torch-adamw, adamw: no matrix rule
+            entry = registry_entry(e["name"])
+            adamw = entry is not None and not entry.is_matrix  # torch-adamw, adamw: every entry to AdamW
             derived = set_cost(e["name"], shapes, e["hparams"], other) if shapes or adamw else None
         except ValueError:  # no derived cost model for this optimizer (block Muon): time it anyway
             derived = None
