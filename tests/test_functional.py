@@ -83,6 +83,15 @@ def test_orthogonal_iteration_converges_to_known_eigenbasis():
     torch.testing.assert_close((q[0].T @ v).abs(), torch.eye(n, dtype=torch.float64), atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_householder_q_without_r_is_linalg_qr_bitwise(dtype):
+    # the CPU path skips R; its Q must be torch.linalg.qr's to the bit (odd, even, tiny, batched)
+    g = torch.Generator().manual_seed(7)
+    for size, batch in ((1, 1), (5, 3), (8, 16), (33, 2), (64, 1)):
+        p = torch.randn(batch, size, size, generator=g, dtype=dtype)
+        assert torch.equal(F.qr_householder(p), torch.linalg.qr(p).Q)
+
+
 def test_cholesky_and_householder_qr_agree():
     g = torch.Generator().manual_seed(3)
     p = torch.randn(4, 10, 10, generator=g, dtype=torch.float64)
