@@ -36,8 +36,10 @@ def fold_side(group: dict, state: dict, layout: MatrixLayout, key: str, counts: 
     stat, basis = layout.stacked(state[key + "stat"]), layout.stacked(state[key + "basis"])
     keep = None if new.keep is None else new.keep[lo : lo + E]
     F.fold_statistic_(stat, new.mean, [first[i] for i in range(E)], chosen, group["stat_decay"], keep)
+    exact_of = {i: group["basis"] == "eigh" or (first[i] and group["init_basis"] == "eigh") for i in chosen}
     for exact in (True, False):
-        sel = [i for i in chosen if (group["basis"] == "eigh" or (first[i] and group["init_basis"] == "eigh")) == exact]
+        # truth tests, not ``== exact``: under torch.compile a count, and so ``first``, is symbolic
+        sel = [i for i in chosen if (exact_of[i] if exact else not exact_of[i])]
         if not sel:
             continue
         idx = None if len(sel) == E else torch.tensor(sel, device=stat.device)

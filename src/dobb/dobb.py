@@ -426,7 +426,11 @@ class Dobb(MatrixOptimizer):
             raise ValueError(f"non-finite gradient (NaN or Inf) in {_name_of(params[index], self._param_names, i)}{where}; "
                              f"no weight or optimizer state was changed on any rank (pass check_finite=False to skip "
                              f"this check)")
-        self._agreed = agreed.stats
+        # filled in place, not rebound: under torch.compile (graph breaks in step) a rebinding was
+        # lost and no refresh saw its statistic (tests/integrations/test_compile.py)
+        for mine, theirs in zip(self._agreed, agreed.stats):
+            mine.clear()
+            mine.update(theirs)
         self._refresh_all()
 
     def _refresh_all(self) -> None:
@@ -458,7 +462,8 @@ class Dobb(MatrixOptimizer):
         for _, p in self._idle:
             self.state[p]["step"] += 1
         self._idle.clear()
-        self._agreed = ({}, {})
+        for mine in self._agreed:
+            mine.clear()
         self._rearm()
 
     def _matrix_step(self, group: dict[str, Any], active: list[torch.Tensor]) -> None:
