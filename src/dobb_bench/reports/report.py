@@ -198,16 +198,23 @@ def block_widths(optimizer: str, hparams: dict, model: dict) -> str | None:
     if not d:
         return None
 
-    def w(n):
-        return str(math.ceil(n / blocks))
+    def w(n, b=blocks):
+        return str(math.ceil(n / b))
 
     if side == "input":
         return f"{w(d)} / {w(4 * d)}"
+    if side == "both":  # two-sided: the input side's blocks, then the output side's (out_blocks)
+        bo = int(hp.get("out_blocks", 1))
+        return f"{w(d)} / {w(4 * d)} in, {w(d, bo)} / {w(4 * d, bo)} / {w(3 * d, bo)} out"
     return f"{w(d)} / {w(4 * d)} / {w(3 * d)}"
 
 
-def block_width_note(optimizer: str) -> str:
+def block_width_note(optimizer: str, hparams: dict | None = None) -> str:
     side = _BLOCKED.get(optimizer)
+    side = _typed(hparams or {}).get("side", side)
+    if side == "both":
+        return ("input axis: attention and MLP-in / MLP-out; output axis: attention-out and MLP-out / "
+                "MLP-in / fused qkv")
     return ("input axis: attention and MLP-in / MLP-out" if side == "input"
             else "output axis: attention-out and MLP-out / MLP-in / fused qkv")
 
@@ -267,7 +274,25 @@ def plain_summary(finals: list[dict], shapes: list[tuple[int, int]], noise: floa
             near = min(dions, key=lambda d: abs((pay[d] or 0) - pay[k]))
             parts.append(versus(x, loss[near], f"{near} (the Dion row nearest in payload: "
                                                f"{pay[near]:.3f} of Muon's vs {pay[k]:.3f})"))
-        lines.append(f"- {k} (blocks {bw} wide, {block_width_note(f['optimizer'])}): loss {x:.3f}; "
+        lines.append(f"- {k} (blocks {bw} wide, {block_width_note(f['optimizer'], f.get('hparams'))}): loss {x:.3f}; "
                      + "; ".join(parts)
-                     + ("" if gc is None else f"; closes {100 * gc:.0f}% of the AdamW-Muon gap") + ".")
+                     + ("" if gc is None else f"; closes {100 * gc:.0f}% of the AdamW-Muon gap")
+                     + f"; cost: {_cost(k, rows, pay)}.")
     return "\n".join(lines) + "\n"
+
+
+def _cost(k: str, rows: dict[str, dict], pay: dict[str, float | None]) -> str:
+    """A row's cost beside its loss: optimizer ms/step as measured in this run (and as a ratio to
+    AdamW's and Muon's rows of the same run, the only comparison a shared machine supports), and
+    its FSDP payload relative to Muon's (``relative_payload``'s default layout)."""
+    ms = rows[k].get("opt_ms_per_step")
+    bits = []
+    if isinstance(ms, (int, float)) and math.isfinite(ms):
+        ratios = [f"{ms / ref:.2f}x {name}'s" for name in ("AdamW", "Muon") if name in rows
+                  for ref in [rows[name].get("opt_ms_per_step")] if isinstance(ref, (int, float)) and ref > 0]
+        bits.append(f"optimizer step {ms:.1f} ms" + (f" ({', '.join(ratios)} in this run)" if ratios else ""))
+    else:
+        bits.append("optimizer step not timed")
+    if pay.get(k) is not None:
+        bits.append(f"FSDP payload {pay[k]:.3f} of Muon's")
+    return ", ".join(bits)

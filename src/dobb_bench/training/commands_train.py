@@ -40,10 +40,14 @@ from dobb_bench.training.outdir import _check_out, _check_rows, _finished_with, 
 from dobb_bench.training.train import METRICS_FILE, TrainConfig, run_training, setup_dist, write_jsonl
 
 GRID_BASE = 5e-3
-# Dobb rows keep blocks >= 32 wide (width 128 / B=4): narrower blocks are a measured quality risk
-# (docs/results.md, block-width study), not the regime a user should pick.
+# The Dobb rows follow the README's recommendation ("Which B, at what cost"): B=1 (the library's
+# default, best one-sided loss), B=4 (sharded, where the step matters) and two-sided B=1 Bo=1 (Muon's
+# loss with Dobb's collectives, docs/results.md "Two-sided Dobb"), plus the l2 and output-side
+# variants at B=4. Rows keep blocks >= 32 wide (width 128 / B=4): narrower blocks are a measured
+# quality risk (docs/results.md, block-width study), not the regime a user should pick.
 DEFAULT_COMPARE = ("adamw,muon,dion:rank_fraction=1/4,dion:rank_fraction=1/16,rmnp,"
-                   "block-muon:blocks=4,dobb:blocks=1,dobb:blocks=4,dobb-l2:blocks=4,dobb-g:blocks=4")
+                   "block-muon:blocks=4,dobb:blocks=1,dobb:blocks=4,dobb:side=both@Two-sided B=1 Bo=1,"
+                   "dobb-l2:blocks=4,dobb-g:blocks=4")
 # Measured wall times are in the final report / README; both fit their budgets on 2 CPU cores.
 RUN_PRESETS = {
     # 2 layers x width 128, 64-token context, 800 steps: past the loss plateau near 2.9 nats for

@@ -14,6 +14,12 @@ def test_block_widths_per_matrix_kind():
     assert report.block_widths("block-muon", {"blocks": "16"}, model) == "8 / 32"
     assert report.block_widths("block-muon", {"blocks": "4", "axis": "0"}, model) == "32 / 128 / 96"
     assert report.block_widths("adamw", {}, model) is None
+    # two-sided: the input side's widths, then the output side's at out_blocks (default 1)
+    assert report.block_widths("dobb", {"side": "both"}, model) == "128 / 512 in, 128 / 512 / 384 out"
+    assert report.block_widths("dobb", {"side": "both", "blocks": "4", "out_blocks": "2"}, model) == \
+        "32 / 128 in, 64 / 256 / 192 out"
+    assert report.block_width_note("dobb", {"side": "both"}).startswith("input axis: attention and MLP-in / MLP-out; output")
+    assert report.block_width_note("dobb", {"side": "output"}).startswith("output axis")
 
 
 def test_gap_closure_and_summary():
@@ -22,13 +28,13 @@ def test_gap_closure_and_summary():
     assert report.gap_closure(1.8, 1.5, 2.0) is None  # no AdamW-Muon gap to normalise by
     model = {"width": 128, "layers": 2}
 
-    def row(run, name, loss, **hp):
+    def row(run, name, loss, ms=None, **hp):
         return {"run": run, "optimizer": name, "hparams": {k: str(v) for k, v in hp.items()},
-                "final_val_loss": loss, "diverged": False, "model": model}
+                "final_val_loss": loss, "diverged": False, "model": model, "opt_ms_per_step": ms}
 
-    finals = [row("AdamW", "adamw", 2.0), row("Muon", "muon", 1.5),
+    finals = [row("AdamW", "adamw", 2.0, 4.0), row("Muon", "muon", 1.5, 20.0),
               row("Dion rho=1/16", "dion", 2.2, rank_fraction=1 / 16), row("Dion rho=1/4", "dion", 1.9, rank_fraction=0.25),
-              row("Dobb B=4", "dobb", 1.95, blocks=4)]
+              row("Dobb B=4", "dobb", 1.95, 10.0, blocks=4), row("Dobb B=1", "dobb", 1.7, blocks=1)]
     shapes = [(384, 128), (128, 128), (512, 128), (128, 512)] * 2
     text = report.plain_summary(finals, shapes)
     line = next(x for x in text.splitlines() if x.startswith("- Dobb B=4"))
@@ -37,6 +43,11 @@ def test_gap_closure_and_summary():
     assert "0.450 behind Muon;" in line
     # Dobb's payload is 0, so the nearest Dion row in payload is rho=1/16 (1.5/16 of Muon's)
     assert "0.250 ahead of Dion rho=1/16" in line and "vs 0.000" in line
+    # loss and cost on one line: ms/step against the same run's AdamW and Muon, payload against Muon's
+    assert line.endswith("; cost: optimizer step 10.0 ms (2.50x AdamW's, 0.50x Muon's in this run), "
+                         "FSDP payload 0.000 of Muon's.")
+    untimed = next(x for x in text.splitlines() if x.startswith("- Dobb B=1"))
+    assert untimed.endswith("; cost: optimizer step not timed, FSDP payload 0.000 of Muon's.")
 
 
 def test_summary_tells_a_missing_row_from_a_diverged_one():
