@@ -34,7 +34,8 @@ or a block it inherits from, either
 A block inherits from every heading above it in the heading tree (a ``###`` from its ``##`` and
 ``#``), a nested list item or continuation paragraph from the list items that enclose it, and a
 list or table from the paragraph that introduces it (the paragraph right before it, ending in
-``:``). A mention of ``.json`` or of some other block's record does not source a figure.
+``:``), and a table from its caption (the paragraph right after it, when that begins with
+"Record" or "Records"). A mention of ``.json`` or of some other block's record does not source a figure.
 
 **Which files.** README.md and every docs/**/*.md, hand-written files in record folders included
 (``docs/results/checks/numerics.md``, ``docs/results/peers/README.md``, ...). A markdown file
@@ -66,6 +67,7 @@ _FENCE = re.compile(r"^[ \t]*(```|~~~).*?^[ \t]*\1[^\n]*", re.S | re.M)
 _INLINE = re.compile(r"(`+)(?!`).+?(?<!`)\1", re.S)
 _LIST = re.compile(r"^([ \t]*)(?:[-*+]|\d+[.)])[ \t]+")
 _HEADING = re.compile(r"^(#{1,6})[ \t]")
+_CAPTION = re.compile(r"^\(?Records?\b")
 
 
 def _blank(m: re.Match) -> str:
@@ -173,6 +175,8 @@ def _blocks(lines: list[str]) -> list[dict]:
         else:
             items, run_lead = [], None  # an unindented paragraph ends the list
             cur = new(i, "para", [])
+            if len(blocks) > 1 and blocks[-2]["kind"] == "table" and _CAPTION.match(ln):
+                blocks[-2]["parents"].append(cur)  # "Records: ..." right after a table is its caption
         after_blank = False
     return blocks
 

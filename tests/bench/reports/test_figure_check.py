@@ -85,5 +85,6 @@ def test_a_citation_covers_its_block_and_the_headings_below_it():
         "#### D.1.1", "- B=4: 0.1 nats", "  - B=16: 0.2 nats", "",
         "# E", "From study `headline`:", "", "- Dobb 1.73 nats", "- Muon 1.64 nats", "",  # a list's lead-in
         "| a | b |", "|---|---|", "| x | 4 ms |", "",  # a table with no lead-in
-        "The headline word alone gives 2 ms."])
+        "The headline word alone gives 2 ms.", "",
+        "| y | 5 ms |", "", f"Records: `{REC}`."])  # a caption after a table
     assert [ln for ln, _ in FC.unsourced(text)] == [4, 9, 12, 30, 32]
