@@ -21,7 +21,6 @@ All equal-size blocks of all matrices of a param group go through one batched ``
 from __future__ import annotations
 
 import contextlib
-from collections import defaultdict
 from typing import Any
 
 import torch
@@ -34,6 +33,7 @@ from ._apply import apply_directions, apply_two_sided, decay_in_update
 from ._base import MatrixOptimizer, _name_of
 from ._dtensor import is_dtensor
 from ._refresh import fold_side
+from ._schedule import check_refresh_width, cycle, refresh_period, stagger_offsets
 from ._two_sided import two_sided_layouts
 from .capture import CaptureHooks, gram_statistic
 from .collectives import common_group, group_ranks, plain_stat_group
@@ -75,6 +75,10 @@ class Dobb(MatrixOptimizer):
             with Dobb's collectives use ``side="both"`` (``out_blocks=1``: 1.649 against Muon's 1.671
             at the shared lr, 3 seeds; about 2x one-sided Dobb's optimizer time; "Two-sided Dobb").
         refresh_every: refresh period ``T`` (the first step always refreshes).
+        refresh_width: None (default: every matrix refreshes every ``T`` steps) or a block width
+            ``w``: a matrix whose widest block (either side, global size) is ``s`` wide refreshes
+            every ``T * max(1, round(s / w))`` steps, so the wide blocks that dominate the refresh
+            (``s^3``) refresh less often ("A refresh that scales" in docs/timing.md; ``_schedule``).
         basis: ``"orthogonal_iteration"`` (``ortho_steps`` rounds of ``Q <- qr(A Q)``, warm-started)
             or ``"eigh"`` (exact eigendecomposition at every refresh).
         qr: ``"householder"`` or ``"cholesky"`` (Cholesky QR; failed blocks redone by Householder).
@@ -128,6 +132,7 @@ class Dobb(MatrixOptimizer):
         norm="sign", side="input", source="activation", capture="first", stat_decay=0.9,
         momentum=0.95, nesterov=False, basis_dtype=torch.bfloat16, stat_dtype=torch.float32,
         init_basis="eigh", stagger=True, product_dtype="auto", out_blocks=1, beta2=0.95, eps=1e-8,
+        refresh_width=None,
     )
 
     def __init__(self, params, model: nn.Module | None = None, *, lr: float, weight_decay: float = 0.0,
@@ -141,6 +146,7 @@ class Dobb(MatrixOptimizer):
         self._layouts: dict[torch.Tensor, MatrixLayout] = {}
         self._out_layouts: dict[torch.Tensor, MatrixLayout] = {}  # side="both": the output side's
         self._offsets: dict[torch.Tensor, int] = {}
+        self._periods: dict[torch.Tensor, int] = {}  # refresh period per matrix (_schedule.refresh_period)
         self._hooks: CaptureHooks | None = None
         self._plain_group = _UNRESOLVED
         # the statistics agreed on by _prepare_step: [side][param] (side 1: the output side of side="both")
@@ -166,6 +172,7 @@ class Dobb(MatrixOptimizer):
                 raise ValueError(f"{key} must lie in [0, 1), got {group[key]}")
         if not group["eps"] > 0:
             raise ValueError(f"eps must be > 0, got {group['eps']}")
+        check_refresh_width(group["refresh_width"])
         if group["source"] == "activation" and group["side"] == "output":
             raise ValueError("source='activation' gives an n x n statistic: it needs side='input' (or 'both')")
         if group["side"] == "both":
@@ -202,7 +209,6 @@ class Dobb(MatrixOptimizer):
             )
 
     def _init_matrix_state(self, group: dict[str, Any]) -> None:
-        cost = defaultdict(int)  # stagger: greedy balance of refresh work over the T offsets
         for i, p in enumerate(group["params"]):
             try:
                 if is_dtensor(p):
@@ -224,16 +230,17 @@ class Dobb(MatrixOptimizer):
                 raise ValueError(f"{_name_of(p, self._param_names, i)}: {exc}") from None
             self._layouts[p] = layout
             self.state[p] = self._new_state(p, group, layout)
+        # global (rank-invariant) block sizes: every rank must pick the same periods and offsets
+        params = group["params"]
+        for p in params:
+            widest = max(s for lay in self._sides(p) for s in lay.global_sizes)
+            self._periods[p] = refresh_period(group["refresh_every"], group["refresh_width"], widest)
         if group["stagger"]:
-            T = group["refresh_every"]
-            # global (rank-invariant) block sizes: every rank must pick the same refresh offsets
             def work(q):  # a stack refreshes all its matrices together
                 return sum(sum(s**3 for s in lay.global_sizes) * lay.stack_size for lay in self._sides(q))
 
-            for p in sorted(group["params"], key=lambda q: -work(q)):
-                off = min(range(T), key=lambda o: cost[o])
-                cost[off] += work(p)
-                self._offsets[p] = off
+            offsets = stagger_offsets([work(p) for p in params], [self._periods[p] for p in params])
+            self._offsets.update(zip(params, offsets))
 
     def _new_state(self, p: torch.Tensor, group: dict, layout: MatrixLayout) -> dict[str, Any]:
         # Created eagerly and identically on every rank, so distributed checkpoints see one key set.
@@ -365,7 +372,7 @@ class Dobb(MatrixOptimizer):
 
     def _on_schedule(self, p: torch.Tensor, group: dict) -> bool:
         step = self.state[p]["step"]
-        return step == 0 or (step - self._offsets.get(p, 0)) % group["refresh_every"] == 0
+        return step == 0 or (step - self._offsets.get(p, 0)) % self._periods[p] == 0
 
     def _due(self, p: torch.Tensor, group: dict) -> list[bool]:
         """Per matrix of the captured span: due for a refresh. The first step and every
@@ -392,6 +399,11 @@ class Dobb(MatrixOptimizer):
     def is_refresh_step(self) -> bool:
         """Whether the next ``step()`` refreshes any basis (for benchmarks and logging)."""
         return any(self._is_refresh(p, g) for g in self._dobb_groups() for p in g["params"])
+
+    def refresh_cycle(self) -> int:
+        """Steps after which the refresh schedule repeats: the lcm of the matrices' periods
+        (``refresh_every`` unless ``refresh_width`` lengthens some). For benchmarks that time whole cycles."""
+        return cycle(self._periods.values())
 
     # ------------------------------------------------------------------ the step
     def _prepare_step(self) -> None:

@@ -98,6 +98,8 @@ def cycle_length(opt) -> int:
     group = next((g for g in opt.param_groups if g.get("algorithm") not in (None, "adamw")), None)
     if group is None:
         return 1
+    if isinstance(opt, dobb.Dobb):  # refresh_width gives wide matrices a multiple of refresh_every
+        return opt.refresh_cycle()
     if "refresh_every" in group:
         return int(group["refresh_every"])
     if group.get("algorithm") == "pr-muon":

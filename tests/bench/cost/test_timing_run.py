@@ -57,6 +57,21 @@ def test_dobb_cycles_start_at_a_refresh(smoke):
         assert sum(ms) / 3 == pytest.approx((ms[0] + 2 * (ms[1] + ms[2]) / 2) / 3)
 
 
+def test_cycle_covers_the_longest_refresh_period():
+    """refresh_width lengthens wide matrices' periods: the timed cycle is their lcm, not refresh_every."""
+    import torch
+    from torch import nn
+    import dobb
+
+    model = nn.Sequential(nn.Linear(8, 32), nn.Linear(32, 8))  # input widths 8 and 32
+    mats = [model[0].weight, model[1].weight]
+    plain = dobb.Dobb(mats, model, lr=0.1, refresh_every=3)
+    wide = dobb.Dobb(mats, model, lr=0.1, refresh_every=3, refresh_width=8)  # periods 3 and 3 * 4
+    assert T.cycle_length(plain) == 3 and T.cycle_length(wide) == 12
+    assert T.cycle_length(dobb.Dobb(mats, model, lr=0.1, refresh_every=3, refresh_width=16)) == 6  # 3, 3 * 2
+    assert T.cycle_length(torch.optim.AdamW(model.parameters())) == 1
+
+
 def test_slow_optimizers_run_one_cycle_per_repeat(tmp_path):
     cfg = T.TimingConfig(preset="tiny", layers="1", optimizers=("torch-adamw", "dobb"), repeats=1, refresh_every=2,
                          blocks=2, rep_seconds=0.0, log=False)
