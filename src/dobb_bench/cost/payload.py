@@ -61,6 +61,7 @@ import dobb
 from dobb import registry
 from dobb.baselines.dion import dion_rank
 from dobb.functional import block_sizes
+from dobb.sharding import chunk_sizes
 
 __all__ = [
     "PAYLOAD_NAMES",
@@ -356,7 +357,7 @@ def _state_dash(m, n, hp, mn, out_shards, in_shards):
     inverse roots for every tile of this rank's shard (``r^2 + c^2`` each: ``2 mn`` for full square tiles)."""
     from dobb.baselines.dash import tile_specs
 
-    ml, nl = -(-m // out_shards), -(-n // in_shards)
+    ml, nl = chunk_sizes(m, out_shards)[0], chunk_sizes(n, in_shards)[0]  # the largest (first) shard
     block = hp.get("block_size") or max(ml, nl)  # shampoo: one tile per matrix
     return 2 * mn + 2 * 4 * sum(k * (r * r + c * c) for k, r, c in tile_specs(ml, nl, int(block)))
 
