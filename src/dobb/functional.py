@@ -51,6 +51,7 @@ __all__ = [
     "direction",
     "update_scale",
     "matmul_dtype",
+    "cpu_native",
     "block_coefficients",
 ]
 

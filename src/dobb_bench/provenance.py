@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from dobb.functional import cpu_native
+
 _SRC = Path(__file__).resolve().parent
 
 
@@ -68,12 +70,9 @@ def cpu_bf16_flags() -> list[str]:
 
 def native_bf16() -> bool:
     """Whether oneDNN has native bf16 products on this CPU (AVX512-BF16/AMX): what torch's bf16
-    products, and so Dobb's and Muon's bf16 paths, run on. Asked of torch directly, the same
-    question the library's ``product_dtype="auto"`` rule asks."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
+    products, and so Dobb's and Muon's bf16 paths, run on: the library's own answer
+    (``dobb.functional.cpu_native``), so records name what ``product_dtype="auto"`` saw."""
+    return cpu_native(torch.bfloat16)
 
 
 def machine() -> dict:
