@@ -211,8 +211,12 @@ LONG = [*SMALL, "--steps", "100000", "--eval-every", "20"]  # runs until stopped
 def _start(args, tmp_path):
     """The CLI in its own session (so a signal to its process group is what a terminal's Ctrl-C does)."""
     cmd = [sys.executable, "-m", "dobb_bench.cli", *map(str, args)]
+    # SIGINT back to its default as in a terminal's foreground job: a suite started in the background
+    # of a non-interactive shell (`pytest &`) runs with SIGINT ignored, which children inherit, and
+    # a CLI that ignores Ctrl-C then trains on, rightly, until the test times out
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _wait_for(path: Path, proc, timeout=240):
