@@ -57,7 +57,7 @@ def test_offsets_balance_the_longer_periods_by_hand():
     # bigs (work 8, period 4) first: 0, then 1 (step 0 is taken); smalls (period 2) hit steps
     # {0, 2} or {1, 3}: both carry max 8, sum 8 -> 0; then {0,2}: (9, 10) vs {1,3}: (8, 8) -> 1
     assert S.stagger_offsets([8, 8, 1, 1], [4, 4, 2, 2]) == [0, 1, 0, 1]
-    # the bench model at refresh_width=128 (4 layers): qkv, proj, fc at width 128 (period 9),
+    # four layers of the bench model's shapes at refresh_width=128: qkv, proj, fc at width 128 (period 9),
     # mlp-out at 512 (period 36, 64x the work): each wide matrix alone on its refresh step
     works = [1, 1, 1, 64] * 4
     periods = [9, 9, 9, 36] * 4
