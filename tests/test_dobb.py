@@ -206,20 +206,6 @@ def test_dead_units_give_finite_orthonormal_bases():
         torch.testing.assert_close(q.transpose(1, 2) @ q, torch.eye(4).expand(2, -1, -1), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(norm="linf"), "norm"), (dict(side="left"), "side"), (dict(source="weights"), "source"),
-    (dict(basis="svd"), "basis"), (dict(qr="givens"), "qr"), (dict(capture="last"), "capture"),
-    (dict(blocks=0), "blocks"), (dict(blocks=17), "blocks=17"), (dict(refresh_every=0), "refresh_every"),
-    (dict(lr=-1.0), "lr"), (dict(weight_decay=-0.1), "weight_decay"), (dict(stat_decay=1.0), "stat_decay"),
-    (dict(source="activation", side="output"), "side='input'"), (dict(bogus=1), "bogus"),
-])
-def test_bad_arguments_raise_value_error_naming_them(kwargs, match):
-    layer = nn.Linear(16, 8)
-    kwargs = {"lr": 0.01, **kwargs}
-    with pytest.raises(ValueError, match=match):
-        dobb.Dobb([layer.weight], layer, **kwargs)
-
-
 def test_non_matrix_in_dobb_group_and_missing_model_are_errors():
     layer = nn.Linear(4, 4)
     with pytest.raises(ValueError, match=r"bias.*1-D"):

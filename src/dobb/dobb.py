@@ -31,9 +31,11 @@ from . import functional as F
 from ._agreement import DueStat, agree
 from ._apply import apply_directions, apply_two_sided, decay_in_update
 from ._base import MatrixOptimizer, _name_of
+from ._options import HOOK_SOURCES as _HOOK_SOURCES
+from ._options import check_group
 from ._dtensor import is_dtensor
 from ._refresh import fold_side
-from ._schedule import check_refresh_width, cycle, refresh_period, stagger_offsets
+from ._schedule import cycle, refresh_period, stagger_offsets
 from ._two_sided import two_sided_layouts
 from .capture import CaptureHooks, gram_statistic
 from .collectives import common_group, group_ranks, plain_stat_group
@@ -41,17 +43,6 @@ from .experts import expert_layout, expert_parts
 from .layout import MatrixLayout, ReducedStat
 from .placement import layout_for
 
-_HOOK_SOURCES = ("activation", "output_grad")
-
-_CHOICES = {
-    "basis": ("orthogonal_iteration", "eigh"),
-    "qr": ("householder", "cholesky"),
-    "norm": ("sign", "l2", "adam"),
-    "side": ("input", "output", "both"),
-    "source": ("activation", "output_grad", "grad_gram"),
-    "capture": ("first", "all"),
-    "init_basis": ("eigh", "identity"),
-}
 _FLIP = {"input": "output", "output": "input"}
 _UNRESOLVED = object()
 
@@ -160,53 +151,7 @@ class Dobb(MatrixOptimizer):
 
     # ------------------------------------------------------------------ set-up
     def _check_matrix_group(self, group: dict[str, Any]) -> None:
-        for key, options in _CHOICES.items():
-            if group[key] not in options:
-                raise ValueError(f"{key} must be one of {options}, got {group[key]!r}")
-        for key in ("blocks", "refresh_every", "ortho_steps", "out_blocks"):
-            value = group[key]
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{key} must be an integer >= 1, got {value!r}")
-        for key in ("stat_decay", "momentum", "beta2"):
-            if not 0.0 <= group[key] < 1.0:
-                raise ValueError(f"{key} must lie in [0, 1), got {group[key]}")
-        if not group["eps"] > 0:
-            raise ValueError(f"eps must be > 0, got {group['eps']}")
-        check_refresh_width(group["refresh_width"])
-        if group["source"] == "activation" and group["side"] == "output":
-            raise ValueError("source='activation' gives an n x n statistic: it needs side='input' (or 'both')")
-        if group["side"] == "both":
-            if group["norm"] == "l2":
-                raise ValueError("norm='l2' normalizes one side's coefficient columns; side='both' takes norm='sign' or 'adam'")
-            if group["source"] == "output_grad":
-                raise ValueError("side='both' takes source='activation' (activations for the input side, output "
-                                 "gradients for the output side) or source='grad_gram' (G^T G and G G^T blocks)")
-        elif group["norm"] == "adam":
-            raise ValueError("norm='adam' is the second moment of the two-sided coefficients: it needs side='both'")
-        if group["source"] == "output_grad" and group["side"] != "output":
-            raise ValueError("source='output_grad' gives an m x m statistic: it needs side='output' (Dobb-G)")
-        for key in ("basis_dtype", "stat_dtype"):
-            if not (isinstance(group[key], torch.dtype) and group[key].is_floating_point):
-                raise ValueError(f"{key} must be a floating torch.dtype, got {group[key]!r}")
-        if group["product_dtype"] not in F.PRODUCT_DTYPES:
-            raise ValueError(f"product_dtype must be one of {F.PRODUCT_DTYPES}, got {group['product_dtype']!r}")
-        for i, p in enumerate(group["params"]):
-            if p.dim() == 3 and group["side"] == "both":
-                raise ValueError(
-                    f"{_name_of(p, self._param_names, i)} is an expert stack (E, out, in): side='both' is not "
-                    f"implemented for stacks; use side='input' for it (its own param group), or store each expert "
-                    f"as a 2-D parameter"
-                )
-            if p.dim() == 3 and group["source"] == "output_grad":
-                raise ValueError(
-                    f"{_name_of(p, self._param_names, i)} is an expert stack (E, out, in): its output gradients are "
-                    f"routed, which hooks cannot see; use source='grad_gram' for side='output'"
-                )
-        if group["source"] in _HOOK_SOURCES and self.model is None:
-            raise ValueError(
-                f"source={group['source']!r} captures statistics with hooks: pass model=<the nn.Module> "
-                f"to Dobb(...), or use source='grad_gram'"
-            )
+        check_group(group, lambda p, i: _name_of(p, self._param_names, i), has_model=self.model is not None)
 
     def _init_matrix_state(self, group: dict[str, Any]) -> None:
         for i, p in enumerate(group["params"]):
