@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .._dtensor import is_dtensor
+from .._refresh_split import plan_owners as balance_owners  # the library's one greedy owner plan
 from .muon import Muon, ns_options
 from .newton_schulz import orthogonalize
 
@@ -43,18 +44,6 @@ __all__ = ["OwnerMuon", "balance_owners", "ns_cost"]
 def ns_cost(shape) -> int:
     s, l = min(shape), max(shape)
     return 2 * s * s * l + s ** 3
-
-
-def balance_owners(costs: list[int], world: int, loads: list[int] | None = None) -> list[int]:
-    """Owner rank of every job: longest-processing-time first, to the least-loaded rank (lowest
-    on ties). ``loads`` (updated in place) carries load over from earlier assignments."""
-    loads = loads if loads is not None else [0] * world
-    owners = [0] * len(costs)
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        r = min(range(world), key=lambda r: (loads[r], r))
-        owners[i] = r
-        loads[r] += costs[i]
-    return owners
 
 
 def _wire_dtype(u_dtype: torch.dtype, ns_dtype: torch.dtype) -> torch.dtype:
