@@ -72,6 +72,7 @@ __all__ = [
     "payload_entries",
     "relative_payload",
     "dp_stat_entries",
+    "dp_basis_entries",
     "derived_state_bytes",
     "forward_backward_entries",
 ]
@@ -273,6 +274,24 @@ def dp_stat_entries(name: str, m: int, n: int, hparams: dict | None = None, per_
     else:
         entries = _stat_size(n if hp["side"] == "input" else m, _blocks(hp))
     return entries / int(hp["refresh_every"]) if per_step else float(entries)
+
+
+def dp_basis_entries(name: str, m: int, n: int, hparams: dict | None = None) -> float:
+    """``split_refresh=True``: the new bases each shared block's owner broadcasts to the other ranks
+    of its statistic group per refresh, ``sum s_b^2`` over the blocks of even size (odd-sized ones
+    are solved on every rank and not sent; ``dobb._refresh_split``). 0 without it, for every other
+    optimizer, and for ``source="grad_gram"`` (no shared statistic group). Entries in the basis dtype."""
+    key, hp = _with_defaults(name, hparams)
+    if not issubclass(_entry(key).cls, dobb.Dobb) or hp["source"] == "grad_gram":
+        return 0.0
+    if str(hp.get("split_refresh", False)).lower() not in ("true", "1"):
+        return 0.0
+    if hp["side"] == "both":
+        sizes = _split(n, min(_blocks(hp), n)) + _split(m, min(int(hp["out_blocks"]), m))
+    else:
+        k = n if hp["side"] == "input" else m
+        sizes = _split(k, min(_blocks(hp), k))
+    return float(sum(s * s for s in sizes if s % 2 == 0))
 
 
 def _iter_shapes(shapes: Iterable) -> list[tuple[int, int]]:

@@ -42,17 +42,22 @@ def payload_rows(specs: list[str], shapes, sharded: str, shards: int) -> dict:
         per_shape = {f"{m}x{n}": P.payload_entries(name, m, n, hp, sharded=sharded, shards=shards) for (m, n) in counts}
         rows.append({"optimizer": spec, "per_matrix": per_shape,
                      "relative_to_muon": P.relative_payload(name, hp, shapes, sharded=sharded, shards=shards),
-                     "dp_stat_per_refresh": sum(P.dp_stat_entries(name, m, n, hp) * c for (m, n), c in counts.items())})
+                     "dp_stat_per_refresh": sum(P.dp_stat_entries(name, m, n, hp) * c for (m, n), c in counts.items()),
+                     "dp_basis_per_refresh": sum(P.dp_basis_entries(name, m, n, hp) * c for (m, n), c in counts.items())})
     return {"shapes": {f"{m}x{n}": c for (m, n), c in counts.items()}, "rows": rows}
 
 
 def payload_markdown(table: dict, title: str) -> str:
     shapes = list(table["shapes"])
-    head = ["optimizer"] + [f"{s} (x{table['shapes'][s]})" for s in shapes] + ["aggregate / Muon mn", "DP stat sync per refresh"]
+    # split_refresh's basis broadcast gets a column only where a row has one (tables before it unchanged)
+    split = any(r.get("dp_basis_per_refresh") for r in table["rows"])
+    head = (["optimizer"] + [f"{s} (x{table['shapes'][s]})" for s in shapes] + ["aggregate / Muon mn", "DP stat sync per refresh"]
+            + (["DP basis broadcast per refresh"] if split else []))
     lines = [title, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in table["rows"]:
         lines.append("| " + " | ".join([r["optimizer"]] + [f"{r['per_matrix'][s]:.4g}" for s in shapes]
-                                       + [f"{r['relative_to_muon']:.4f}", f"{r['dp_stat_per_refresh']:.4g}"]) + " |")
+                                       + [f"{r['relative_to_muon']:.4f}", f"{r['dp_stat_per_refresh']:.4g}"]
+                                       + ([f"{r.get('dp_basis_per_refresh', 0):.4g}"] if split else [])) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -227,3 +227,17 @@ def dion3_fraction():
     from dobb.baselines import Dion3
 
     return Dion3.matrix_defaults["fraction"]
+
+
+def test_split_refresh_basis_broadcast_per_refresh():
+    """split_refresh=True sends each even-sized shared block's s^2 basis entries once per refresh;
+    odd-sized blocks are solved on every rank (dobb._refresh_split) and send nothing."""
+    split = {"split_refresh": True}
+    assert P.dp_basis_entries("dobb", 768, 3072, {"blocks": 1, **split}) == 3072 ** 2
+    assert P.dp_basis_entries("dobb", 768, 3072, {"blocks": 4, **split}) == 4 * 768 ** 2
+    assert P.dp_basis_entries("dobb", 8, 9, {"blocks": 2, **split}) == 4 * 4  # blocks 5 and 4: only the 4 is sent
+    assert P.dp_basis_entries("dobb-g", 768, 3072, {"blocks": 2, **split}) == 2 * 384 ** 2  # output side: m
+    assert P.dp_basis_entries("dobb", 6, 10, {"side": "both", "blocks": 2, "out_blocks": 1, **split}) == 0 + 36
+    assert P.dp_basis_entries("dobb", 768, 3072, {"blocks": 1}) == 0  # off by default
+    assert P.dp_basis_entries("dobb", 768, 3072, {"blocks": 1, "source": "grad_gram", **split}) == 0
+    assert P.dp_basis_entries("muon", 768, 3072, split) == 0
