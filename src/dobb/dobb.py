@@ -61,7 +61,8 @@ class Dobb(MatrixOptimizer):
             4 34%, 8 13%, 16 none. Sharded, where the step matters: ``blocks=4`` (FSDP2 step 0.13x
             owner-compute Muon's on a CPU without native bf16; 0.49x on one with it, issue 23's
             figure). At ``blocks=1`` on GPT-2 shapes the step costs as much as owner-compute Muon,
-            which has the better loss. Unsharded, block Muon at the same ``blocks`` has the lower
+            which has the better loss, unless ``split_refresh=True`` and ``refresh_width=768``
+            cut the refresh (0.45x; docs/timing.md, "A refresh that scales"). Unsharded, block Muon at the same ``blocks`` has the lower
             loss: Dobb's advantage is a step that stays shard-local under FSDP2/TP. For Muon's loss
             with Dobb's collectives use ``side="both"`` (``out_blocks=1``: 1.649 against Muon's 1.671
             at the shared lr, 3 seeds; about 2x one-sided Dobb's optimizer time; "Two-sided Dobb").
