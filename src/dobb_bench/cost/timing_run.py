@@ -110,7 +110,10 @@ def cycle_length(opt) -> int:
 def capture_kind(opt) -> str | None:
     """None (no hooks), "forward" (activation statistics) or "backward" (output gradients)."""
     sources = {g.get("source") for g in opt.param_groups if "source" in g}
-    if "output_grad" in sources:
+    # two-sided Dobb from activations takes its output side from output gradients: a backward pass
+    # (whose forward also captures the activations); a forward pass alone leaves that side unseen
+    two_sided = any(g.get("side") == "both" and g.get("source") == "activation" for g in opt.param_groups)
+    if "output_grad" in sources or two_sided:
         return "backward"
     if "activation" in sources:
         return "forward"

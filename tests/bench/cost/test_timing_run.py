@@ -120,3 +120,22 @@ def test_data_parallel_timing_averages_statistics_over_the_world(world):
     assert metered["step"]["refresh"] and stat <= refresh_bytes <= stat + 8 * len(shapes)
     assert not metered["next_step"]["refresh"] and metered["next_step"]["bytes"] == 0
     assert len(by["dobb:stagger=false"]["per_rank"]) == world
+
+
+def test_capture_kind_runs_a_backward_pass_for_two_sided_dobb():
+    """side='both' from activations needs output gradients for its output side: the forward-only
+    capture pass left it without a statistic, so its timed refreshes skipped that side."""
+    import dobb
+    from torch import nn
+
+    from dobb_bench.cost.timing_run import capture_kind
+
+    def kind(**kw):
+        layer = nn.Linear(8, 8, bias=False)
+        return capture_kind(dobb.Dobb([layer.weight], layer, lr=0.01, **kw))
+
+    assert kind() == "forward"
+    assert kind(side="both") == "backward"
+    assert kind(side="output", source="output_grad") == "backward"
+    assert kind(source="grad_gram") is None
+    assert kind(side="both", source="grad_gram") is None
