@@ -1,19 +1,8 @@
 """dobb_bench.spectral.commands (``orthogonality``, ``spectrum``): the CLI's outputs and errors,
 tiny end-to-end runs."""
-import pytest
 import torch
 
 from dobb_bench.cli import main
-
-
-@pytest.fixture
-def tiny_data(tmp_path, monkeypatch):
-    import dobb_bench.training.data as data
-
-    monkeypatch.setattr(data, "DEFAULT_CACHE", tmp_path / "cache")
-    text = tmp_path / "corpus.txt"
-    text.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(600)))
-    return str(text)
 
 
 def test_cli_tables_and_errors(capsys, tmp_path, tiny_data):

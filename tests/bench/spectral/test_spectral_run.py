@@ -39,16 +39,6 @@ def test_hidden_linears_skip_tied_head_even_when_sizes_collide():
     assert len(names) == 2 * 4 and "head" not in names and "blocks.0.mlp.fc" in names
 
 
-@pytest.fixture
-def tiny_data(tmp_path, monkeypatch):
-    import dobb_bench.training.data as data
-
-    monkeypatch.setattr(data, "DEFAULT_CACHE", tmp_path / "cache")
-    text = tmp_path / "corpus.txt"
-    text.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(600)))
-    return str(text)
-
-
 def test_table2_training_and_checkpoint(tiny_data, tmp_path):
     rows, info = R.table2_from_training("tiny", steps=3, optimizer="adamw", batch_size=4, data=tiny_data, blocks=(1, 4))
     assert info["matrices"] == 2 * 6 and len(rows) == 2  # qkv counted as q, k, v
