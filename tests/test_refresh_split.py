@@ -8,6 +8,7 @@ import torch
 
 from dobb import Dobb
 from dobb import functional as F
+from _split_host import SIZES, lone_equals_batch
 from dobb._refresh_split import RefreshBatch, plan_owners, shared_group, solve
 
 
@@ -34,9 +35,11 @@ def test_single_process_layouts_share_nothing():
     assert shared_group(opt._layouts[model[0].weight]) is None
 
 
-@pytest.mark.parametrize("size", [4, 6, 8, 16, 24])
+@pytest.mark.parametrize("size", SIZES)
 def test_even_blocks_alone_equal_blocks_in_a_batch(size):
-    # what keeps the split bitwise: an owner solves a subset of the blocks the unsplit refresh batches
+    # what keeps the split bitwise: an owner solves a subset of the blocks the unsplit refresh batches.
+    # Bitwise where the host's kernels give it (tests/_split_host.py; the sharded tests skip elsewhere);
+    # to rounding on every host
     gen = torch.Generator().manual_seed(size)
     x = torch.randn(5, 3 * size, size, generator=gen)
     a = x.transpose(1, 2) @ x
@@ -45,7 +48,9 @@ def test_even_blocks_alone_equal_blocks_in_a_batch(size):
         batch = F.refresh_bases([(a, q0, exact)])[0]
         for j in range(5):
             alone = F.refresh_bases([(a[j : j + 1].clone(), q0[j : j + 1].clone(), exact)])[0]
-            assert torch.equal(alone[0], batch[j])
+            torch.testing.assert_close(alone[0], batch[j], atol=1e-4, rtol=0)
+            if lone_equals_batch(size):
+                assert torch.equal(alone[0], batch[j])
 
 
 def test_solve_without_shared_groups_is_refresh_bases():

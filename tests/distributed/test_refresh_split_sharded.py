@@ -17,11 +17,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _common import Net, checker, data, fixed_partitions, full_params, groups, max_diff, partitions, per_rank
 from _spawn import spawn
+from _split_host import REASON, host_is_bitwise
 from dobb import Dobb
 from dobb.meter import PayloadMeter
 from test_fsdp import Uneven
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not host_is_bitwise(), reason=REASON)]
 
 STEPS, REFRESH = 5, 2  # refreshes at steps 0 (eigh), 2 and 4
 
