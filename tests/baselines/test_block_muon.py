@@ -25,7 +25,7 @@ def test_block_muon_one_block_is_muon():
 def test_block_muon_blocks_are_independent_muon_updates(axis):
     shape, blocks = (21, 10), 3
     G = torch.randn(*shape, generator=torch.Generator().manual_seed(10), dtype=torch.float64)
-    o, _ = raw_update(BlockMuon, shape, [G], blocks=blocks, axis=axis, nesterov=False)
+    o, _ = raw_update(BlockMuon, shape, [G], blocks=blocks, axis=axis, nesterov=False, ns_dtype="bfloat16")
     sizes = dobb.functional.block_sizes(shape[axis], blocks)
     s = 0.2 * math.sqrt(max(shape))
     start = 0

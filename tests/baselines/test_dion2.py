@@ -42,7 +42,7 @@ def test_dion2_full_fraction_is_muon_without_nesterov():
     # mu = 1/2 makes Dion2's buffer exactly 2x Muon's EMA: a power of two NS5 cannot see.
     g = torch.Generator().manual_seed(13)
     grads = [torch.randn(10, 14, generator=g, dtype=torch.float64) for _ in range(4)]
-    o_muon, _ = raw_update(Muon, (10, 14), grads, momentum=0.5, nesterov=False)
+    o_muon, _ = raw_update(Muon, (10, 14), grads, momentum=0.5, nesterov=False, ns_dtype="bfloat16")
     o_dion2, _ = raw_update(Dion2, (10, 14), grads, momentum=0.5, fraction=1.0)
     assert torch.allclose(o_muon, o_dion2, atol=1e-12, rtol=0)
 

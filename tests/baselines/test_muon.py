@@ -21,7 +21,8 @@ def test_muon_matches_torch_muon_bitwise(nesterov):
     rest = [p for p in ref.parameters() if all(p is not q for q in mats)]
     a = torch.optim.Muon(mats, lr=0.02, weight_decay=0.1, nesterov=nesterov, adjust_lr_fn="match_rms_adamw")
     b = torch.optim.AdamW(rest, lr=0.02, weight_decay=0.1, betas=(0.9, 0.95))
-    opt = Muon(dobb.param_groups(ours, algorithm="muon", **ALL_2D), lr=0.02, weight_decay=0.1, nesterov=nesterov)
+    opt = Muon(dobb.param_groups(ours, algorithm="muon", **ALL_2D), lr=0.02, weight_decay=0.1, nesterov=nesterov,
+               ns_dtype="bfloat16")  # torch's Muon always runs NS5 in bf16
     X, Y = data()
     for _ in range(6):
         for model, opts in ((ref, (a, b)), (ours, (opt,))):
@@ -57,3 +58,38 @@ def test_muon_and_block_muon_gram_option(cls, kw):
 def test_ns_option_validation(kw, arg):
     with pytest.raises(ValueError, match=rf"\b{arg}( must|=)"):
         Muon([nn.Parameter(torch.zeros(4, 4))], lr=0.1, **kw)
+
+
+def test_ns_dtype_auto_resolves_to_native_bf16_only(monkeypatch):
+    import dobb.baselines.muon as muon_mod
+    from dobb.baselines import resolve_ns_dtype
+    for native, expect in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(muon_mod, "cpu_native", lambda dt, native=native: native)
+        assert resolve_ns_dtype("auto", "cpu") == expect
+        assert resolve_ns_dtype("auto", torch.device("cuda")) == torch.bfloat16  # accelerators: bf16
+        # a name or a dtype is taken as given on every device
+        assert resolve_ns_dtype("float64", "cpu") == torch.float64
+        assert resolve_ns_dtype(torch.bfloat16, "cpu") == torch.bfloat16
+    with pytest.raises(ValueError, match="ns_dtype must be 'auto'"):
+        Muon([nn.Parameter(torch.zeros(4, 4))], lr=0.1, ns_dtype="fp8")
+
+
+def test_muon_default_ns_dtype_is_auto_and_runs_the_resolved_dtype():
+    # The default trains bitwise as the explicitly resolved dtype, and differs from the other one
+    # (so the default cannot silently stay on a fixed dtype).
+    from dobb.baselines import resolve_ns_dtype
+    assert Muon.matrix_defaults["ns_dtype"] == "auto"
+    resolved = resolve_ns_dtype("auto", "cpu")
+    other = torch.float32 if resolved == torch.bfloat16 else torch.bfloat16
+    runs = {}
+    for key, kw in (("default", {}), ("resolved", {"ns_dtype": resolved}), ("other", {"ns_dtype": other})):
+        model = mlp()
+        opt = Muon(dobb.param_groups(model, algorithm="muon", **ALL_2D), lr=0.02, weight_decay=0.1, **kw)
+        X, Y = data()
+        for _ in range(3):
+            opt.zero_grad()
+            ((model(X) - Y) ** 2).mean().backward()
+            opt.step()
+        runs[key] = [p.detach().clone() for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(runs["default"], runs["resolved"]))
+    assert not all(torch.equal(a, b) for a, b in zip(runs["default"], runs["other"]))

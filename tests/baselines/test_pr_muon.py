@@ -61,7 +61,7 @@ def test_pr_muon_schedule(shape):
     grads = [torch.randn(*shape, generator=g, dtype=torch.float64) for _ in range(4)]
     buf = torch.zeros(shape, dtype=torch.float64)
     for k in range(4):
-        o, _ = raw_update(PeriodicRowMuon, shape, grads[: k + 1], period=3, nesterov=False)
+        o, _ = raw_update(PeriodicRowMuon, shape, grads[: k + 1], period=3, nesterov=False, ns_dtype="bfloat16")
         buf = buf.lerp(grads[k], 0.05)
         if k % 3 == 0:
             assert torch.allclose(o, torch_ns(buf, COEFFS, 5, 1e-7).double())

@@ -60,7 +60,7 @@ class Dion3(MatrixOptimizer):
     _own_dtype_keys = ("neuron_variance",)  # stays fp32 when a bf16 model resumes
     matrix_defaults: dict[str, Any] = dict(fraction=0.25, momentum=0.95, beta2=0.95, neuron_eps=1e-8,
                                            ns_coefficients=NS_COEFFICIENTS, ns_steps=NS_STEPS, eps=NS_EPS,
-                                           ns_method="standard", ns_dtype="bfloat16")
+                                           ns_method="standard", ns_dtype="auto")
 
     def _check_matrix_group(self, group):
         C.check_fraction(group, "fraction")

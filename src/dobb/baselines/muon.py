@@ -1,7 +1,8 @@
 """Muon under the shared update-scale protocol, with AdamW groups in the same optimizer.
 
 Step for a matrix ``W`` (``m x n``), exactly ``torch.optim.Muon(adjust_lr_fn="match_rms_adamw")``
-when ``tau = 0.2`` (tests compare weights bitwise after several steps):
+when ``tau = 0.2`` and Newton-Schulz runs in bf16 as torch's does (``ns_dtype="bfloat16"``, or
+``"auto"`` on a device with native bf16; tests compare weights bitwise after several steps):
 
 1. ``buf <- buf + (1 - mu) (G - buf)`` (torch's EMA momentum; the paper's ``mu M + G`` (docs/algorithm.md) differs by
    the constant factor ``1 - mu``, which orthogonalization removes);
@@ -24,13 +25,14 @@ from torch import Tensor
 
 from .._base import MatrixOptimizer, _name_of
 from .._dtensor import to_local
+from ..functional import cpu_native
 from . import _common as C
 from ._split import check_split_options, row_parts, row_tiles, tiled_directions
 from .newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_METHODS, NS_STEPS, orthogonalize
 
 MUON_DEFAULTS: dict[str, Any] = dict(
     momentum=0.95, nesterov=True, ns_coefficients=NS_COEFFICIENTS, ns_steps=NS_STEPS, eps=NS_EPS,
-    ns_method="standard", ns_dtype="bfloat16",
+    ns_method="standard", ns_dtype="auto",
 )
 # The fused-weight split (CMuon) of the classes that take it: None = every matrix whole.
 SPLIT_DEFAULTS: dict[str, Any] = dict(split_sizes=None, num_heads=None)
@@ -38,17 +40,34 @@ NS_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": to
              "float64": torch.float64}
 
 
+def resolve_ns_dtype(ns_dtype: "str | torch.dtype", device: "torch.device | str" = "cpu") -> torch.dtype:
+    """The dtype Newton-Schulz runs in for ``ns_dtype`` on ``device``.
+
+    ``"auto"`` (the default): bf16 where the device multiplies bf16 natively (accelerators; CPUs with
+    AVX512-BF16/AMX, as oneDNN reports it), fp32 on other CPUs, where torch emulates bf16 products in
+    a scalar loop many times slower than fp32 (docs/timing.md). A name or a dtype is taken as given
+    on every device, so a test or a user can force either path anywhere.
+    """
+    if isinstance(ns_dtype, str) and ns_dtype != "auto":
+        return NS_DTYPES[ns_dtype]
+    if isinstance(ns_dtype, torch.dtype):
+        return ns_dtype
+    if torch.device(device).type != "cpu":
+        return torch.bfloat16
+    return torch.bfloat16 if cpu_native(torch.bfloat16) else torch.float32
+
+
 def ns_options(group: dict[str, Any]) -> dict[str, Any]:
-    """``orthogonalize`` keyword arguments of a group (``ns_dtype`` may be a name or a dtype)."""
-    dt = group["ns_dtype"]
-    return dict(method=group["ns_method"], dtype=NS_DTYPES[dt] if isinstance(dt, str) else dt)
+    """``orthogonalize`` keyword arguments of a group (``ns_dtype`` a name, ``"auto"`` or a dtype)."""
+    device = group["params"][0].device if group.get("params") else "cpu"
+    return dict(method=group["ns_method"], dtype=resolve_ns_dtype(group["ns_dtype"], device))
 
 
 def check_ns_options(group: dict[str, Any]) -> None:
     C.check_choice(group, "ns_method", NS_METHODS)
     dt = group["ns_dtype"]
-    if not ((isinstance(dt, str) and dt in NS_DTYPES) or dt in NS_DTYPES.values()):
-        raise ValueError(f"ns_dtype must be one of {tuple(NS_DTYPES)} (or the torch dtype), got {dt!r}")
+    if not ((isinstance(dt, str) and (dt == "auto" or dt in NS_DTYPES)) or dt in NS_DTYPES.values()):
+        raise ValueError(f"ns_dtype must be 'auto' or one of {tuple(NS_DTYPES)} (or the torch dtype), got {dt!r}")
 
 
 class _MuonFamily(MatrixOptimizer):
@@ -126,7 +145,8 @@ class Muon(_MuonFamily):
     ``match_rms_adamw``), ``momentum`` (0.95), ``nesterov`` (True), ``ns_coefficients``,
     ``ns_steps`` (5), ``eps`` (1e-7), ``ns_method`` (``"standard"`` NS5 or ``"gram"``: the same
     iteration on the short side's Gram matrix, fewer FLOPs on non-square matrices; see
-    ``gram_ns``), ``ns_dtype`` (``"bfloat16"`` as torch; ``"float64"`` for exact comparisons),
+    ``gram_ns``), ``ns_dtype`` (``"auto"``: bf16 where the device has native bf16 products, as torch's
+    Muon always does, fp32 on CPUs without them; ``"float64"`` for exact comparisons),
     ``adamw_betas``, ``adamw_eps``; ``split_sizes`` and ``num_heads`` (``None``: CMuon's split of
     fused weights, see ``_split``; ``split_sizes="qkv"`` cuts every ``3n x n`` matrix in three).
     """

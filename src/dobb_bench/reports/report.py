@@ -278,7 +278,21 @@ def plain_summary(finals: list[dict], shapes: list[tuple[int, int]], noise: floa
                      + "; ".join(parts)
                      + ("" if gc is None else f"; closes {100 * gc:.0f}% of the AdamW-Muon gap")
                      + f"; cost: {_cost(k, rows, pay)}.")
+    ran = [f"{k} {d}" for k, f in rows.items() for d in [product_dtype(f)] if d]
+    if ran:
+        lines.append("- Matrix products ran in: " + ", ".join(ran) + " (the optimizer step costs above compare "
+                     "these dtypes; a bf16 row on a CPU without native bf16 would be emulated and slow).")
     return "\n".join(lines) + "\n"
+
+
+def product_dtype(final: dict) -> str | None:
+    """The dtype a run's matrix products ran in, as its record names it (Newton-Schulz for the Muon
+    family, projections for Dobb); ``None`` for rows without either (AdamW) or older records."""
+    for g in final.get("optimizer_groups") or []:
+        for key in ("ns_dtype_resolved", "product_dtype_resolved"):
+            if g.get(key) and g.get("algorithm") != "adamw":
+                return str(g[key]).replace("torch.", "")
+    return None
 
 
 def _cost(k: str, rows: dict[str, dict], pay: dict[str, float | None]) -> str:

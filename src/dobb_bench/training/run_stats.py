@@ -65,6 +65,9 @@ def optimizer_options(optimizer) -> list[dict]:
             # the dtype Dobb's products actually ran in on this device (issue 20: records name it)
             dev = g["params"][0].device
             opts["product_dtype_resolved"] = str(dobb.functional.matmul_dtype(g["basis_dtype"], dev, g["product_dtype"]))
+        if "ns_dtype" in g and g["params"]:
+            # the dtype the Muon family's Newton-Schulz actually ran in ("auto" resolves per device)
+            opts["ns_dtype_resolved"] = str(dobb.baselines.resolve_ns_dtype(g["ns_dtype"], g["params"][0].device))
         if opts not in out:
             out.append(opts)
     return out

@@ -58,3 +58,20 @@ def test_summary_tells_a_missing_row_from_a_diverged_one():
                "diverged": False, "model": model}]
     line = next(x for x in report.plain_summary(finals, [(128, 128)]).splitlines() if x.startswith("- Dobb"))
     assert "AdamW: not in this run" in line and "Muon: no finite result" in line
+
+
+def test_summary_names_the_dtype_each_row_ran():
+    model = {"width": 128, "layers": 2}
+
+    def row(run, name, groups):
+        return {"run": run, "optimizer": name, "hparams": {}, "final_val_loss": 1.9, "diverged": False,
+                "model": model, "optimizer_groups": groups}
+
+    finals = [row("AdamW", "adamw", [{"algorithm": "adamw"}]),
+              row("Muon", "muon", [{"algorithm": "muon", "ns_dtype": "auto", "ns_dtype_resolved": "torch.float32"},
+                                   {"algorithm": "adamw", "ns_dtype_resolved": "torch.bfloat16"}]),
+              row("Dobb B=4", "dobb", [{"algorithm": "dobb", "product_dtype_resolved": "torch.float32"}]),
+              row("Old", "dobb", [])]
+    last = report.plain_summary(finals, [(128, 128)]).splitlines()[-1]
+    assert last.startswith("- Matrix products ran in: Muon float32, Dobb B=4 float32 (")
+    assert "AdamW" not in last and "Old" not in last
