@@ -17,6 +17,15 @@ library's own hooks. Reported, with goals:
 
 ``--cpu-smoke`` runs the same code on CPU on two tiny layers (no CUDA graph) in seconds, which is
 how it is tested without a GPU. Writes ``gpu_check.json`` (with provenance) and ``gpu_check.md``.
+
+``--model-check`` instead measures, one matrix shape at a time, the quantities the step projection
+(``dobb-bench project``, ``dobb_bench.cost.projection``) is built from, and prints each next to the
+model's prediction from the committed inputs (H100 SXM): NS5 in bf16 on a whole matrix (the owner's
+work), Dobb's bf16 projections ``U Q`` and ``C Q^T`` on a row shard, its fp32 refresh
+(``A Q`` and Householder QR of one block; ``eigh`` beside it, the first step's basis) and one
+element-wise pass (a 20-byte-an-entry momentum update). Shapes: GPT-2 XL's and Llama-3-8B's.
+With ``--cpu-smoke`` it runs on tiny shapes on CPU (the predictions are still the H100's).
+Writes ``model_check.json`` and ``model_check.md``.
 """
 from __future__ import annotations
 
@@ -153,9 +162,87 @@ def gpu_peaks(device, size: int) -> dict:
     return out
 
 
+# ----------------------------------------------------------------------------- --model-check
+MODEL_SHAPES = {  # (m, n, block width s): whole-matrix NS5, row shard of FS=8, one Dobb block of width s
+    "gpt2-xl q": (1600, 1600, 1600), "gpt2-xl fc": (6400, 1600, 1600), "gpt2-xl proj": (1600, 6400, 1600),
+    "llama3-8b q": (4096, 4096, 1024), "llama3-8b up": (14336, 4096, 1024), "llama3-8b down": (4096, 14336, 3584),
+}
+SMOKE_SHAPES = {"tiny square": (64, 64, 32), "tiny tall": (128, 32, 16)}
+
+
+def _median_ms(fn, device, repeats: int) -> float:
+    fn()
+    return statistics.median(_timed(fn, device) for _ in range(repeats))
+
+
+def model_check(device, shapes: dict, fs: int = 8, repeats: int = 5) -> list[dict]:
+    """Measured and modelled ms of each per-matrix quantity of the projection, per shape."""
+    from dobb.baselines.newton_schulz import newton_schulz
+    from dobb_bench.cost import projection as PJ
+
+    hw = PJ.Hardware.from_inputs(PJ.load_inputs()["hardware"]["h100-sxm"])
+    rows = []
+    for label, (m, n, s) in shapes.items():
+        r = m // fs
+        g = torch.Generator(device=device).manual_seed(0)
+        x = torch.randn(m, n, generator=g, device=device).to(torch.bfloat16)
+        u = torch.randn(r, n, generator=g, device=device).to(torch.bfloat16)
+        q = torch.linalg.qr(torch.randn(n, s, generator=g, device=device))[0].to(torch.bfloat16)
+        a = torch.randn(s, s, generator=g, device=device)
+        a = a @ a.T / s + torch.eye(s, device=device)
+        qb = torch.linalg.qr(torch.randn(s, s, generator=g, device=device))[0]
+        w, gr, mo = (torch.randn(r, n, generator=g, device=device) for _ in range(3))
+        # the model's counts: roofline.step_cost via the projection's helpers
+        ns_flops = PJ._ns_flops(m, n)
+        proj_flops = 4 * r * n * s  # one block's width s over all n columns: r x n x s twice, x 2 FLOPs
+        refresh_flops = 2 * s ** 3 + (4 / 3) * s ** 3  # A Q and Householder QR of one s x s block
+        quantities = [
+            ("NS5 bf16, whole matrix", lambda: newton_schulz(x), ns_flops / hw.bf16_flops),
+            ("Dobb projections bf16, row shard", lambda: ((u @ q) @ q.T), proj_flops / hw.bf16_flops),
+            ("Dobb refresh fp32: A Q + QR, one block", lambda: torch.linalg.qr(a @ qb), refresh_flops / hw.fp32_flops),
+            ("eigh fp32, one block (first step)", lambda: torch.linalg.eigh(a), None),
+            ("element-wise pass, row shard (model: the 20 B an entry minimum)", lambda: (mo.mul_(0.95).add_(gr), w.add_(mo, alpha=-1e-3)),
+             20 * r * n / hw.hbm),
+        ]
+        for what, fn, model_s in quantities:
+            rows.append({"shape": label, "m": m, "n": n, "block": s, "rows_local": r, "quantity": what,
+                         "measured_ms": _median_ms(fn, device, repeats),
+                         "model_ms": None if model_s is None else 1e3 * model_s})
+    return rows
+
+
+def model_check_markdown(rows, device) -> str:
+    md = [f"Measured on {device} against the projection's H100 SXM prediction (dobb_bench.cost.projection):", "",
+          "| shape (m x n, block s, local rows) | quantity | measured ms | model ms | measured / model |",
+          "|---|---|---|---|---|"]
+    for r in rows:
+        ratio = "" if r["model_ms"] is None else f"{r['measured_ms'] / r['model_ms']:.2f}"
+        model = "—" if r["model_ms"] is None else f"{r['model_ms']:.4g}"
+        md.append(f"| {r['shape']} ({r['m']} x {r['n']}, s {r['block']}, {r['rows_local']}) | {r['quantity']} | "
+                  f"{r['measured_ms']:.4g} | {model} | {ratio} |")
+    return "\n".join(md) + "\n"
+
+
+def run_model_check(args, device) -> int:
+    shapes = SMOKE_SHAPES if device.type == "cpu" else MODEL_SHAPES
+    rows = model_check(device, shapes, repeats=2 if device.type == "cpu" else 5)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rec = {"kind": "model_check", "device": str(device),
+           "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+           "rows": rows, "provenance": provenance(sys.argv)}
+    (out / "model_check.json").write_text(json.dumps(rec, indent=1, default=str) + "\n")
+    text = model_check_markdown(rows, rec["device_name"])
+    (out / "model_check.md").write_text(text)
+    print(text)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny CPU run of the same code (for tests)")
+    ap.add_argument("--model-check", action="store_true",
+                    help="measure the per-matrix quantities of dobb-bench project next to its predictions")
     ap.add_argument("--layers", default=None, help="GPT-2 XL layers (default all 48; e.g. 0:4)")
     ap.add_argument("--cycles", type=int, default=3, help="measured Dobb cycles of 9 steps")
     ap.add_argument("--slow-steps", type=int, default=3, help="steps measured for Muon and Dion")
@@ -168,6 +255,8 @@ def main(argv=None) -> int:
             print("gpu_check: no CUDA device (use --cpu-smoke to test the script on CPU)", file=sys.stderr)
             return 2
         device, preset, layers = torch.device("cuda"), "xl", args.layers
+    if args.model_check:
+        return run_model_check(args, device)
     shapes = [s for _, s in matrix_shapes(preset, layers)]
     t_start = time.time()
     bank = Bank(shapes, device)

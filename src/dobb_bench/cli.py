@@ -32,6 +32,7 @@ _COMMAND_MODULES = [  # dotted under dobb_bench; the order is the help's
     "studies.controlled",       # controlled
     "cost.looptime",            # looptime
     "cost.roofline",            # roofline
+    "cost.projection",          # project
 ]
 
 

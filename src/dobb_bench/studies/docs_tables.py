@@ -2,7 +2,8 @@
 
 A table in ``docs/*.md`` sits between ``<!-- table:NAME -->`` and ``<!-- /table -->``; ``TABLES``
 maps each NAME to its generator in the study that owns it (``main_job``, ``operating_point``,
-``family_dash``, ``family_soap``, ``two_sided``, ``refresh_width``). ``report`` checks every record and renders every
+``family_dash``, ``family_soap``, ``two_sided``, ``refresh_width``; the projection's in
+``dobb_bench.cost.projection``). ``report`` checks every record and renders every
 table before it writes a byte, and ``--docs DIR`` points it at another docs folder.
 ``tests/bench/test_docs_tables.py`` fails when a docs table differs from its regeneration or rests
 on a record from a dirty tree. To add a study's table: a generator ``() -> (markdown, records)``
@@ -15,6 +16,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from dobb_bench.cost import projection
 from dobb_bench.cost.payload import relative_payload
 from dobb_bench.reports import records as R
 from dobb_bench.reports.figure_check import scan
@@ -22,7 +24,7 @@ from dobb_bench.reports.report import _pyplot, _typed
 from dobb_bench.reports.tables import _group, _loss, stats
 from dobb_bench.studies import family_dash, family_soap, main_job, operating_point, refresh_width, two_sided
 
-_STUDIES = (main_job, operating_point, family_dash, family_soap, two_sided, refresh_width)
+_STUDIES = (main_job, operating_point, family_dash, family_soap, two_sided, refresh_width, projection)
 TABLES = {}
 for _module in _STUDIES:
     _clash = set(TABLES) & set(_module.TABLES)

@@ -1,0 +1,161 @@
+"""dobb_bench.cost.projection: each method's terms against hand-computed values on one small
+matrix, the collective rules, the model shapes against published parameter counts, the committed
+record against a rebuild from the committed inputs, and scripts/gpu_check.py --model-check on CPU."""
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from dobb_bench.cost import projection as PJ
+
+# round numbers, so every expected value below is done by hand
+HW = PJ.Hardware(bf16_flops=1e12, fp32_flops=1e11, hbm=1e11, nvlink=1e10, internode=1e9, gpus_per_node=8,
+                 lat_intra=1e-5, lat_inter=2e-5)
+MAT = [PJ.Matrix("h0.q", 8, 4, True)]  # 8 x 4, column-parallel
+LAY = PJ.Layout(fs=2)  # rank-local shard: 4 x 4 = 16 entries
+
+
+def _ms(seconds):
+    return 1e3 * seconds
+
+
+def test_adamw_is_28_bytes_an_entry_over_hbm():
+    got = PJ.project({"kind": "adamw"}, MAT, 10, LAY, HW)
+    # 16 local matrix entries + 10 / 2 other entries, 28 bytes each, over 1e11 B/s
+    assert got["amortized_ms"] == pytest.approx(_ms(28 * (16 + 5) / 1e11))
+    assert got["matmul_ms"] == 0 and got["link_ms"] == 0 and got["latency_ms"] == 0
+
+
+def test_owner_muon_terms_by_hand():
+    got = PJ.project({"kind": "owner-muon", "ns_bytes": 2}, MAT, 0, LAY, HW)
+    assert got["hbm_ms"] == pytest.approx(_ms(20 * 16 / 1e11))
+    # NS5 on 8 x 4: a = 4, b = 8: 5 (4 a^2 b + 2 a^3) = 5 (512 + 128) = 3200; one matrix: the owner does all of it
+    assert got["matmul_ms"] == pytest.approx(_ms(3200 / 1e12))
+    # payload 2 m n = 64 entries; per rank 64 / 2 of it, half leaves the rank, 2 bytes: 32 B over NVLink
+    assert got["link_ms"] == pytest.approx(_ms(32 / 1e10))
+    assert got["latency_ms"] == pytest.approx(_ms(2 * 1e-5))  # there and back, one megabatch
+    assert got["amortized_ms"] == pytest.approx(_ms(3.2e-9 + 3.2e-9 + 3.2e-9 + 2e-5))
+
+
+def test_muonbp_amortizes_the_owner_full_step():
+    block = PJ.project({"kind": "muonbp", "period": 5, "ns_bytes": 2}, MAT, 0, LAY, HW)
+    # block step: NS5 on the local 4 x 4: 5 (4 * 64 + 2 * 64) = 1920 FLOPs
+    assert block["steady_ms"] == pytest.approx(_ms(20 * 16 / 1e11 + 1920 / 1e12))
+    owner = PJ.project({"kind": "owner-muon", "ns_bytes": 2}, MAT, 0, LAY, HW)
+    assert block["periodic_ms"] == pytest.approx(owner["amortized_ms"])
+    assert block["amortized_ms"] == pytest.approx((4 * block["steady_ms"] + owner["amortized_ms"]) / 5)
+
+
+def test_dion2_per_shard_orthogonalizes_a_quarter_of_the_local_rows():
+    got = PJ.project({"kind": "dion2-shard", "fraction": 0.25}, MAT, 0, LAY, HW)
+    # k = round(0.25 * 4) = 1 row of 4: a = 1, b = 4: 5 (4 * 1 * 4 + 2) = 90 FLOPs, no collective
+    assert got["matmul_ms"] == pytest.approx(_ms(90 / 1e12))
+    assert got["link_ms"] == 0 and got["latency_ms"] == 0
+
+
+def test_dobb_steady_refresh_and_statistic_by_hand():
+    got = PJ.project({"kind": "dobb", "blocks": 2, "refresh_every": 4}, MAT, 0, LAY, HW)
+    # local 4 x 4, blocks of s = 4 / 2 = 2 over the 4 columns
+    steady = (20 * 16 + 2 * 8) / 1e11 + 4 * 4 * 4 * 2 / 1e12  # bytes + bf16 basis; 4 rows k s
+    # refresh: A Q 2 k s^2 = 32, QR 2 x (4/3) 8 = 21.33 fp32 FLOPs; EMA 4*3*8 + basis 2*2*8 = 128 B;
+    # statistic all-reduce of sum s^2 = 8 fp32 entries over fs x dp = 2 ranks: 2 * 8 * 1/2 * 4 = 32 B
+    refresh = (32 + 64 / 3) / 1e11 + 128 / 1e11 + 32 / 1e10 + 1e-5
+    assert got["steady_ms"] == pytest.approx(_ms(steady))
+    assert got["periodic_ms"] == pytest.approx(_ms(steady + refresh))
+    assert got["amortized_ms"] == pytest.approx(_ms(steady + refresh / 4))
+    no_sync = PJ.project({"kind": "dobb", "blocks": 2, "refresh_every": 4}, MAT, 0, LAY, HW, stat_sync=False)
+    assert no_sync["periodic_ms"] == pytest.approx(_ms(steady + refresh - 32 / 1e10 - 1e-5))
+
+
+def test_dobb_blocks_are_cut_at_tp_shard_boundaries():
+    row_parallel = [PJ.Matrix("h0.o", 4, 8, False)]
+    got = PJ.project({"kind": "dobb", "blocks": 1, "refresh_every": 1}, row_parallel, 0, PJ.Layout(fs=1, tp=2), HW)
+    # TP 2 splits the 8 columns: local 4 x 4, one 4-wide block (not 8): 4 r k s = 256 bf16 FLOPs;
+    # refresh 2 * 4 * 16 + (4/3) 64 fp32; statistic over fs x dp = 1 rank: no collective
+    assert got["matmul_ms"] == pytest.approx(_ms(256 / 1e12 + (128 + 256 / 3) / 1e11))
+    assert got["link_ms"] == 0
+
+
+def test_two_sided_adds_the_output_side():
+    one = PJ.project({"kind": "dobb", "blocks": 1, "refresh_every": 9}, MAT, 0, LAY, HW, stat_sync=False)
+    both = PJ.project({"kind": "dobb-both", "blocks": 1, "out_blocks": 4, "refresh_every": 9}, MAT, 0, LAY, HW,
+                      stat_sync=False)
+    # output blocks: min(8 / 4, 4 local rows) = 2: 4 k r s_out = 4 * 4 * 4 * 2 = 128 bf16 FLOPs, basis 2 * 4 * 2 B
+    assert both["steady_ms"] - one["steady_ms"] == pytest.approx(_ms(128 / 1e12 + 16 / 1e11))
+
+
+def test_collective_rules():
+    # ring inside a node (2 ranks): NVLink; across nodes (16 ranks): the per-GPU link
+    assert PJ.ring_time(1e6, 2, 1, HW) == (pytest.approx(1e6 / 1e10), 1e-5)
+    assert PJ.ring_time(1e6, 16, 1, HW) == (pytest.approx(1e6 / 1e9), 2e-5)
+    assert PJ.ring_time(1e6, 2, 8, HW)[0] == pytest.approx(1e6 / 1e9)  # stride 8: one rank per node
+    # all-to-all over 16 ranks: 7 of 15 peers on the node, 8 off it, sent at once
+    link, lat = PJ.all_to_all_time(15e6, 16, 1, HW)
+    assert link == pytest.approx(max(7e6 / 1e10, 8e6 / 1e9)) and lat == 2e-5
+    assert PJ.ring_time(1e6, 1, 1, HW) == (0.0, 0.0)
+
+
+def test_model_shapes_match_published_parameter_counts():
+    inputs = PJ.load_inputs()
+    mats, other = PJ.model_matrices(inputs["models"]["llama3-8b"])
+    assert len(mats) == 32 * 7
+    assert sum(x.m * x.n for x in mats) + other == 8_030_261_248  # Meta's Llama-3-8B count
+    mats, other = PJ.model_matrices(inputs["models"]["gpt2-xl"])
+    assert sum(x.m * x.n for x in mats) + other == 1_557_611_200  # Hugging Face gpt2-xl
+    assert {x.name.split(".")[1] for x in mats if not x.colwise} == {"o", "proj"}
+
+
+def test_bad_inputs_raise():
+    with pytest.raises(ValueError, match="fs"):
+        PJ.Layout(fs=0)
+    with pytest.raises(ValueError, match="unknown method kind"):
+        PJ.project({"kind": "sgd"}, MAT, 0, LAY, HW)
+
+
+def test_every_input_names_its_source():
+    inputs = PJ.load_inputs()
+    for hw in inputs["hardware"].values():
+        assert all(v.get("source") for v in hw.values())
+    assert all(m.get("source") for m in inputs["models"].values())
+
+
+def test_committed_record_is_the_inputs_rebuilt():
+    rec = json.loads(PJ.RECORD.read_text())
+    fresh = PJ.build(PJ.load_inputs())
+    assert rec["inputs"] == PJ.load_inputs()
+    for key in ("rows", "calibration"):
+        assert len(rec[key]) == len(fresh[key])
+        for a, b in zip(rec[key], fresh[key]):
+            for k, v in b.items():
+                if isinstance(v, float):
+                    assert a[k] == pytest.approx(v, rel=1e-12), (key, k)
+                elif k != "terms":
+                    assert a[k] == v, (key, k)
+    assert rec["provenance"]["git_dirty"] is False and rec["provenance"]["git_rev"]
+
+
+def test_project_command_writes_record_table_and_plot(tmp_path):
+    from dobb_bench.cli import main
+
+    assert main(["project", "--out", str(tmp_path)]) == 0
+    rec = json.loads((tmp_path / "projection.json").read_text())
+    assert (tmp_path / "projected_step.png").stat().st_size > 0
+    assert "| gpt2-xl | Dobb B=4 |" in PJ.projection_markdown(rec)
+    assert all(math.isfinite(c["ratio"]) for c in rec["calibration"])
+
+
+def test_gpu_check_model_check_cpu(tmp_path):
+    path = Path(__file__).resolve().parents[3] / "scripts" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--cpu-smoke", "--model-check", "--out", str(tmp_path)]) == 0
+    rec = json.loads((tmp_path / "model_check.json").read_text())
+    hw = PJ.Hardware.from_inputs(PJ.load_inputs()["hardware"]["h100-sxm"])
+    ns = [r for r in rec["rows"] if r["quantity"].startswith("NS5")]
+    assert len(ns) == len(mod.SMOKE_SHAPES)
+    # 64 x 64: 5 (4 * 64^3 + 2 * 64^3) FLOPs at the H100's bf16 peak
+    assert ns[0]["model_ms"] == pytest.approx(1e3 * 5 * 6 * 64 ** 3 / hw.bf16_flops)
+    assert all(r["measured_ms"] > 0 for r in rec["rows"])
