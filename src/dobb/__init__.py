@@ -10,6 +10,7 @@ from .baselines import RMNP, BlockMuon, Dion, Dion2, Dion3, Muon, NorMuon, Owner
 from .baselines.dash import Dash, Shampoo
 from .baselines.newton_muon import NewtonMuon
 from .baselines.soap import SOAP
+from .baselines.splus import SPlus
 from .dobb import Dobb
 from .factory import OPTIMIZER_NAMES, build_optimizer, valid_hparams
 from .groups import param_groups, split_parameters
@@ -19,4 +20,5 @@ __all__ = ["Dobb", "Muon", "Dion", "RMNP", "PeriodicRowMuon", "BlockMuon", "Dion
            "split_parameters", "functional", "registry"]
 __all__ += ["Dash", "Shampoo"]
 __all__ += ["SOAP", "NewtonMuon"]
+__all__ += ["SPlus"]
 __version__ = "0.1.0"

@@ -30,6 +30,7 @@ from .baselines import RMNP, BlockMuon, Dion, Dion2, Dion3, Muon, NorMuon, Owner
 from .baselines.dash import Dash, Shampoo
 from .baselines.newton_muon import NewtonMuon
 from .baselines.soap import SOAP
+from .baselines.splus import SPlus
 from .dobb import Dobb
 
 __all__ = ["Entry", "OPTIMIZERS", "OPTIMIZER_NAMES", "GROUPING_KEYS", "get", "valid_hparams",
@@ -137,6 +138,8 @@ _ENTRIES = (
     # sharded here; a sharded step would gather each matrix as Muon does, hence "dense"
     Entry("soap", SOAP, "SOAP", payload="dense", state="soap", blocks_side="input"),
     Entry("newton-muon", NewtonMuon, "Newton-Muon", payload="dense", state="newton-muon", blocks_side="input"),
+    # SPlus: sign of the momentum in the eigenbases of G G^T and G^T G (blocks/out_blocks within shards)
+    Entry("splus", SPlus, "SPlus", payload="splus", state="splus", blocks_side="input"),
 )
 
 

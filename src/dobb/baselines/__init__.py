@@ -20,9 +20,11 @@ from .pr_muon import PeriodicRowMuon
 from .rmnp import RMNP
 from .samuon import SAMuon
 from .soap import SOAP
+from .splus import SPlus
 from .newton_muon import NewtonMuon
 
 __all__ = ["Muon", "Dion", "RMNP", "PeriodicRowMuon", "BlockMuon", "Dion2", "newton_schulz",
            "orthogonalize", "row_normalize", "dion_step", "dion2_step", "NS_COEFFICIENTS",
            "gram_newton_schulz", "NorMuon", "normuon_normalize", "Dion3", "dion3_step", "OwnerMuon",
            "SAMuon", "Dash", "Shampoo", "SOAP", "NewtonMuon", "resolve_ns_dtype"]
+__all__ += ["SPlus"]

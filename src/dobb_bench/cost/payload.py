@@ -29,7 +29,13 @@ normuon             ``mn`` (as muon)                    ``mn``
 owner-muon          ``2 mn`` (shards to owner, back)    ``2 mn``
 owner-placement     0 (whole matrix on its owner)       0
 dash, shampoo       0 (tiles within shards)             0 (tiles within shards)
+splus (Bi, Bo, T)   ``sum_c n_c^2 / T`` (G^T G blocks)  ``sum_b m_b^2 / T`` (G G^T blocks)
 ==================  ==================================  ==================================
+
+SPlus's step is shard-local when its blocks of the sharded axis lie within shards (``out_blocks``
+under a sharded ``m``, ``blocks`` under a sharded ``n``); the other side's Gram blocks sum over the
+shards and are all-reduced on each refresh, every ``T = inverse_every`` steps (amortized per step;
+a side of length ``>= max_dim`` has no statistic).
 
 Owner compute (``owner-muon``, the ``dion`` package's megabatching) moves each matrix's shards to
 one owner rank and the result back: twice Muon's logical count, but NS5 runs once per matrix
@@ -229,10 +235,23 @@ def _pay_dobb(m, n, hp, sharded, shards):
     return float(total)
 
 
+def _pay_splus(m, n, hp, sharded, shards):
+    limit, every = int(hp["max_dim"]), int(hp["inverse_every"])
+    total = 0.0
+    for side, size, other, blocks in (("input", n, m, _blocks(hp)), ("output", m, n, int(hp["out_blocks"]))):
+        if size >= limit:  # no statistic, identity basis
+            continue
+        if side == sharded:
+            total += sum(_straddling(size, blocks, shards)) * other
+        else:  # the Gram blocks of this side sum over the sharded axis: all-reduced per refresh
+            total += _stat_size(size, blocks) / every
+    return float(total)
+
+
 PAYLOAD_FORMULAS: dict[str, Callable[..., float]] = {
     "none": _pay_none, "dense": _pay_dense, "owner": _pay_owner, "dion": _pay_dion, "rmnp": _pay_rmnp,
     "pr-muon": _pay_pr_muon, "selected-rows": _pay_selected_rows, "block-muon": _pay_block_muon,
-    "dobb": _pay_dobb,
+    "dobb": _pay_dobb, "splus": _pay_splus,
 }
 
 
@@ -406,7 +425,19 @@ def _state_newton_muon(m, n, hp, mn, out_shards, in_shards):  # + fp32 statistic
     return mn + int(hp["blocks"]) * 2 * 4 * nb * nb
 
 
-STATE_FORMULAS.update({"soap": _state_soap, "newton-muon": _state_newton_muon})
+def _state_splus(m, n, hp, mn, out_shards, in_shards):
+    """Momentum and iterate average (weight-shaped, the weight's dtype), plus fp32 statistic and
+    basis per side of length ``< max_dim``, row-stacked ``(k, s_max)``: the blocked axis' buffers
+    split over its shards, the other side's (a partial sum per rank) whole on every rank."""
+    limit = int(hp["max_dim"])
+    total = 2 * mn
+    for size, blocks, shards in ((n, _blocks(hp), in_shards), (m, int(hp["out_blocks"]), out_shards)):
+        if size < limit:
+            total += size * -(-size // min(blocks, size)) * 2 * 4 / shards
+    return total
+
+
+STATE_FORMULAS.update({"soap": _state_soap, "newton-muon": _state_newton_muon, "splus": _state_splus})
 
 
 def _dtype_bytes(dtype) -> int:

@@ -24,6 +24,7 @@ RECORDS = ROOT / "docs" / "results" / "records"  # read at call time: use_docs()
 DOCS = ROOT / "docs"
 _KEEP = ("run", "optimizer", "hparams", "lr", "weight_decay", "steps", "tokens", "diverged",
          "final_val_loss", "final_val_bpb", "best_val_loss", "final_train_loss", "tokens_per_s",
+         "eval_weights",  # "iterate-ema": validated with the optimizer's averaged weights (SPlus)
          "opt_ms_per_step", "train_wall_s", "train_cpu_s", "threads", "world", "device", "dist",
          "n_params", "model", "train", "optimizer_groups", "corpus", "provenance")
 TABLE = re.compile(r"(<!-- table:([\w.-]+) -->\n)(.*?)(<!-- /table -->)", re.S)

@@ -210,6 +210,12 @@ def evaluate(model, corpus: Corpus, offsets: np.ndarray, seq_len: int, batch_siz
     return (total[0] / total[1]).item()
 
 
+def eval_weights(optimizer) -> str:
+    """Which weights validation uses: ``"iterate-ema"`` for an optimizer that keeps an average of
+    its iterates and swaps it in with ``eval()``/``train()`` (SPlus), else ``"raw"``."""
+    return getattr(optimizer, "eval_weights", "raw")
+
+
 class Run:
     """State of one training run; ``run()`` executes it (see ``run_training``)."""
 
@@ -437,14 +443,22 @@ class Run:
         return env.all_mean([(loss_sum / k_total).item()])[0]
 
     def _eval_record(self) -> dict:
-        loss = evaluate(self.model, self.corpus, self.eval_offsets, self.seq_len,
-                        self.cfg.eval_batch_size, self.env)
+        weights = eval_weights(self.optimizer)
+        if weights != "raw":  # the optimizer's averaged weights in, the raw ones back after
+            self.optimizer.eval()
+        try:
+            loss = evaluate(self.model, self.corpus, self.eval_offsets, self.seq_len,
+                            self.cfg.eval_batch_size, self.env)
+        finally:
+            if weights != "raw":
+                self.optimizer.train()
         bpb = loss / math.log(2) / self.corpus.bytes_per_token if self.corpus.bytes_per_token else None
         train = self.acc[0] / self.acc[1] if self.acc[1] else None
         self.acc = [0.0, 0]
         tokens = self.step * self.cfg.batch_size * self.seq_len
         return {"type": "eval", **self.meta, "step": self.step, "tokens": tokens, "val_loss": loss,
-                "val_bpb": bpb, "train_loss": train, "lr_now": self.scheduler.get_last_lr()[0]}
+                "val_bpb": bpb, "train_loss": train, "lr_now": self.scheduler.get_last_lr()[0],
+                "eval_weights": weights}
 
     def _write_metrics(self, final: dict | None = None) -> None:
         if self.out is not None and self.env.rank == 0:
@@ -526,6 +540,7 @@ class Run:
             "final_val_loss": float("nan") if self.diverged else last.get("val_loss"),
             "final_val_bpb": None if self.diverged else last.get("val_bpb"),
             "best_val_loss": min(finite) if finite else None,
+            "eval_weights": eval_weights(self.optimizer),
             "final_train_loss": self.train_losses[-1] if self.train_losses else None,
             "tokens_per_s": steps * self.cfg.batch_size * self.seq_len / max(self.train_time, 1e-9),
             "opt_ms_per_step": 1e3 * self.opt_time / max(1, self.opt_steps_timed),

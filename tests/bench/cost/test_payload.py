@@ -241,3 +241,25 @@ def test_split_refresh_basis_broadcast_per_refresh():
     assert P.dp_basis_entries("dobb", 768, 3072, {"blocks": 1}) == 0  # off by default
     assert P.dp_basis_entries("dobb", 768, 3072, {"blocks": 1, "source": "grad_gram", **split}) == 0
     assert P.dp_basis_entries("muon", 768, 3072, split) == 0
+
+
+def test_splus_payload_and_state_hand_values():
+    """SPlus: the sharded side's blocks within shards cost nothing per step; the other side's Gram
+    blocks are all-reduced per refresh (every inverse_every steps); a side at max_dim has none."""
+    hp = dict(blocks=2, out_blocks=4, inverse_every=10)
+    # rows sharded over 4: out_blocks=4 lie within shards; G^T G's two 16x16 blocks every 10 steps
+    assert P.payload_entries("splus", 64, 32, hp, sharded="output", shards=4) == 2 * 16 * 16 / 10
+    # columns sharded over 4 (shards of 8): blocks=2 (two of 16) straddle bounds, charged their slabs
+    assert P.payload_entries("splus", 64, 32, hp, sharded="input", shards=4) == 2 * 16 * 64 + 4 * 16 * 16 / 10
+    assert P.payload_entries("splus", 64, 32, dict(hp, blocks=4), sharded="input", shards=4) == 4 * 16 * 16 / 10
+    # out_blocks=1 under row sharding: the one 64-row block straddles every bound (its dense slab)
+    assert P.payload_entries("splus", 64, 32, dict(hp, out_blocks=1), sharded="output", shards=4) == 64 * 32 + 2 * 16 * 16 / 10
+    # max_dim=32: the 32-column side keeps no statistic, nothing is reduced
+    assert P.payload_entries("splus", 64, 32, dict(hp, max_dim=32), sharded="output", shards=4) == 0.0
+    assert P.payload_entries("splus", 64, 32, hp, shards=1) == 0.0
+    # defaults: inverse_every=100, blocks=out_blocks=1
+    assert P.payload_entries("splus", 768, 3072, sharded="output", shards=4) == 768 * 3072 + 3072**2 / 100
+    # state: momentum + average (weight dtype, 2 mn) + fp32 stat and basis per side (k * ceil(k/B) * 8)
+    assert P.derived_state_bytes("splus", 64, 32, hp) == 2 * 64 * 32 * 4 + 32 * 16 * 8 + 64 * 16 * 8
+    assert P.derived_state_bytes("splus", 64, 32, hp, out_shards=4) == 2 * 64 * 32 + 32 * 16 * 8 + 64 * 16 * 2
+    assert P.derived_state_bytes("splus", 64, 32, dict(hp, max_dim=64)) == 2 * 64 * 32 * 4 + 32 * 16 * 8

@@ -177,3 +177,29 @@ def test_planted_pickle_payload_is_refused(tmp_path, corpus, tiny_model_cfg, tin
         torch.save([{"evil": _Payload(marker)}], folder / "extra.pt")
         T.safe_load(folder / "extra.pt")
     assert not marker.exists()
+
+
+def test_validation_uses_the_iterate_average_where_the_optimizer_keeps_one(corpus, tiny_model_cfg, tiny_train_cfg,
+                                                                            adamw_factory):
+    """SPlus keeps an average of its iterates: every eval swaps it in (opt.eval()) and the raw
+    weights back (opt.train()), and the records say which weights were validated."""
+    import functools
+
+    from dobb_bench.training.commands_train import make_optimizer
+
+    factory = functools.partial(make_optimizer, "splus", {"inverse_every": 2, "ema_rate": 0.5}, 0.05, 0.0)
+    run = T.Run(tiny_model_cfg, tiny_train_cfg, corpus, factory)
+    final = run.run()
+    assert final["eval_weights"] == "iterate-ema" and all(e["eval_weights"] == "iterate-ema" for e in run.evals)
+    opt = run.optimizer
+    assert not opt._in_eval()  # training resumed on the raw weights
+    raw = [p.detach().clone() for p in run.model.parameters()]
+    args = (run.model, corpus, run.eval_offsets, run.seq_len, tiny_train_cfg.eval_batch_size, run.env)
+    on_raw = T.evaluate(*args)
+    opt.eval()
+    on_average = T.evaluate(*args)
+    opt.train()
+    assert all(torch.equal(p, r) for p, r in zip(run.model.parameters(), raw))
+    assert run.evals[-1]["val_loss"] == on_average != on_raw
+    plain = run_training(tiny_model_cfg, tiny_train_cfg, corpus, adamw_factory)
+    assert plain["eval_weights"] == "raw" and all(e["eval_weights"] == "raw" for e in plain["evals"])
