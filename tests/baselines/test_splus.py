@@ -253,3 +253,25 @@ def test_registry_validates_its_hyperparameters():
         dobb.build_optimizer("splus", _model(), lr=0.1, inverse_every="often")
     with pytest.raises(ValueError, match="momentum"):
         dobb.build_optimizer("splus", _model(), lr=0.1, momentum=0.9)
+
+
+def test_adamw_lr_ratio_steps_the_other_parameters_as_torch_adamw_at_the_scaled_lr():
+    # one step from the same weights and gradients (later gradients depend on the matrices' steps)
+    model, ref = _model(), _model()
+    opt = dobb.build_optimizer("splus", model, lr=0.2, weight_decay=0.1, adamw_lr_ratio=0.025)
+    names = {id(p): n for n, p in model.named_parameters()}
+    ref_params = dict(ref.named_parameters())
+    adamw_groups = [g for g in opt.param_groups if g["algorithm"] == "adamw"]
+    torch_opt = torch.optim.AdamW([{"params": [ref_params[names[id(p)]] for p in g["params"]],
+                                    "weight_decay": g["weight_decay"]} for g in adamw_groups],
+                                  lr=0.2 * 0.025, betas=(0.9, 0.95), eps=1e-8)
+    _step(model, opt, 0)
+    torch_opt.zero_grad()
+    ref(torch.randn(5, 6, generator=torch.Generator().manual_seed(0))).square().mean().backward()
+    torch_opt.step()
+    others = [p for g in adamw_groups for p in g["params"]]
+    assert others
+    for p in others:
+        assert torch.equal(p.detach(), ref_params[names[id(p)]].detach())
+    with pytest.raises(ValueError, match="adamw_lr_ratio"):
+        dobb.build_optimizer("splus", _model(), lr=0.2, adamw_lr_ratio=0.0)

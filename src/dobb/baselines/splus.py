@@ -67,7 +67,7 @@ __all__ = ["SPlus", "splus_direction"]
 
 SPLUS_DEFAULTS: dict[str, Any] = dict(
     b1=0.9, b2=0.999, ema_rate=0.999, eps=1e-30, inverse_every=100, max_dim=10000,
-    nonstandard_constant=0.001, blocks=1, out_blocks=1,
+    nonstandard_constant=0.001, blocks=1, out_blocks=1, adamw_lr_ratio=1.0,
 )
 
 
@@ -118,7 +118,10 @@ class SPlus(MatrixOptimizer):
     momentum), ``b2`` (0.999, statistics), ``ema_rate`` (0.999, iterate average), ``eps`` (1e-30,
     added to the statistics' diagonal before ``eigh``), ``inverse_every`` (100), ``max_dim``
     (10000), ``nonstandard_constant`` (0.001), ``blocks`` (1: diagonal blocks of ``Q_R``),
-    ``out_blocks`` (1: diagonal blocks of ``Q_L``), ``adamw_betas``, ``adamw_eps``; ``tau`` unused.
+    ``out_blocks`` (1: diagonal blocks of ``Q_L``), ``adamw_betas``, ``adamw_eps``,
+    ``adamw_lr_ratio`` (1.0: the ``"adamw"`` groups step with ``lr * adamw_lr_ratio``; SPlus's
+    ``lr`` is a per-sign-entry scale over ``(m + n) / 2``, so its good values (about 0.1-0.5) are far
+    above AdamW's, and a ratio lets the other parameters keep an AdamW lr); ``tau`` unused.
     """
 
     algorithm = "splus"
@@ -135,6 +138,13 @@ class SPlus(MatrixOptimizer):
     def _check_group(self, group: dict[str, Any]) -> None:
         super()._check_group(group)
         C.check_unit_interval(group, "ema_rate")  # AdamW groups keep an iterate average too
+        C.check_positive(group, "adamw_lr_ratio")
+
+    def _adamw_inputs(self, group: dict[str, Any]) -> tuple[list, dict]:
+        lists, kwargs = super()._adamw_inputs(group)
+        if group["adamw_lr_ratio"] != 1.0:
+            kwargs["lr"] = kwargs["lr"] * group["adamw_lr_ratio"]
+        return lists, kwargs
 
     def _check_matrix_group(self, group: dict[str, Any]) -> None:
         for key in ("b1", "b2"):
