@@ -24,6 +24,8 @@ pr-muon (K)         ``mn / K``                          ``(mn + (K-1) m) / K``
 block-muon, axis 0  0 (row blocks within shards)        ``mn`` (every block spans shards)
 block-muon, axis 1  ``mn`` (every block spans shards)   0 (column blocks within shards)
 dion2 (fraction a)  ``k n``, ``k = round(a m)`` rows    ``k n``
+dion2, select=shard 0 (rows chosen within shards)       ``k n`` (rows span every shard)
+muonbp (period P)   ``2 mn / P`` (owner full step)      ``2 mn / P`` (blocks follow the shards)
 dion3 (fraction a)  ``k n`` (as dion2)                  ``k n``
 normuon             ``mn`` (as muon)                    ``mn``
 owner-muon          ``2 mn`` (shards to owner, back)    ``2 mn``
@@ -198,6 +200,18 @@ def _pay_selected_rows(m, n, hp, sharded, shards):  # k selected rows (dobb.base
     return float(max(1, round(_fraction(hp, "fraction") * m)) * n)
 
 
+def _pay_muonbp(m, n, hp, sharded, shards):
+    """Block steps: blocks run along the sharded axis (a DTensor's shards are its blocks), so only a
+    block straddling a shard boundary (refused by the library) would cross; every ``P``-th step the
+    whole matrix goes to its owner and back (``2 mn``, as owner-muon). Amortized over ``P``."""
+    period = int(hp["period"])
+    if period < 0:
+        raise ValueError(f"period must be >= 0 (0: no full step), got {period}")
+    size, other = (m, n) if sharded == "output" else (n, m)
+    block = sum(_straddling(size, _blocks(hp), shards)) * other
+    return float(block if period == 0 else (2 * m * n + (period - 1) * block) / period)
+
+
 def _pay_block_muon(m, n, hp, sharded, shards):
     axis = int(hp["axis"])  # 1: column blocks (input axis), 0: row blocks (output axis)
     blocked = "input" if axis == 1 else "output"
@@ -232,7 +246,7 @@ def _pay_dobb(m, n, hp, sharded, shards):
 PAYLOAD_FORMULAS: dict[str, Callable[..., float]] = {
     "none": _pay_none, "dense": _pay_dense, "owner": _pay_owner, "dion": _pay_dion, "rmnp": _pay_rmnp,
     "pr-muon": _pay_pr_muon, "selected-rows": _pay_selected_rows, "block-muon": _pay_block_muon,
-    "dobb": _pay_dobb,
+    "dobb": _pay_dobb, "muonbp": _pay_muonbp,
 }
 
 

@@ -49,6 +49,19 @@ def test_derived_baselines():
     assert P.payload_entries("block-muon", m, n, {"blocks": 4, "axis": 0}, sharded="output", shards=4) == 0
 
 
+def test_muonbp_is_the_owner_full_step_amortized():
+    m, n = 8, 6  # mn = 48; a full step sends the shards to the owner and the result back: 96
+    for axis in ("output", "input"):  # the block steps' blocks follow the sharded axis: 0
+        assert P.payload_entries("muonbp", m, n, {"period": 4}, sharded=axis, shards=4) == 96 / 4
+        assert P.payload_entries("muonbp", m, n, {"period": 0}, sharded=axis, shards=4) == 0
+        assert P.payload_entries("muonbp", m, n, {"period": 1}, sharded=axis) == P.payload_entries("owner-muon", m, n)
+    assert P.payload_entries("muonbp", m, n, sharded="output") == 96 / 5  # the class' default period
+    # 2 row blocks of 4 over 4 shards of 2 rows straddle (48 on each block step): (96 + 2 * 48) / 3
+    assert P.payload_entries("muonbp", m, n, {"period": 3, "blocks": 2}, sharded="output", shards=4) == 64
+    with pytest.raises(ValueError, match="period"):
+        P.payload_entries("muonbp", m, n, {"period": -1})
+
+
 def test_straddling_blocks_are_charged_their_slab():
     # m=8 rows over 4 shards (2 rows each); Dobb-G with 2 blocks of 4 rows: both straddle a boundary
     assert P.payload_entries("dobb-g", 8, 3, {"blocks": 2}, sharded="output", shards=4) == 8 * 3
