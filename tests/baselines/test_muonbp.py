@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import dobb
-from _baseline_refs import mlp, ns5_reference, randn, train
+from _baseline_refs import mlp, muonbp_reference as reference, ns5_reference, randn, train
 from dobb.baselines import BlockMuon, Muon, MuonBP
 
 F64 = dict(ns_dtype="float64")
@@ -40,26 +40,6 @@ def test_no_full_step_is_block_muon(axis, blocks):
     c = mlp(dtype=torch.float64)
     train(c, MuonBP(dobb.param_groups(c, algorithm="muonbp"), period=2, **kw), 6)
     assert not _same(a, c)
-
-
-def reference(w0, grads, sizes, axis, period, lr=0.05, wd=0.1, mu=0.9, tau=0.2, nesterov=True):
-    """The schedule written out in float64 on one matrix, with the given block sizes."""
-    w, buf = w0.clone(), torch.zeros_like(w0)
-    m, n = w.shape
-    for t, g in enumerate(grads):
-        buf = buf + (1 - mu) * (g - buf)
-        u = g + mu * (buf - g) if nesterov else buf
-        w = (1 - lr * wd) * w
-        if period > 0 and t % period == 0:  # full step: the whole matrix, Muon's scale
-            w = w - lr * tau * math.sqrt(max(m, n)) * ns5_reference(u)
-        else:  # block step: each block alone, its own scale
-            start = 0
-            for size in sizes:
-                sl = (slice(start, start + size), slice(None)) if axis == 0 else (slice(None), slice(start, start + size))
-                ub = u[sl]
-                w[sl] = w[sl] - lr * tau * math.sqrt(max(ub.shape)) * ns5_reference(ub)
-                start += size
-    return w
 
 
 @pytest.mark.parametrize("shape,axis,blocks,period,nesterov",
