@@ -197,18 +197,35 @@ def _pay_pr_muon(m, n, hp, sharded, shards):
 
 
 def _pay_selected_rows(m, n, hp, sharded, shards):  # k selected rows (dobb.baselines.dion2)
-    return float(max(1, round(_fraction(hp, "fraction") * m)) * n)
+    frac = _fraction(hp, "fraction")
+    if hp.get("select", "global") != "shard":
+        return float(max(1, round(frac * m)) * n)
+    # select="shard": k_b rows within each row block; the blocks lie in the row shards (the library
+    # cuts them at the boundaries, and refuses a count that cannot), so row sharding exchanges
+    # nothing (a refused count: its straddling blocks' slabs); column sharding moves the selected rows
+    if sharded == "output":
+        try:
+            block_sizes(m, _blocks(hp), chunk_sizes(m, shards))
+            return 0.0
+        except ValueError:
+            return float(sum(_straddling(m, _blocks(hp), shards)) * n)
+    return float(sum(max(1, round(frac * s)) for s in _split(m, _blocks(hp))) * n)
 
 
 def _pay_muonbp(m, n, hp, sharded, shards):
-    """Block steps: blocks run along the sharded axis (a DTensor's shards are its blocks), so only a
-    block straddling a shard boundary (refused by the library) would cross; every ``P``-th step the
-    whole matrix goes to its owner and back (``2 mn``, as owner-muon). Amortized over ``P``."""
+    """Block steps: blocks run along the sharded axis, cut at the shard boundaries first (the
+    library's partition), so nothing crosses; a block count the shards cannot take (which the library
+    refuses) is charged its straddling blocks' slabs, as Dobb's are. Every ``P``-th step the whole
+    matrix goes to its owner and back (``2 mn``, as owner-muon). Amortized over ``P``."""
     period = int(hp["period"])
     if period < 0:
         raise ValueError(f"period must be >= 0 (0: no full step), got {period}")
     size, other = (m, n) if sharded == "output" else (n, m)
-    block = sum(_straddling(size, _blocks(hp), shards)) * other
+    try:
+        block_sizes(size, _blocks(hp), chunk_sizes(size, shards))
+        block = 0
+    except ValueError:
+        block = sum(_straddling(size, _blocks(hp), shards)) * other
     return float(block if period == 0 else (2 * m * n + (period - 1) * block) / period)
 
 
