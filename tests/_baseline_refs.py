@@ -83,3 +83,46 @@ def _weights_after(cls, grads, **kw):
         w.grad = g.clone()
         opt.step()
     return w.detach()
+
+
+def muonbp_reference(w0, grads, sizes, axis, period, lr=0.05, wd=0.1, mu=0.9, tau=0.2, nesterov=True):
+    """MuonBP's schedule written out in float64 on one matrix (Muon's EMA momentum; a full step at
+    the steps 0, P, 2P, ... at ``tau*sqrt(max(m, n))``, else each block of ``sizes`` along ``axis``
+    alone at ``tau*sqrt(max(m_b, n_b))``; ``period=0``: never full). Returns the final weight."""
+    w, buf = w0.clone(), torch.zeros_like(w0)
+    m, n = w.shape
+    for t, g in enumerate(grads):
+        buf = buf + (1 - mu) * (g - buf)
+        u = g + mu * (buf - g) if nesterov else buf
+        w = (1 - lr * wd) * w
+        if period > 0 and t % period == 0:  # full step: the whole matrix, Muon's scale
+            w = w - lr * tau * math.sqrt(max(m, n)) * ns5_reference(u)
+        else:  # block step: each block alone, its own scale
+            start = 0
+            for size in sizes:
+                sl = (slice(start, start + size), slice(None)) if axis == 0 else (slice(None), slice(start, start + size))
+                ub = u[sl]
+                w[sl] = w[sl] - lr * tau * math.sqrt(max(ub.shape)) * ns5_reference(ub)
+                start += size
+    return w
+
+
+def dion2_shard_reference(w0, grads, sizes, fraction, lr=0.05, wd=0.1, mu=0.9, tau=0.2):
+    """Dion2 per row block written out in float64: each block of ``sizes`` rows keeps its
+    ``max(1, round(fraction * m_b))`` heaviest rows (ell1), orthogonalizes them and moves them with
+    ``tau*sqrt(max(k_b, n))``; the selected rows of the buffer decay by ``mu``."""
+    w, mom = w0.clone(), torch.zeros_like(w0)
+    n = w.shape[1]
+    for g in grads:
+        b = mom + g
+        w = (1 - lr * wd) * w
+        start = 0
+        for size in sizes:
+            blk = b[start:start + size]
+            k = max(1, round(fraction * size))
+            keep = sorted(start + int(r) for r in torch.argsort(blk.abs().sum(dim=1), descending=True)[:k])
+            w[keep] -= lr * tau * math.sqrt(max(k, n)) * ns5_reference(b[keep])
+            b[keep] *= mu
+            start += size
+        mom = b
+    return w

@@ -6,7 +6,7 @@ protocol, by the names of ``dobb.registry`` (every optimizer declared once); ``p
 splits a model between a matrix optimizer and AdamW.
 """
 from . import functional, registry
-from .baselines import RMNP, BlockMuon, Dion, Dion2, Dion3, Muon, NorMuon, OwnerMuon, PeriodicRowMuon, SAMuon
+from .baselines import RMNP, BlockMuon, Dion, Dion2, Dion3, Muon, MuonBP, NorMuon, OwnerMuon, PeriodicRowMuon, SAMuon
 from .baselines.dash import Dash, Shampoo
 from .baselines.newton_muon import NewtonMuon
 from .baselines.soap import SOAP
@@ -16,7 +16,7 @@ from .factory import OPTIMIZER_NAMES, build_optimizer, valid_hparams
 from .groups import param_groups, split_parameters
 
 __all__ = ["Dobb", "Muon", "Dion", "RMNP", "PeriodicRowMuon", "BlockMuon", "Dion2", "NorMuon", "Dion3",
-           "OwnerMuon", "SAMuon", "build_optimizer", "valid_hparams", "OPTIMIZER_NAMES", "param_groups",
+           "OwnerMuon", "MuonBP", "SAMuon", "build_optimizer", "valid_hparams", "OPTIMIZER_NAMES", "param_groups",
            "split_parameters", "functional", "registry"]
 __all__ += ["Dash", "Shampoo"]
 __all__ += ["SOAP", "NewtonMuon"]

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ._hparams import COMMON_DEFAULTS, check_kind
-from .baselines import RMNP, BlockMuon, Dion, Dion2, Dion3, Muon, NorMuon, OwnerMuon, PeriodicRowMuon, SAMuon
+from .baselines import RMNP, BlockMuon, Dion, Dion2, Dion3, Muon, MuonBP, NorMuon, OwnerMuon, PeriodicRowMuon, SAMuon
 from .baselines.dash import Dash, Shampoo
 from .baselines.newton_muon import NewtonMuon
 from .baselines.soap import SOAP
@@ -118,6 +118,8 @@ _ENTRIES = (
     Entry("pr-muon", PeriodicRowMuon, "PR-Muon", payload="pr-muon", state="momentum"),
     Entry("block-muon", BlockMuon, "Block Muon", payload="block-muon", state="momentum", blocks_side="input"),
     Entry("dion2", Dion2, "Dion2", payload="selected-rows", state="momentum"),
+    # block steps on each shard (no exchange), owner-computed whole matrices every period-th step
+    Entry("muonbp", MuonBP, "MuonBP", payload="muonbp", state="momentum", blocks_side="output"),
     Entry("normuon", NorMuon, "NorMuon", payload="dense", state="momentum+rows"),
     Entry("dion3", Dion3, "Dion3", payload="selected-rows", state="momentum+rows"),
     # CMuon: Muon with Q/K/V of every fused (3n x n) weight as three matrices (other sizes: muon's split_sizes)

@@ -13,6 +13,7 @@ from .dion2 import Dion2, dion2_step
 from .dion3 import Dion3, dion3_step
 from .gram_ns import gram_newton_schulz
 from .muon import Muon, resolve_ns_dtype
+from .muonbp import MuonBP
 from .normuon import NorMuon, normuon_normalize
 from .owner_muon import OwnerMuon
 from .newton_schulz import NS_COEFFICIENTS, newton_schulz, orthogonalize, row_normalize
@@ -26,5 +27,4 @@ from .newton_muon import NewtonMuon
 __all__ = ["Muon", "Dion", "RMNP", "PeriodicRowMuon", "BlockMuon", "Dion2", "newton_schulz",
            "orthogonalize", "row_normalize", "dion_step", "dion2_step", "NS_COEFFICIENTS",
            "gram_newton_schulz", "NorMuon", "normuon_normalize", "Dion3", "dion3_step", "OwnerMuon",
-           "SAMuon", "Dash", "Shampoo", "SOAP", "NewtonMuon", "resolve_ns_dtype"]
-__all__ += ["SPlus"]
+           "MuonBP", "SAMuon", "Dash", "Shampoo", "SOAP", "NewtonMuon", "resolve_ns_dtype", "SPlus"]

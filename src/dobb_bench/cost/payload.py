@@ -24,6 +24,8 @@ pr-muon (K)         ``mn / K``                          ``(mn + (K-1) m) / K``
 block-muon, axis 0  0 (row blocks within shards)        ``mn`` (every block spans shards)
 block-muon, axis 1  ``mn`` (every block spans shards)   0 (column blocks within shards)
 dion2 (fraction a)  ``k n``, ``k = round(a m)`` rows    ``k n``
+dion2, select=shard 0 (rows chosen within shards)       ``k n`` (rows span every shard)
+muonbp (period P)   ``2 mn / P`` (owner full step)      ``2 mn / P`` (blocks follow the shards)
 dion3 (fraction a)  ``k n`` (as dion2)                  ``k n``
 normuon             ``mn`` (as muon)                    ``mn``
 owner-muon          ``2 mn`` (shards to owner, back)    ``2 mn``
@@ -201,7 +203,36 @@ def _pay_pr_muon(m, n, hp, sharded, shards):
 
 
 def _pay_selected_rows(m, n, hp, sharded, shards):  # k selected rows (dobb.baselines.dion2)
-    return float(max(1, round(_fraction(hp, "fraction") * m)) * n)
+    frac = _fraction(hp, "fraction")
+    if hp.get("select", "global") != "shard":
+        return float(max(1, round(frac * m)) * n)
+    # select="shard": k_b rows within each row block; the blocks lie in the row shards (the library
+    # cuts them at the boundaries, and refuses a count that cannot), so row sharding exchanges
+    # nothing (a refused count: its straddling blocks' slabs); column sharding moves the selected rows
+    if sharded == "output":
+        try:
+            block_sizes(m, _blocks(hp), chunk_sizes(m, shards))
+            return 0.0
+        except ValueError:
+            return float(sum(_straddling(m, _blocks(hp), shards)) * n)
+    return float(sum(max(1, round(frac * s)) for s in _split(m, _blocks(hp))) * n)
+
+
+def _pay_muonbp(m, n, hp, sharded, shards):
+    """Block steps: blocks run along the sharded axis, cut at the shard boundaries first (the
+    library's partition), so nothing crosses; a block count the shards cannot take (which the library
+    refuses) is charged its straddling blocks' slabs, as Dobb's are. Every ``P``-th step the whole
+    matrix goes to its owner and back (``2 mn``, as owner-muon). Amortized over ``P``."""
+    period = int(hp["period"])
+    if period < 0:
+        raise ValueError(f"period must be >= 0 (0: no full step), got {period}")
+    size, other = (m, n) if sharded == "output" else (n, m)
+    try:
+        block_sizes(size, _blocks(hp), chunk_sizes(size, shards))
+        block = 0
+    except ValueError:
+        block = sum(_straddling(size, _blocks(hp), shards)) * other
+    return float(block if period == 0 else (2 * m * n + (period - 1) * block) / period)
 
 
 def _pay_block_muon(m, n, hp, sharded, shards):
@@ -251,7 +282,7 @@ def _pay_splus(m, n, hp, sharded, shards):
 PAYLOAD_FORMULAS: dict[str, Callable[..., float]] = {
     "none": _pay_none, "dense": _pay_dense, "owner": _pay_owner, "dion": _pay_dion, "rmnp": _pay_rmnp,
     "pr-muon": _pay_pr_muon, "selected-rows": _pay_selected_rows, "block-muon": _pay_block_muon,
-    "dobb": _pay_dobb, "splus": _pay_splus,
+    "dobb": _pay_dobb, "splus": _pay_splus, "muonbp": _pay_muonbp,
 }
 
 

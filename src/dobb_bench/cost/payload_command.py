@@ -23,7 +23,7 @@ from dobb_bench.specs import parse_spec
 DEFAULT_PAYLOAD_OPTIMIZERS = (
     "adamw", "muon", "dion:rank_fraction=1", "dion:rank_fraction=1/4", "dion:rank_fraction=1/16", "rmnp",
     "pr-muon", "block-muon", "dion2", "dobb:blocks=16", "dobb-l2:blocks=16", "dobb-g:blocks=16",
-    "dobb-g-l2:blocks=16", "owner-muon", "owner-placement", "normuon", "dion3",
+    "dobb-g-l2:blocks=16", "owner-muon", "owner-placement", "normuon", "dion3", "muonbp", "dion2:select=shard",
 )
 
 

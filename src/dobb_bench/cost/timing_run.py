@@ -106,6 +106,8 @@ def cycle_length(opt) -> int:
         return int(group["refresh_every"])
     if group.get("algorithm") == "pr-muon":
         return int(group["period"])
+    if group.get("algorithm") == "muonbp":  # its block steps and one full step (period 0: no full step)
+        return max(1, int(group["period"]))
     return 1
 
 

@@ -193,7 +193,9 @@ def block_widths(optimizer: str, hparams: dict, model: dict) -> str | None:
         side = hp["side"]
     if optimizer == "block-muon" and str(hp.get("axis", 1)) == "0":
         side = "output"
-    blocks = int(hp.get("blocks", 4 if optimizer == "block-muon" else 1))
+    if optimizer == "muonbp" and str(hp.get("axis", 0)) == "1":  # its block steps' axis (default rows)
+        side = "input"
+    blocks = int(hp.get("blocks", 4 if optimizer in ("block-muon", "muonbp") else 1))
     d = int(model.get("width", 0))
     if not d:
         return None

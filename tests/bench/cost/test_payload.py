@@ -49,6 +49,34 @@ def test_derived_baselines():
     assert P.payload_entries("block-muon", m, n, {"blocks": 4, "axis": 0}, sharded="output", shards=4) == 0
 
 
+def test_muonbp_is_the_owner_full_step_amortized():
+    m, n = 8, 6  # mn = 48; a full step sends the shards to the owner and the result back: 96
+    for axis in ("output", "input"):  # the block steps' blocks follow the sharded axis: 0
+        assert P.payload_entries("muonbp", m, n, {"period": 4}, sharded=axis, shards=4) == 96 / 4
+        assert P.payload_entries("muonbp", m, n, {"period": 0}, sharded=axis, shards=4) == 0
+        assert P.payload_entries("muonbp", m, n, {"period": 1}, sharded=axis) == P.payload_entries("owner-muon", m, n)
+    assert P.payload_entries("muonbp", m, n, sharded="output") == 96 / 5  # the class' default period
+    # 2 row blocks of 4 over 4 shards of 2 rows straddle (48 on each block step): (96 + 2 * 48) / 3
+    assert P.payload_entries("muonbp", m, n, {"period": 3, "blocks": 2}, sharded="output", shards=4) == 64
+    # 18 rows over 2 shards (9, 9), 4 blocks: cut at the boundary first (5, 4 | 5, 4), none crosses
+    assert P.payload_entries("muonbp", 18, 10, {"period": 3, "blocks": 4}, sharded="output", shards=2) == 2 * 180 / 3
+    with pytest.raises(ValueError, match="period"):
+        P.payload_entries("muonbp", m, n, {"period": -1})
+
+
+def test_dion2_shard_selection_needs_no_exchange_under_row_sharding():
+    m, n = 16, 6
+    hp = {"fraction": 0.25, "select": "shard", "blocks": 4}
+    assert P.payload_entries("dion2", m, n, {"fraction": 0.25}, sharded="output") == 4 * 6  # global: k n
+    assert P.payload_entries("dion2", m, n, hp, sharded="output", shards=4) == 0
+    assert P.payload_entries("dion2", m, n, hp, sharded="output", shards=2) == 0  # 2 blocks per shard
+    # columns sharded: the selected rows, k_b = round(0.25 * 4) = 1 per block, move
+    assert P.payload_entries("dion2", m, n, hp, sharded="input", shards=4) == 4 * 6
+    assert P.payload_entries("dion2", 18, n, {**hp, "fraction": 0.5}, sharded="input") == (2 + 2 + 2 + 2) * 6
+    # 2 blocks of 8 rows over 4 shards of 4: the library refuses; both blocks straddle
+    assert P.payload_entries("dion2", m, n, {**hp, "blocks": 2}, sharded="output", shards=4) == 16 * 6
+
+
 def test_straddling_blocks_are_charged_their_slab():
     # m=8 rows over 4 shards (2 rows each); Dobb-G with 2 blocks of 4 rows: both straddle a boundary
     assert P.payload_entries("dobb-g", 8, 3, {"blocks": 2}, sharded="output", shards=4) == 8 * 3

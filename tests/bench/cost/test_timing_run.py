@@ -70,6 +70,8 @@ def test_cycle_covers_the_longest_refresh_period():
     assert T.cycle_length(plain) == 3 and T.cycle_length(wide) == 12
     assert T.cycle_length(dobb.Dobb(mats, model, lr=0.1, refresh_every=3, refresh_width=16)) == 6  # 3, 3 * 2
     assert T.cycle_length(torch.optim.AdamW(model.parameters())) == 1
+    assert T.cycle_length(dobb.MuonBP(mats, lr=0.1, period=5, blocks=1)) == 5  # one full step per cycle
+    assert T.cycle_length(dobb.MuonBP(mats, lr=0.1, period=0, blocks=1)) == 1
 
 
 def test_slow_optimizers_run_one_cycle_per_repeat(tmp_path):

@@ -13,6 +13,8 @@ def test_block_widths_per_matrix_kind():
     assert report.block_widths("dobb-g", {"blocks": "4"}, model) == "32 / 128 / 96"  # output side
     assert report.block_widths("block-muon", {"blocks": "16"}, model) == "8 / 32"
     assert report.block_widths("block-muon", {"blocks": "4", "axis": "0"}, model) == "32 / 128 / 96"
+    assert report.block_widths("muonbp", {}, model) == "32 / 128 / 96"  # default 4 row blocks
+    assert report.block_widths("muonbp", {"blocks": "2", "axis": "1"}, model) == "64 / 256"
     assert report.block_widths("adamw", {}, model) is None
     # two-sided: the input side's widths, then the output side's at out_blocks (default 1)
     assert report.block_widths("dobb", {"side": "both"}, model) == "128 / 512 in, 128 / 512 / 384 out"
