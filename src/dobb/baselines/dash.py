@@ -125,15 +125,17 @@ class Dash(MatrixOptimizer):
     ``beta_lr`` (0.95, factor EMA; 1 sums), ``beta_g`` (0.9, gradient EMA), ``beta_graft`` (0.95,
     Adam grafting's second moment), ``graft`` (``"adam"`` or ``"none"``), ``eps_graft`` (1e-8),
     ``precondition_every`` (10), ``inverse_root`` (``"eigh"``, ``"newton-db"``,
-    ``"coupled-newton"``), ``eps_inv_root`` (1e-10, damping of the factors), ``newton_steps`` (10,
-    for the iterative roots), ``tau`` (0.2, used by ``graft="none"`` only), ``adamw_betas``,
+    ``"coupled-newton"``), ``eps_inv_root`` (1e-10, damping of the factors), ``newton_steps`` (30:
+    coupled-newton's iteration count, newton-db's cap), ``newton_tol`` (1e-4: newton-db stops once
+    ``||Z Y - I||_F / sqrt(n)`` is below it, and warns when a factor stops above it; 0 runs exactly
+    ``newton_steps``, as DASH's authors do), ``tau`` (0.2, used by ``graft="none"`` only), ``adamw_betas``,
     ``adamw_eps``.
     """
 
     algorithm = "dash"
     matrix_defaults = dict(block_size=1024, beta_lr=0.95, beta_g=0.9, beta_graft=0.95, graft="adam",
                            eps_graft=1e-8, precondition_every=10, inverse_root="eigh", eps_inv_root=1e-10,
-                           newton_steps=10)
+                           newton_steps=30, newton_tol=1e-4)
     _own_dtype_keys = ("L", "R", "L_root", "R_root")
 
     def _block_size(self, group, shape) -> int:
@@ -155,6 +157,9 @@ class Dash(MatrixOptimizer):
             raise ValueError(f"eps_inv_root must be a finite number >= 0, got {e!r}")
         C.check_int(group, "precondition_every", 1)
         C.check_int(group, "newton_steps", 1, 1000)
+        t = group["newton_tol"]
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (t >= 0 and math.isfinite(t)):
+            raise ValueError(f"newton_tol must be a finite number >= 0 (0: a fixed newton_steps), got {t!r}")
         for i, p in enumerate(group["params"]):
             if is_dtensor(p):  # tiles are cut within the local shard: it must be a contiguous rectangle
                 from ..sharding import axis_split
@@ -226,7 +231,7 @@ class Dash(MatrixOptimizer):
                         dsts.append(r)
         for srcs, dsts in due.values():
             roots = inverse_root(torch.cat(srcs), group["inverse_root"], ROOT, group["eps_inv_root"],
-                                 group["newton_steps"])
+                                 group["newton_steps"], group["newton_tol"] or None)
             torch._foreach_copy_(dsts, list(roots.split([d.shape[0] for d in dsts])))
 
         # 3. the preconditioned, grafted (or protocol-scaled) tile updates
