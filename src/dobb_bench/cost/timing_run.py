@@ -18,8 +18,8 @@ What one timed "optimizer call" is (the paper's: ``optimizer.step()`` only):
   the baselines have no such check).
 - times: ``time.perf_counter`` around ``step()`` on CPU; CUDA events after a ``synchronize`` on GPU.
 
-Each optimizer runs whole cycles (Dobb: ``refresh_every`` steps starting at a refresh; PR-Muon:
-``period``; others: one step). Warm-up cycles (including Dobb's first, exact-eigh step) are not
+Each optimizer runs whole cycles (Dobb: ``refresh_every`` steps starting at a refresh; PR-Muon and
+MuonBP: ``period``; SPlus: ``inverse_every``; DASH: ``precondition_every``; others: one step). Warm-up cycles (including Dobb's first, exact-eigh step) are not
 measured. Measured repeats are *interleaved* (every repeat runs one cycle of every optimizer, in a
 rotated order), so ratios compare numbers taken under the same machine load: ``x AdamW`` is the
 median over repeats of (cycle mean / torch AdamW's cycle mean in the same repeat). Amortized =
@@ -108,6 +108,10 @@ def cycle_length(opt) -> int:
         return int(group["period"])
     if group.get("algorithm") == "muonbp":  # its block steps and one full step (period 0: no full step)
         return max(1, int(group["period"]))
+    if group.get("algorithm") == "splus":  # one eigh refresh of both bases every inverse_every steps
+        return int(group["inverse_every"])
+    if group.get("algorithm") in ("dash", "shampoo"):  # inverse roots every precondition_every steps
+        return int(group["precondition_every"])
     return 1
 
 
