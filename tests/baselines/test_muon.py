@@ -14,6 +14,7 @@ from _baseline_refs import ALL_2D, _weights_after, data, mlp, ns5_reference, ran
 from dobb.baselines import BlockMuon, Muon
 
 
+@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon (the reference) is not in this torch")
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_muon_matches_torch_muon_bitwise(nesterov):
     ref, ours = mlp(), mlp()

@@ -1,0 +1,41 @@
+"""dobb_bench.studies.shard_local: the zero-communication frontier's best-lr rule and cost columns,
+against hand-computed values."""
+import pytest
+
+from dobb_bench.studies import shard_local as S
+
+MN = 4 * 768 * 768 + 2 * 3072 * 768  # GPT-2 Small layer 0: four 768 x 768, MLP in and out
+
+
+def _rec(loss, diverged=False):
+    return {"final_val_loss": loss, "diverged": diverged}
+
+
+def test_best_lr_is_the_seed0_minimum_and_says_whether_it_is_bracketed():
+    runs = {(0.01, 0): _rec(1.7), (0.02, 0): _rec(1.6), (0.04, 0): _rec(1.65), (0.02, 1): _rec(1.0)}
+    assert S.best_lr(runs) == (0.02, True, [0.01, 0.02, 0.04])
+    edge = {(0.01, 0): _rec(1.7), (0.02, 0): _rec(1.6), (0.04, 0): _rec(2.0, diverged=True)}
+    assert S.best_lr(edge) == (0.02, False, [0.01, 0.02])  # a diverged lr is not a bracket
+    assert S.best_lr({}) == (None, False, [])
+
+
+def test_communication_hand_values():
+    assert S.communication("adamw") == (0.0, "none")
+    assert S.communication("block-muon:axis=0:blocks=4") == (0.0, "none")
+    assert S.communication("dion2:select=shard:blocks=4") == (0.0, "none")
+    # Dobb B=4: the statistic mean of 4 diagonal blocks per matrix, every 9 steps, fp32
+    stat = 5 * 4 * 192 ** 2 + 4 * 768 ** 2
+    assert S.communication("dobb:blocks=4") == (pytest.approx(4 * stat / 9), "periodic")
+    # MuonBP: the owner's full step (shards there and back, 2 mn) every P-th step
+    assert S.communication("muonbp:blocks=4:period=5") == (pytest.approx(4 * 2 * MN / 5), "periodic")
+    # owner-compute Muon: 2 mn every step; row blocks under Shard(1) span every shard: mn every step
+    assert S.communication(S.OWNER) == (pytest.approx(4 * 2 * MN), "every step")
+    assert S.communication("block-muon:axis=0:blocks=4", "input") == (pytest.approx(4 * MN), "every step")
+
+
+def test_state_per_parameter_hand_values():
+    assert S.state_per_param("adamw") == pytest.approx(8.0)  # two fp32 moments
+    assert S.state_per_param(S.OWNER) == pytest.approx(4.0)  # fp32 momentum
+    # Dobb B=4: momentum plus 6 k^2/B bytes of fp32 statistic and bf16 basis per matrix
+    extra = 5 * 6 * 768 ** 2 / 4 + 6 * 3072 ** 2 / 4
+    assert S.state_per_param("dobb:blocks=4") == pytest.approx(4.0 + extra / MN)
