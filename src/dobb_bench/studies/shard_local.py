@@ -76,13 +76,17 @@ def best_lr(runs: dict[tuple[float, int], dict]) -> tuple[float | None, bool, li
 
 
 def communication(spec: str, sharded: str = "output", shards: int = 4) -> tuple[float, str]:
-    """Bytes per step (amortized, 4 bytes an entry) over GPT-2 Small layer 0, and when it is sent."""
+    """Bytes per step (amortized, 4 bytes an entry) over GPT-2 Small layer 0, and when they are sent:
+    ``"none"``, ``"periodic"`` (a statistic mean, a refresh's all-reduce or MuonBP's full step, every
+    few steps) or ``"every step"`` (some part of every step crosses shards)."""
     s = parse_spec(spec)
-    hp = {k: v for k, v in s.hparams.items()}
+    hp = dict(s.hparams)
+    # the part of the step that is not periodic: SPlus without its refreshes, MuonBP without its full step
+    steady = dict(hp, **({"inverse_every": 10 ** 12} if s.name == "splus" else {"period": 0} if s.name == "muonbp" else {}))
     step = sum(payload_entries(s.name, m, n, hp, sharded=sharded, shards=shards) for m, n in LAYER0)
+    every = sum(payload_entries(s.name, m, n, steady, sharded=sharded, shards=shards) for m, n in LAYER0)
     stat = sum(dp_stat_entries(s.name, m, n, hp, per_step=True) for m, n in LAYER0)
-    periodic = s.name in ("dobb", "muonbp", "splus") or stat > 0
-    when = "none" if step + stat == 0 else ("periodic" if periodic else "every step")
+    when = "none" if step + stat == 0 else ("every step" if every > 0.5 else "periodic")
     return 4.0 * (step + stat), when
 
 
@@ -132,6 +136,9 @@ def frontier() -> tuple[str, list[dict]]:
         for name, label, studies, spec in rows:
             runs = runs_of(label, studies)
             lr, bracketed, grid = best_lr(runs)
+            if lr is None:
+                lines.append(f"| {name} | {communication(spec)[1]} | not measured | | | | | |")
+                continue
             at = {s: r for (x, s), r in runs.items() if lr is not None and x == lr}
             vals = [_loss(at[s]) if s in at else None for s in (0, 1, 2)]
             m, sd, n = stats([v for v in vals if v is not None])
@@ -155,7 +162,7 @@ def frontier() -> tuple[str, list[dict]]:
 def _reading(results: dict[str, tuple]) -> str:
     """The lowest zero-communication row, and every other zero-communication row's distance to it
     under the project's noise rule (2 std of the noisier row)."""
-    zero = [(name, results[name]) for name, *_ in ROWS if results.get(name, (math.nan,))[2]]
+    zero = [(name, results[name]) for name, *_ in ROWS if results.get(name, (math.nan, None, 0))[2]]
     best_name, (bm, bs, _) = min(zero, key=lambda kv: kv[1][0])
     parts = []
     for name, (m, s, n) in zero:

@@ -39,3 +39,13 @@ def test_state_per_parameter_hand_values():
     # Dobb B=4: momentum plus 6 k^2/B bytes of fp32 statistic and bf16 basis per matrix
     extra = 5 * 6 * 768 ** 2 / 4 + 6 * 3072 ** 2 / 4
     assert S.state_per_param("dobb:blocks=4") == pytest.approx(4.0 + extra / MN)
+
+
+def test_communication_tells_periodic_from_every_step():
+    # columns sharded: Dobb B=1's one block spans every shard (gathered each step); SPlus Bo=4's whole
+    # input basis likewise; MuonBP's blocks follow the shards, so only its full step communicates
+    assert S.communication("dobb:blocks=1", "input")[1] == "every step"
+    assert S.communication("splus:out_blocks=4", "input")[1] == "every step"
+    assert S.communication("splus:out_blocks=4", "output")[1] == "periodic"
+    assert S.communication("muonbp:blocks=4:period=5", "input")[1] == "periodic"
+    assert S.communication("dash:block_size=32", "input") == (0.0, "none")
