@@ -55,3 +55,23 @@ def test_regeneration_detects_a_hand_edit_and_dirty_records(tmp_path, monkeypatc
     assert not R.clean({**recs[0], "provenance": {"git_rev": None, "git_dirty": False}})
     with pytest.raises(ValueError, match="no generator"):
         D.regenerate_text("<!-- table:nope -->\n<!-- /table -->")
+
+
+def test_every_gap_closure_divides_by_the_same_adamw_seeds():
+    """One definition of gap closure: every docs table with a gap-closure column and an AdamW row
+    lists AdamW seeds 0,1,2 (the DASH table once divided by seeds 1 and 2 only)."""
+    from dobb_bench.reports.tables import GAP_ADAMW_SEEDS
+
+    want, seen = ",".join(map(str, GAP_ADAMW_SEEDS)), []
+    for md in sorted(R.DOCS.glob("*.md")):
+        for m in R.TABLE.finditer(md.read_text()):
+            rows = [[c.strip() for c in ln.strip().strip("|").split("|")] for ln in m.group(3).splitlines()
+                    if ln.startswith("|")]
+            head = rows[0]
+            if not any("gap closure" in h for h in head) or "seeds" not in head:
+                continue
+            adamw = next((r for r in rows[2:] if r[0] == "AdamW"), None)
+            if adamw is not None:
+                seen.append(m.group(2))
+                assert adamw[head.index("seeds")] == want, f"{md.name}: table {m.group(2)}: AdamW seeds {adamw}"
+    assert "headline" in seen and "family-dash" in seen

@@ -4,7 +4,10 @@
 Every generator returns ``(markdown, records_used)``. Conventions for every table:
 - losses are final validation loss (nats/token), mean ± sample standard deviation over seeds,
   with the seed count given;
-- gap closure is (AdamW - x) / (AdamW - Muon) on the seed means of the same study and setting;
+- gap closure is (AdamW - x) / (AdamW - Muon) on the seed means of the same study and setting,
+  AdamW being its seeds ``GAP_ADAMW_SEEDS`` (0, 1, 2) at the shared lr, Muon torch-equivalent Muon
+  (bf16 Newton-Schulz) or, where a study has no such row, Muon-fp32 (``MUON_REFS``); the robust
+  tables (``dobb_bench.studies.operating_point``) apply the same formula to medians;
 - a difference is called beyond noise only when it exceeds 2 standard deviations (the larger of
   the two rows' seed spreads; a one-seed row borrows the other row's), never below 0.1 nats
   when a row has one seed.
@@ -22,6 +25,8 @@ from dobb_bench.reports import records as R
 from dobb_bench.reports.report import block_widths, gap_closure
 
 ONE_SEED_NOISE = 0.1
+# the AdamW seeds every gap closure divides by (the headline's; every study at another setting ran these)
+GAP_ADAMW_SEEDS = (0, 1, 2)
 
 
 def _loss(r):

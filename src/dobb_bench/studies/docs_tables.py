@@ -18,6 +18,7 @@ from pathlib import Path
 
 from dobb_bench.cost import projection
 from dobb_bench.cost.payload import relative_payload
+from dobb_bench.reports import best_row
 from dobb_bench.reports import records as R
 from dobb_bench.reports.figure_check import scan
 from dobb_bench.reports.report import _pyplot, _typed
@@ -156,7 +157,14 @@ def cmd_report(args) -> int:
         if figures:
             print(f"report: {sum(map(len, figures.values()))} figure(s) name no record and are not marked "
                   "'not measured here'" + ("" if args.strict_figures else " (listed; --strict-figures fails on them)"))
-        if changed or (figures and args.strict_figures):
+        claims = best_row.scan()  # "best row" sentences against their table (issue 32)
+        for name, hits in claims.items():
+            for line, sentence, problem in hits:
+                print(f"best-row claim: docs/{name}:{line}: {problem}: {sentence[:100]}")
+        if claims:
+            print(f"report: {sum(map(len, claims.values()))} 'best row' claim(s) disagree with their table "
+                  "(rule: dobb_bench.reports.best_row)")
+        if changed or claims or (figures and args.strict_figures):
             return 1
     if not changed:
         print("report: every docs table matches its records")
@@ -165,8 +173,9 @@ def cmd_report(args) -> int:
 
 def add_parsers(sub) -> None:
     p = sub.add_parser("report", help="regenerate the docs tables from docs/results/records")
-    p.add_argument("--check", action="store_true", help="only compare; exit 1 if a table differs; also list "
-                   "figures in README.md and docs/**/*.md that name no record")
+    p.add_argument("--check", action="store_true", help="only compare; exit 1 if a table differs or a 'best row' "
+                   "sentence does not name its table's lowest row; also list figures in README.md and "
+                   "docs/**/*.md that name no record")
     p.add_argument("--strict-figures", action="store_true", help="with --check: exit 1 on unsourced figures too")
     p.add_argument("--collect", metavar="RUN_DIR", help="add a compare/sweep output folder's runs to the records")
     p.add_argument("--study", help="records file to collect into (docs/results/records/STUDY.jsonl)")

@@ -82,12 +82,12 @@ VARIANT_ORDER = ["Muon-fp32", "NorMuon-fp32", "CMuon-fp32", "SAMuon-fp32", "SAMu
 
 def _variant_records() -> list[dict]:
     """Study ``muon-variants`` plus the Muon-fp32 / NorMuon-fp32 runs of the same setting on the
-    grid up to 5e-3 (studies muon-fp32, own-lr, headline; the points above it that this table shows
-    are its own runs), one record per (label, lr, seed)."""
+    whole grid (studies muon-fp32, own-lr, headline), so each row's best lr is the one the own-lr
+    table gives; one record per (label, lr, seed), this study's own runs last."""
     recs = {}
     for study in ("muon-fp32", "own-lr", "headline", "muon-variants"):
         for r in R.load(study):
-            if study == "muon-variants" or (r["run"] in VARIANT_ORDER[:2] and r["lr"] <= 5e-3 + 1e-12):
+            if study == "muon-variants" or r["run"] in VARIANT_ORDER[:2]:
                 recs[(r["run"], round(r["lr"], 12), r["seed"])] = r
     return list(recs.values())
 

@@ -8,7 +8,9 @@ Rules fixed before the operating-point runs were read (they are the issue's own 
 - **row statistic**: the median over seeds (one stuck seed of three or five cannot move it much);
   mean ± sample std is printed beside it.
 - **gap closure** ``(AdamW - x) / (AdamW - Muon)``: on the rows' medians, and per seed on the seeds
-  that x, AdamW and Muon share (the spread of those is the honest error bar).
+  that x, AdamW and Muon share (the spread of those is the honest error bar). AdamW is its seeds
+  ``GAP_ADAMW_SEEDS`` (0, 1, 2), the set every gap closure in the docs divides by; its further seeds
+  (3 and 4, study ``operating-point``) are listed under the tables, in no closure.
 
 Costs come from two timing records made at a clean revision (``docs/results/operating-point/``):
 ``looptime.json`` (``dobb-bench looptime``: ``optimizer.step()`` inside the training loop of the loss
@@ -27,6 +29,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from dobb_bench.reports import records as R
+from dobb_bench.reports.tables import GAP_ADAMW_SEEDS
 
 PLATEAU_STEP = 150
 PLATEAU_LOSS = 2.8
@@ -105,8 +108,9 @@ def _setting_ok(r: dict) -> bool:
             and abs(r["lr"] - SHARED_LR) < 1e-12)
 
 
-def loss_records(studies=LOSS_STUDIES) -> list[dict]:
-    """Every 800-step, width-128 run at the shared lr in these studies, one record per run and seed."""
+def loss_records(studies=LOSS_STUDIES, adamw_seeds=GAP_ADAMW_SEEDS) -> list[dict]:
+    """Every 800-step, width-128 run at the shared lr in these studies, one record per run and seed;
+    AdamW's only at ``adamw_seeds`` (None: every seed)."""
     seen = {}
     for s in studies:
         try:
@@ -114,9 +118,21 @@ def loss_records(studies=LOSS_STUDIES) -> list[dict]:
         except ValueError:
             continue
         for r in recs:
-            if _setting_ok(r):
+            if _setting_ok(r) and (adamw_seeds is None or r["run"] != "AdamW" or r["seed"] in adamw_seeds):
                 seen.setdefault(R._key(r), r)
     return list(seen.values())
+
+
+def other_adamw_seeds() -> tuple[str, list[dict]]:
+    """A sentence on AdamW's seeds outside ``GAP_ADAMW_SEEDS`` (losses, stuck or not), and their records."""
+    extra = sorted((r for r in loss_records(adamw_seeds=None) if r["run"] == "AdamW" and r["seed"] not in GAP_ADAMW_SEEDS),
+                   key=lambda r: r["seed"])
+    if not extra:
+        return "", []
+    cells = ", ".join(f"seed {r['seed']}: {_f(final(r))}{' (stuck)' if is_stuck(r) else ''}" for r in extra)
+    seeds = ", ".join(map(str, GAP_ADAMW_SEEDS))
+    return (f" AdamW's further seeds, in no closure (every gap closure divides by AdamW seeds {seeds}): "
+            f"{cells}."), extra
 
 
 def by_row(recs: list[dict]) -> dict[str, dict]:
@@ -214,7 +230,7 @@ def operating_table() -> tuple[str, list[dict]]:
                 f"stdlib corpus) at revision(s) {', '.join(revs)}; stuck = val loss > {PLATEAU_LOSS} at step "
                 f"{PLATEAU_STEP}, counted, not dropped. Block Muon B=2/4/8 ran fp32 Newton-Schulz, Muon and "
                 "Block Muon B=16 bf16 (equal to fp32 to 1e-3 nats, study muon-fp32); every Muon-type timing row "
-                "is fp32 NS (bf16 is emulated on this CPU).")
+                "is fp32 NS (bf16 is emulated on this CPU)." + other_adamw_seeds()[0])
     if lrec:
         p, c = lrec.get("provenance") or {}, lrec["config"]
         foot.append(f"Loop: `docs/results/operating-point/looptime.json` ({c.get('layers')} layers, width "
@@ -229,7 +245,7 @@ def operating_table() -> tuple[str, list[dict]]:
                     f"{p.get('git_rev', '?')[:7]}, dirty {p.get('git_dirty')}). Muon's FSDP2 cell is "
                     "owner-compute Muon; torchtitan's DistMuon cannot be built on CPU/gloo "
                     "(`tests/distributed/test_titan_muon.py`).")
-    return "\n".join(head + foot) + "\n", used
+    return "\n".join(head + foot) + "\n", used + other_adamw_seeds()[1]
 
 
 def robust_table(order: list[str] | None = None) -> tuple[str, list[dict]]:
@@ -254,17 +270,16 @@ def robust_table(order: list[str] | None = None) -> tuple[str, list[dict]]:
                    f"{'—' if ref or gm is None else f'{100 * gm:.0f}%'} | {'—' if ref else psc} | "
                    f"{'—' if ref or ga is None else f'{100 * ga:.0f}%'} |")
     out.append("")
+    note, extra = other_adamw_seeds()
     out.append(f"Stuck: val loss above {PLATEAU_LOSS} at step {PLATEAU_STEP} (rule fixed before the new runs were "
-               "read). Per-seed gap closure uses the same seed's AdamW and Muon.")
-    return "\n".join(out) + "\n", recs
+               "read). Per-seed gap closure uses the same seed's AdamW and Muon." + note)
+    return "\n".join(out) + "\n", recs + extra
 
 
 def block_width_robust() -> tuple[str, list[dict]]:
     """The block-width penalty on medians: (median Dobb B - median Dobb B=1) / (median AdamW - median Muon)."""
-    recs = [r for r in R.load("block-width") if r.get("steps") == 800]
-    extra = [r for r in loss_records(("operating-point",)) if r["run"] == "AdamW"]  # AdamW seeds 3, 4 at width 128
-    keys = {R._key(r) for r in recs}
-    recs += [r for r in extra if R._key(r) not in keys]
+    recs = [r for r in R.load("block-width") if r.get("steps") == 800
+            and (r["run"] != "AdamW" or r["seed"] in GAP_ADAMW_SEEDS)]
     out = ["| model width | B | block width (attn+MLP-in) | Dobb median | penalty / gap (medians) | "
            "penalty / gap (means) | AdamW seeds (stuck) |", "|---|---|---|---|---|---|---|"]
     by_w = defaultdict(list)

@@ -83,3 +83,27 @@ def test_operating_rows_mark_the_front_from_both_costs(monkeypatch):
     assert [k for k in ("AdamW", "Muon", "Dobb B=1", "Dobb B=16") if rows[k]["front_fsdp"]] == ["AdamW", "Muon", "Dobb B=1"]
     assert rows["Dobb B=2"]["front_loop"] is None  # no loss and no cost: not placed
     assert rows["Dobb B=1"]["gap"] == pytest.approx((1.88 - 1.72) / (1.88 - 1.65))
+
+
+def _setting(r):
+    return dict(r, lr=OP.SHARED_LR, steps=800, model={"width": 128, "layers": 2}, corpus={"name": "stdlib"},
+                train={"micro_batches": 1}, optimizer="x", hparams={})
+
+
+def test_gap_closures_divide_by_adamw_seeds_0_1_2_only(monkeypatch):
+    # AdamW seeds 0-2 (median 1.90) and 3-4 (1.0, 1.0: they would move the median to 1.88 and the
+    # mean far off); the closures must not see seeds 3 and 4, which are listed under the table instead
+    adamw = [_setting(rec("AdamW", s, v)) for s, v in enumerate((1.90, 2.20, 1.88, 1.0, 1.0))]
+    muon = [_setting(rec("Muon", s, v)) for s, v in enumerate((1.65, 1.60, 1.70))]
+    dobb = [_setting(rec("Dobb B=1", s, v)) for s, v in enumerate((1.80, 1.75, 1.85))]
+    monkeypatch.setattr(OP.R, "load", lambda study: adamw + muon + dobb if study == "headline" else [])
+    st = OP.by_row(OP.loss_records())
+    assert sorted(st["AdamW"]["by_seed"]) == [0, 1, 2] and st["AdamW"]["median"] == pytest.approx(1.90)
+    assert sorted(OP.by_row(OP.loss_records(adamw_seeds=None))["AdamW"]["by_seed"]) == [0, 1, 2, 3, 4]
+    text, used = OP.robust_table(["AdamW", "Muon", "Dobb B=1"])
+    row = next(x for x in text.splitlines() if x.startswith("| Dobb B=1"))
+    # medians: (1.90 - 1.80) / (1.90 - 1.65) = 40%; means: AdamW (1.90+2.20+1.88)/3 = 1.99333,
+    # Muon 1.65, Dobb 1.80 -> (1.99333 - 1.80) / (1.99333 - 1.65) = 56%
+    assert "| 40% |" in row and row.endswith("| 56% |")
+    assert "seed 3: 1.000, seed 4: 1.000." in text and "AdamW seeds 0, 1, 2" in text
+    assert {(r["run"], r["seed"]) for r in used} >= {("AdamW", 3), ("AdamW", 4)}
