@@ -33,7 +33,6 @@ over two mesh dims, a block count that does not divide the non-empty shards) is 
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -41,7 +40,7 @@ from torch import Tensor
 
 from . import functional as F
 
-__all__ = ["blockwise", "rotate", "unrotate", "adam_direction", "block_pair_rms_", "two_sided_direction",
+__all__ = ["blockwise", "rotate", "unrotate", "adam_direction", "block_pair_rms_",
            "two_sided_layouts", "two_sided_update_"]
 
 
@@ -88,20 +87,6 @@ def block_pair_rms_(d: Tensor, row_sizes: Sequence[int], col_sizes: Sequence[int
             ms = v.square().mean(dim=(1, 3), keepdim=True)
             v.mul_(ms.clamp_min_(tiny).rsqrt_())
     return d
-
-
-def two_sided_direction(u: Tensor, q_out: Tensor, out_sizes: Sequence[int], q_in: Tensor, in_sizes: Sequence[int],
-                        norm: str = "sign", v: Tensor | None = None, **adam) -> Tensor:
-    """The raw two-sided update of an ``(out, in)`` matrix: ``Q_out D Q_in^T / sqrt(m)`` with
-    ``D = sign(Q_out^T U Q_in)`` (``norm="sign"``) or ``adam_direction(C, v, **adam)``."""
-    c = rotate(u, (q_out, out_sizes), (q_in, in_sizes))
-    if norm == "sign":
-        d = c.sign_()
-    elif norm == "adam":
-        d = block_pair_rms_(adam_direction(c, v, **adam), out_sizes, in_sizes)
-    else:
-        raise ValueError(f"norm must be 'sign' or 'adam' for side='both', got {norm!r}")
-    return unrotate(d, (q_out, out_sizes), (q_in, in_sizes)) / math.sqrt(u.shape[-2])
 
 
 # ----------------------------------------------------------------------------- layouts

@@ -27,7 +27,6 @@ import torch
 from torch import nn
 
 from . import _refresh_split
-from . import functional as F
 from ._agreement import DueStat, agree
 from ._apply import apply_directions, apply_two_sided, decay_in_update
 from ._base import MatrixOptimizer, _name_of

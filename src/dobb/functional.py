@@ -45,7 +45,6 @@ __all__ = [
     "orthogonal_iteration",
     "eigh_basis",
     "normalize_l2",
-    "block_direction",
     "add_directions_",
     "direction_input",
     "direction",
@@ -309,20 +308,15 @@ def normalize_l2(c: Tensor, col_sq_norms: Tensor | None = None, eps: float = 1e-
     return c * torch.rsqrt(col_sq_norms.clamp_min(eps)).unsqueeze(-2)
 
 
-def block_direction(ub: Tensor, q: Tensor, norm: str = "sign", col_sq_sum=None) -> Tensor:
-    """Project, normalize, reconstruct a batch of blocks: ``normalize(U_b Q_b) Q_b^T``.
+def block_coefficients(ub: Tensor, q: Tensor, norm: str = "sign", col_sq_sum=None) -> Tensor:
+    """The normalized coefficients ``normalize(U_b Q_b)`` of a batch of blocks; callers fuse the
+    reconstruction ``C_b Q_b^T`` into their update (``baddbmm``).
 
     ``ub`` is ``(batch, rows, s)``, ``q`` the bases ``(batch, s, s)``, both in the compute dtype.
-    Sign normalization is returned unscaled (``sign(C) Q^T``): callers fold ``1/sqrt(rows)`` into
-    the step size, so no update-sized temporary is scaled. ell2 column norms are taken in fp32 at
-    least; ``col_sq_sum`` (optional) sums the squared norms over the ranks holding other rows.
+    Sign normalization is returned unscaled: callers fold ``1/sqrt(rows)`` into the step size, so no
+    update-sized temporary is scaled. ell2 column norms are taken in fp32 at least; ``col_sq_sum``
+    (optional) sums the squared norms over the ranks holding other rows.
     """
-    return torch.bmm(block_coefficients(ub, q, norm, col_sq_sum), q.transpose(1, 2))
-
-
-def block_coefficients(ub: Tensor, q: Tensor, norm: str = "sign", col_sq_sum=None) -> Tensor:
-    """The normalized coefficients ``normalize(U_b Q_b)`` of ``block_direction`` (same arguments),
-    for callers that fuse the reconstruction ``C_b Q_b^T`` into their update (``baddbmm``)."""
     c = torch.bmm(ub, q)
     if norm == "sign":
         c.sign_()
