@@ -57,12 +57,14 @@ def _same_setting(r: dict) -> bool:
 
 
 def runs_of(label: str, studies: tuple[str, ...]) -> dict[tuple[float, int], dict]:
-    """``{(lr, seed): record}`` of one row; the first study listed wins a duplicate (lr, seed)."""
+    """``{(lr, seed): record}`` of one row; the first study listed wins a duplicate (lr, seed).
+    Learning rates are grid points compared to 4 significant digits (some seed runs were started
+    at a grid point written to 6 decimals: 0.014142 for 0.0141421...)."""
     out: dict[tuple[float, int], dict] = {}
     for study in studies:
         for r in R.load(study):
             if r["run"] == label and _same_setting(r):
-                out.setdefault((round(r["lr"], 9), r["seed"]), r)
+                out.setdefault((float(f"{r['lr']:.4g}"), r["seed"]), r)
     return out
 
 
@@ -175,13 +177,14 @@ def _reading(results: dict[str, tuple]) -> str:
 
 
 def shard1() -> tuple[str, list[dict]]:
-    """The same rows' communication with columns sharded (FSDP2 ``Shard(1)``, row-parallel TP)."""
+    """The same rows' communication with columns sharded (FSDP2 ``Shard(1)``, row-parallel TP);
+    derived from the formulas, for the rows whose records make ``frontier``."""
     lines = ["| row | under `Shard(0)` | under `Shard(1)` | bytes per step under `Shard(1)` |", "|---|---|---|---|"]
     for name, _, _, spec in ROWS + REFS:
         _, w0 = communication(spec, "output")
         b1, w1 = communication(spec, "input")
         lines.append(f"| {name} | {w0} | {w1} | {_fmt_bytes(b1)} |")
-    return "\n".join(lines) + "\n", []
+    return "\n".join(lines) + "\n", frontier()[1]
 
 
 def docs_path() -> Path:
