@@ -112,7 +112,7 @@ def _timing_ratios() -> tuple[dict[str, float], list[str]]:
             if rec.get("kind") == "run":
                 mat = rec["ratio_matrix"]
                 for label, row in mat.items():  # a later record wins: fsdp4-splus times SPlus's
-                    if OWNER in row and label != "torch-adamw":  # whole 100-step cycle, fsdp4 one step
+                    if OWNER in row:  # whole 100-step cycle, fsdp4 one step
                         ratios[label] = row[OWNER]
     return ratios, paths
 
@@ -147,7 +147,7 @@ def frontier() -> tuple[str, list[dict]]:
             results[name] = (m, sd, n)
             used += list(at.values()) + [r for (x, s), r in runs.items() if s == 0]
             nbytes, when = communication(spec)
-            ratio = ratios.get(spec)
+            ratio = ratios.get("torch-adamw" if spec == "adamw" else spec)  # timed as torch's own AdamW
             grid_txt = ", ".join(f"{x:.3g}" for x in grid)
             mark = "" if bracketed else " (edge)"
             lines.append(
