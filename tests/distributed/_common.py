@@ -224,3 +224,35 @@ def plain_and_sharded(cls, kw, w, grads, mesh, placement):
         oa.step()
         ob.step()
     return a, b, oa, ob
+
+
+# ----- synthetic DTensor problems (the sharded-baseline tests) ---------------------------------------
+def weights_and_grads(shape, seed: int, steps: int):
+    """A float64 weight and ``steps`` gradients of ``shape`` from ``seed`` (the same on every rank)."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g, dtype=torch.float64),
+            [torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(steps)])
+
+
+def sharded_problem(mesh, cases, steps: int):
+    """Parameters and per-step gradients for ``cases`` (``(shape, shard dim)``; case ``i`` seeded
+    ``i``), each a DTensor sharded along its dim over the 1-D ``mesh``."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+    params, grads = [], []
+    for i, (shape, dim) in enumerate(cases):
+        w, gs = weights_and_grads(shape, i, steps)
+        params.append(nn.Parameter(distribute_tensor(w, mesh, [Shard(dim)], src_data_rank=None)))
+        grads.append([distribute_tensor(g, mesh, [Shard(dim)], src_data_rank=None) for g in gs])
+    return params, grads
+
+
+def metered_steps(opt, params, grads):
+    """Steps ``opt`` through every gradient; per step ``(collectives, bytes, ops)`` of the payload meter."""
+    log = []
+    for t in range(len(grads[0]) if grads else 0):
+        for p, gs in zip(params, grads):
+            p.grad = gs[t]
+        with PayloadMeter() as m:
+            opt.step()
+        log.append((m.collectives, m.bytes, [r.op for r in m.records]))
+    return log

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import Shard, distribute_tensor
 
 from _baseline_refs import dion2_shard_reference
+import _common as C
 from _common import Net, checker, data, full_params, groups, max_diff, per_rank
 from _spawn import spawn
 from dobb.baselines import Dion2
@@ -34,9 +33,7 @@ CASES = [((18, 10), 0), ((12, 20), 0), ((18, 10), 1)]
 
 
 def weights_and_grads(shape, seed):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(shape, generator=g, dtype=torch.float64),
-            [torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(STEPS)])
+    return C.weights_and_grads(shape, seed, STEPS)
 
 
 def _metered(opt):
@@ -46,18 +43,10 @@ def _metered(opt):
 
 
 def _synthetic(rank, world, dim):
-    mesh = init_device_mesh("cpu", (world,))
-    params, grads = [], []
-    for i, (shape, d) in enumerate(c for c in CASES if c[1] == dim):
-        w, gs = weights_and_grads(shape, i)
-        params.append(nn.Parameter(distribute_tensor(w, mesh, [Shard(d)], src_data_rank=None)))
-        grads.append([distribute_tensor(g, mesh, [Shard(d)], src_data_rank=None) for g in gs])
+    cases = [c for c in CASES if c[1] == dim]
+    params, grads = C.sharded_problem(init_device_mesh("cpu", (world,)), cases, STEPS)
     opt = Dion2(params, lr=LR, weight_decay=WD, blocks=world, **OPTS)
-    log = []
-    for t in range(STEPS):
-        for p, gs in zip(params, grads):
-            p.grad = gs[t]
-        log.append(_metered(opt))
+    log = [(n, sorted(set(ops))) for n, _, ops in C.metered_steps(opt, params, grads)]
     return {"W": [p.detach().full_tensor() for p in params], "log": log}
 
 

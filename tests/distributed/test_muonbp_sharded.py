@@ -17,13 +17,13 @@ import math
 
 import pytest
 import torch
-from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import Shard, distribute_tensor
+
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from _baseline_refs import muonbp_reference
+import _common as C
 from _common import Net, checker, data, full_params, groups, max_diff, per_rank
 from _spawn import spawn
 from dobb.baselines import MuonBP
@@ -39,9 +39,7 @@ CASES = [((18, 10), 0), ((10, 18), 1), ((12, 20), 0)]
 
 
 def weights_and_grads(shape, seed):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(shape, generator=g, dtype=torch.float64),
-            [torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(STEPS)])
+    return C.weights_and_grads(shape, seed, STEPS)
 
 
 def _metered(opt):
@@ -52,19 +50,10 @@ def _metered(opt):
 
 # ----------------------------------------------------------------------------- rank-side code
 def _synthetic(rank, world, blocks):
-    mesh = init_device_mesh("cpu", (world,))
-    params, grads = [], []
-    for i, (shape, dim) in enumerate(CASES):
-        w, gs = weights_and_grads(shape, i)
-        params.append(nn.Parameter(distribute_tensor(w, mesh, [Shard(dim)], src_data_rank=None)))
-        grads.append([distribute_tensor(g, mesh, [Shard(dim)], src_data_rank=None) for g in gs])
+    params, grads = C.sharded_problem(init_device_mesh("cpu", (world,)), CASES, STEPS)
     # axis=1 on purpose: a DTensor's blocks follow its sharded axis, whatever the group's axis says
     opt = MuonBP(params, lr=LR, weight_decay=WD, blocks=blocks, axis=1, **OPTS)
-    log = []
-    for t in range(STEPS):
-        for p, gs in zip(params, grads):
-            p.grad = gs[t]
-        log.append(_metered(opt))
+    log = C.metered_steps(opt, params, grads)
     return {"W": [p.detach().full_tensor() for p in params], "log": log, "owners": [opt.owners.get(p) for p in params],
             "local": [math.prod(p.to_local().shape) for p in params]}
 

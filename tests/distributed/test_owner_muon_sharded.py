@@ -21,6 +21,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import _common as C
 from _common import Net, data, full_params, groups, max_diff, per_rank, train
 from _spawn import spawn
 from dobb.baselines import Muon
@@ -42,9 +43,7 @@ def chunks(length, parts):
 
 
 def weights_and_grads(shape, seed):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(shape, generator=g, dtype=torch.float64),
-            [torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(STEPS)])
+    return C.weights_and_grads(shape, seed, STEPS)
 
 
 def reference_weights(cases=CASES):
@@ -59,20 +58,9 @@ def reference_weights(cases=CASES):
 
 # ----------------------------------------------------------------------------- rank-side code
 def _synthetic(rank, world):
-    mesh = init_device_mesh("cpu", (world,))
-    params, grads = [], []
-    for i, (shape, dim) in enumerate(CASES):
-        w, gs = weights_and_grads(shape, i)
-        params.append(nn.Parameter(distribute_tensor(w, mesh, [Shard(dim)], src_data_rank=None)))
-        grads.append([distribute_tensor(g, mesh, [Shard(dim)], src_data_rank=None) for g in gs])
+    params, grads = C.sharded_problem(init_device_mesh("cpu", (world,)), CASES, STEPS)
     opt = OwnerMuon(params, lr=LR, weight_decay=WD, **OPTS)
-    log = []
-    for t in range(STEPS):
-        for p, gs in zip(params, grads):
-            p.grad = gs[t]
-        with PayloadMeter() as m:
-            opt.step()
-        log.append((m.collectives, m.bytes, [r.op for r in m.records]))
+    log = C.metered_steps(opt, params, grads)
     return {"W": [p.detach().full_tensor() for p in params], "log": log,
             "owners": [opt.owners[p] for p in params], "gathered": len(opt.gathered),
             "local": [math.prod(p.to_local().shape) for p in params]}
