@@ -256,3 +256,25 @@ def metered_steps(opt, params, grads):
             opt.step()
         log.append((m.collectives, m.bytes, [r.op for r in m.records]))
     return log
+
+
+def fsdp_net(mesh) -> nn.Module:
+    """``Net`` under FSDP2: each matrix's layer, then the whole model, ``fully_shard``-ed on ``mesh``."""
+    from torch.distributed.fsdp import fully_shard
+    model = Net()
+    for name in Net.matrices:
+        fully_shard(getattr(model, name), mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def metered_train(model, opt, batches, shard, metered):
+    """``train``'s row split of each batch, with ``metered(opt)`` (which steps) logged per step."""
+    r, p = shard
+    log = []
+    for x, y in batches:
+        rows = x.shape[0] // p
+        torch.nn.functional.mse_loss(model(x[r * rows:(r + 1) * rows]), y[r * rows:(r + 1) * rows]).backward()
+        log.append(metered(opt))
+        opt.zero_grad()
+    return log

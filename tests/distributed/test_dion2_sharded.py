@@ -12,9 +12,7 @@ Cases (float64, ``ns_dtype="float64"``):
 from __future__ import annotations
 
 import pytest
-import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 from _baseline_refs import dion2_shard_reference
 import _common as C
@@ -51,25 +49,14 @@ def _synthetic(rank, world, dim):
 
 
 def _fsdp(rank, world, blocks):
-    mesh = init_device_mesh("cpu", (world,))
-    model = Net()
-    for name in Net.matrices:
-        fully_shard(getattr(model, name), mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = C.fsdp_net(init_device_mesh("cpu", (world,)))
     opt = Dion2(groups(model), lr=LR, weight_decay=WD, blocks=blocks, **OPTS)
     log = _train(model, opt, data(STEPS), (rank, world))
     return {"W": full_params(model), "log": log}
 
 
 def _train(model, opt, batches, shard):
-    r, p = shard
-    log = []
-    for x, y in batches:
-        rows = x.shape[0] // p
-        torch.nn.functional.mse_loss(model(x[r * rows:(r + 1) * rows]), y[r * rows:(r + 1) * rows]).backward()
-        log.append(_metered(opt))
-        opt.zero_grad()
-    return log
+    return C.metered_train(model, opt, batches, shard, _metered)
 
 
 def worker(rank, world):

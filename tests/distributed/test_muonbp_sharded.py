@@ -16,9 +16,7 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -59,22 +57,11 @@ def _synthetic(rank, world, blocks):
 
 
 def _train(model, opt, batches, shard):
-    r, p = shard
-    log = []
-    for x, y in batches:
-        rows = x.shape[0] // p
-        torch.nn.functional.mse_loss(model(x[r * rows:(r + 1) * rows]), y[r * rows:(r + 1) * rows]).backward()
-        log.append(_metered(opt))
-        opt.zero_grad()
-    return log
+    return C.metered_train(model, opt, batches, shard, _metered)
 
 
 def _fsdp(rank, world):
-    mesh = init_device_mesh("cpu", (world,))
-    model = Net()
-    for name in Net.matrices:
-        fully_shard(getattr(model, name), mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = C.fsdp_net(init_device_mesh("cpu", (world,)))
     opt = MuonBP(groups(model), lr=LR, weight_decay=WD, blocks=world, axis=0, **OPTS)
     mats = opt.param_groups[0]["params"]
     log = _train(model, opt, data(STEPS), (rank, world))

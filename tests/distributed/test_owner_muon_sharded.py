@@ -17,7 +17,6 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -67,11 +66,7 @@ def _synthetic(rank, world):
 
 
 def _fsdp(rank, world):
-    mesh = init_device_mesh("cpu", (world,))
-    model = Net()
-    for name in Net.matrices:
-        fully_shard(getattr(model, name), mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = C.fsdp_net(init_device_mesh("cpu", (world,)))
     opt = OwnerMuon(groups(model), lr=LR, weight_decay=WD, **OPTS)
     mats = opt.param_groups[0]["params"]
     log = train(model, opt, data(), (rank, world), meter=True)
