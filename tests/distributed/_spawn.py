@@ -1,22 +1,35 @@
 """Run a function on N gloo CPU ranks and hand each rank's return value back to the test.
 
-Why a helper: every distributed test module spawns its ranks once (process start-up and
-``import torch`` dominate on 2 cores) and runs several checks inside. A hang must become a test
-failure, not a stuck CI job: gloo collectives time out after ``collective_timeout_s`` and the
-whole run is killed after ``timeout_s``.
+Why a helper: on 2 cores, starting a rank (a Python process, ``import torch``, the gloo
+rendezvous) costs more than most checks run on it. So the ranks are kept: the first ``spawn`` for
+a world size starts ``world`` processes that join one gloo group and then serve one call after
+another (``_serve``), for every test module of this pytest process; they are stopped at exit.
+
+A call that fails on any rank, or runs past ``timeout_s``, kills that pool (its group may be
+stuck mid-collective) and the next call starts a fresh one, so one failure never leaks into
+another test. ``fresh=True`` runs a call on its own processes (for a call that replaces the
+process group itself). A hang is a test failure, not a stuck CI job: gloo collectives time out
+after ``collective_timeout_s`` and the call is abandoned after ``timeout_s``.
+
+Between calls each rank resets torch's default generator to its start-up seed, so a call sees the
+random state a fresh process would.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
+import pickle
 import socket
 import sys
-import tempfile
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+_START_SEED = torch.initial_seed()  # the generator's seed in a process that never seeded it
 
 
 def free_port() -> int:
@@ -25,52 +38,131 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, fn, world, port, out_dir, args, collective_timeout_s):
+def _serve(rank, world, port, conn, collective_timeout_s, once):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=collective_timeout_s))
     try:
-        result = fn(rank, world, *args)
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()  # every rank's result is on disk before any rank tears gloo down
+        while True:
+            try:
+                message = conn.recv_bytes()
+            except EOFError:  # the test process is gone
+                return
+            if not message:  # stop
+                return
+            path, payload = pickle.loads(message)
+            sys.path[:] = path + [p for p in sys.path if p not in path]  # the test's modules import
+            torch.manual_seed(_START_SEED)
+            try:
+                fn, args = pickle.loads(payload)
+                result = fn(rank, world, *args)
+                dist.barrier()  # every rank finished before any rank takes the next call
+                reply = pickle.dumps((True, result))
+            except BaseException:  # noqa: BLE001 - reported to the test, then this pool is dropped
+                conn.send_bytes(pickle.dumps((False, f"rank {rank}:\n{traceback.format_exc()}")))
+                return
+            conn.send_bytes(reply)
+            if once:
+                conn.recv_bytes()  # the stop, sent once every rank has replied
+                return
     finally:
-        dist.destroy_process_group()
-        # Rank 0 hosts the TCP store: if it exits while another rank is still tearing its gloo
-        # context down, that rank's store thread loses its peer and the process aborts
-        # ("terminate called without an active exception"). Rank 0 leaves last.
-        open(os.path.join(out_dir, f"down{rank}"), "w").close()
-        if rank == 0:
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and not all(
-                    os.path.exists(os.path.join(out_dir, f"down{r}")) for r in range(world)):
-                time.sleep(0.05)
+        # Rank 0 hosts the TCP store; the test process stops it last (see _Pool.stop), so no rank
+        # loses its store peer while tearing gloo down.
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
-def spawn(fn, world: int, *args, timeout_s: float = 240, collective_timeout_s: float = 60) -> list:
-    """``fn(rank, world, *args)`` on ``world`` processes; returns the list of their results.
+class _Pool:
+    def __init__(self, world: int, collective_timeout_s: float, once: bool = False):
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self.world, self.conns, self.procs = world, [], []
+        for rank in range(world):
+            mine, theirs = ctx.Pipe()
+            proc = ctx.Process(target=_serve, args=(rank, world, port, theirs, collective_timeout_s, once),
+                               name=f"spawn-rank{rank}")
+            proc.start()
+            theirs.close()
+            self.conns.append(mine)
+            self.procs.append(proc)
 
-    ``fn`` must be importable (a module-level function) and its result picklable by ``torch.save``.
-    """
-    with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_entry, args=(fn, world, free_port(), out_dir, args, collective_timeout_s),
-                                 nprocs=world, join=False, start_method="spawn")
+    def call(self, fn, args, timeout_s: float) -> list:
+        message = pickle.dumps((list(sys.path), pickle.dumps((fn, args))))
+        for conn in self.conns:
+            conn.send_bytes(message)
         deadline = time.monotonic() + timeout_s
-        paths = [os.path.join(out_dir, f"rank{r}.pt") for r in range(world)]
+        results, waiting = [None] * self.world, set(range(self.world))
+        while waiting:
+            for rank in sorted(waiting):
+                conn = self.conns[rank]
+                if conn.poll(0.05):
+                    try:
+                        ok, value = pickle.loads(conn.recv_bytes())
+                    except EOFError:
+                        raise RuntimeError(f"{_name(fn)}: rank {rank} of {self.world} died "
+                                           f"(exit code {self.procs[rank].exitcode})") from None
+                    if not ok:
+                        raise RuntimeError(f"{_name(fn)} failed on {self.world} ranks, {value}")
+                    results[rank] = value
+                    waiting.discard(rank)
+                elif not self.procs[rank].is_alive() and not conn.poll():
+                    raise RuntimeError(f"{_name(fn)}: rank {rank} of {self.world} died "
+                                       f"(exit code {self.procs[rank].exitcode})")
+            if waiting and time.monotonic() > deadline:
+                raise TimeoutError(f"{_name(fn)} on {self.world} ranks did not finish in {timeout_s}s")
+        return results
+
+    def stop(self) -> None:
+        """Ranks 1.. first, rank 0 (the store's host) last; whatever does not leave is killed."""
+        for rank in [*range(1, self.world), 0]:
+            try:
+                self.conns[rank].send_bytes(b"")
+            except OSError:
+                pass
+            self.procs[rank].join(timeout=30 if rank else 10)
+        self.kill()
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self.procs:
+            proc.join(timeout=10)
+        for conn in self.conns:
+            conn.close()
+
+
+_POOLS: dict[tuple[int, float], _Pool] = {}
+
+
+def _name(fn) -> str:
+    return getattr(fn, "__name__", repr(fn))
+
+
+def spawn(fn, world: int, *args, timeout_s: float = 240, collective_timeout_s: float = 60,
+          fresh: bool = False) -> list:
+    """``fn(rank, world, *args)`` on ``world`` ranks; returns the list of their results.
+
+    ``fn`` must be importable (a module-level function), and its arguments and result picklable.
+    """
+    if fresh:
+        pool = _Pool(world, collective_timeout_s, once=True)
         try:
-            while not ctx.join(timeout=1):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{getattr(fn, '__name__', fn)} on {world} ranks did not finish in {timeout_s}s")
-        except mp.ProcessExitedException:
-            # A death after every rank saved its result and passed the barrier is a teardown
-            # problem, not the code under test's; it is reported (so loops can count it) and
-            # tolerated. Any earlier death leaves a result file missing and fails the test.
-            if not all(os.path.exists(p) for p in paths):
-                raise
-            print(f"_spawn: a rank died during teardown of {getattr(fn, '__name__', fn)} on {world} ranks",
-                  file=sys.stderr)
+            return pool.call(fn, args, timeout_s)
         finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-        return [torch.load(p, weights_only=False) for p in paths]
+            pool.stop()
+    key = (world, collective_timeout_s)
+    if key not in _POOLS:
+        _POOLS[key] = _Pool(world, collective_timeout_s)
+    try:
+        return _POOLS[key].call(fn, args, timeout_s)
+    except BaseException:
+        _POOLS.pop(key).kill()
+        raise
+
+
+@atexit.register
+def shutdown() -> None:
+    while _POOLS:
+        _POOLS.popitem()[1].stop()

@@ -212,7 +212,7 @@ def worker(rank, world, port):
 
 @pytest.fixture(scope="module", params=[2, 4])
 def ranks(request):
-    return spawn(worker, request.param, free_port())
+    return spawn(worker, request.param, free_port(), fresh=True)  # it replaces the process group
 
 
 def test_plain_parameters_need_a_named_group(ranks):
