@@ -203,9 +203,9 @@ def test_bad_tensor_lr_refused_by_add_param_group_and_load_state_dict(name):
 # ----------------------------------------------------------------------------- param-group validation
 @pytest.mark.parametrize("group,message", [
     ({"algorithm": "dion"}, "algorithm must be 'adamw' or 'muon', got 'dion'"),
-    ({"adamw_betas": (0.9, 1.0)}, "adamw_betas must lie in [0, 1), got (0.9, 1.0)"),
-    ({"adamw_eps": 0.0}, "adamw_eps must be > 0, got 0.0"),
-    ({"tau": 0.0}, "tau must be > 0, got 0.0"),
+    ({"adamw_betas": (0.9, 1.0)}, "adamw_betas must be two numbers in [0, 1), got (0.9, 1.0)"),
+    ({"adamw_eps": 0.0}, "adamw_eps must be a finite number > 0, got 0.0"),
+    ({"tau": 0.0}, "tau must be a finite number > 0, got 0.0"),
     ({"transposed": 1}, "transposed must be True or False, got 1"),
     ({"weight_decay": float("inf")}, "weight_decay must be a finite number >= 0, got inf"),
 ])
@@ -309,3 +309,42 @@ def test_tensor_lr_adamw_part_equals_torch_adamw_with_the_same_tensor_lr():
         train_mlp(ours, opt, 2)
     for p, q in zip(ref.parameters(), ours.parameters()):
         assert torch.equal(p, q)
+
+
+# ----------------------------------------------------------------------------- fused / foreach
+@pytest.mark.parametrize("fused,foreach", [(True, None), (None, False), (None, True), (False, None)])
+def test_fused_and_foreach_of_the_adamw_part_are_torch_adamws(fused, foreach, monkeypatch):
+    """An ``"adamw"`` group's ``fused``/``foreach`` reach torch's AdamW kernel (spied on) and give
+    ``torch.optim.AdamW`` with the same flags bitwise, steps on the CPU included."""
+    import dobb._base as base
+
+    seen = []
+    kernel = base._torch_adamw
+    monkeypatch.setattr(base, "_torch_adamw", lambda *a, **k: (seen.append((k["fused"], k["foreach"])), kernel(*a, **k)))
+    ref, ours = mlp(), mlp()
+    torch_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.05, betas=(0.9, 0.95),
+                                  fused=fused, foreach=foreach)
+    flags = {k: v for k, v in (("fused", fused), ("foreach", foreach)) if v is not None}
+    opt = Muon([{"params": list(ours.parameters()), "algorithm": "adamw", **flags}], lr=0.01, weight_decay=0.05)
+    train_mlp(ref, torch_opt, 4)
+    train_mlp(ours, opt, 4)
+    for p, q in zip(ref.parameters(), ours.parameters()):
+        assert torch.equal(p, q)
+    assert seen and all(s == (bool(fused), foreach if foreach is not None else not fused) for s in seen), seen
+    if fused:  # torch keeps a fused step's counter on the parameter's device
+        assert all(opt.state[p]["step"].device == p.device for p in ours.parameters())
+
+
+@pytest.mark.parametrize("flags,message", [
+    ({"fused": True}, "fused=True: the matrix step has no fused kernel"),
+    ({"foreach": False}, "foreach=False: the matrix step has only its foreach implementation"),
+    ({"fused": True, "algorithm": "adamw", "params": [nn.Parameter(torch.zeros(3, dtype=torch.int32),
+                                                                    requires_grad=False)]},
+     "fused=True: parameter #0 (shape (3,)) (torch.int32 on cpu) has no fused AdamW kernel"),
+])
+def test_fused_or_foreach_a_kernel_cannot_honour_is_refused(flags, message):
+    w = nn.Parameter(torch.zeros(6, 8))
+    with pytest.raises(ValueError) as err:
+        Muon([{"params": [w], **flags}], lr=0.1)
+    assert str(err.value).startswith(message)
+    Muon([{"params": [w], "fused": False, "foreach": True}], lr=0.1)  # what the matrix step does: accepted

@@ -5,8 +5,10 @@ A ``MatrixOptimizer`` holds two kinds of param groups, told apart by ``group["al
 numbers), every other group runs the subclass' matrix update under the shared update-scale
 protocol ``W <- (1 - lr*wd) W - lr * tau*sqrt(max(m, n)) * O`` (paper Table 9).
 
-Subclasses set ``algorithm`` (the name of their matrix groups), ``matrix_defaults`` (their
-hyperparameters and defaults) and implement
+Subclasses set ``algorithm`` (the name of their matrix groups) and ``Options`` (their typed
+options: a frozen dataclass of fields with defaults and value rules, ``dobb._hparams``; every
+group is filled from its defaults and checked by it; ``matrix_defaults`` is read from it) and
+implement
 
 - ``_check_matrix_group(group)``: raise ``ValueError`` naming a bad hyperparameter;
 - ``_init_matrix_state(group)``: create every matrix's state, eagerly and identically on every
@@ -19,7 +21,6 @@ state untouched), ``_after_step()`` and ``_after_load()``. Every optimizer keeps
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -28,9 +29,11 @@ from torch.optim.adamw import adamw as _torch_adamw
 
 from ._copies import Views, portable, shallow_items
 from ._dtensor import is_dtensor, to_local
-from ._hparams import COMMON_DEFAULTS, check_kinds
+from ._hparams import ScaledOptions, _check_rate
+from ._torch_private import adamw_init_group, fused_adamw_devices
 
-_BUILDER_KEYS = frozenset({"params", "param_names", "initial_lr", "fused", "foreach"})
+# Keys that builders add to every group (torch schedulers: initial_lr; torchtitan: param_names).
+_BUILDER_KEYS = frozenset({"params", "param_names", "initial_lr"})
 
 # State keys kept as Python ints (a distributed checkpoint may hand them back as tensors).
 _INT_STATE_KEYS = ("step", "captures")
@@ -46,44 +49,38 @@ def _name_of(param: torch.Tensor, names: dict[int, str] | None, index: int) -> s
     return f"parameter #{index} (shape {tuple(param.shape)})"
 
 
-def _check_rate(key: str, value) -> None:
-    """``lr``/``weight_decay``: a finite number >= 0, or a one-element tensor holding one.
-
-    A tensor is read on the host here, as ``torch.optim.AdamW.__init__`` does (``0.0 <= lr``):
-    this runs at construction, ``add_param_group`` and ``load_state_dict``, never inside
-    ``step()``. A value a scheduler writes into the tensor later (``fill_``) is not checked, as
-    ``torch.optim.AdamW`` does not check it either: that would be a host read every step.
-    """
-    number = value
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.is_complex():
-            raise ValueError(f"{key} given as a tensor must hold one real number, got {value!r}")
-        number = float(value)
-    if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number) or number < 0:
-        raise ValueError(f"{key} must be a finite number >= 0, got {value!r}")
-
-
 class MatrixOptimizer(torch.optim.Optimizer):
     algorithm: str = "matrix"
+    # The typed options of this optimizer's groups (one frozen dataclass, see dobb._hparams): their
+    # defaults fill every group, their rules check it. Subclasses set their own.
+    Options: type = ScaledOptions
+    # The defaults of the options ``Options`` adds to the shared ones, read from it (never written).
     matrix_defaults: dict[str, Any] = {}
 
-    def __init__(self, params, *, lr: float, weight_decay: float = 0.0, tau: float = 0.2,
-                 adamw_betas=(0.9, 0.95), adamw_eps: float = 1e-8, param_names=None, **hparams):
-        unknown = set(hparams) - set(self.matrix_defaults)
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.matrix_defaults = cls.Options.own_defaults()
+
+    def __init__(self, params, *, lr: float, weight_decay: float = 0.0, param_names=None, **hparams):
+        accepted = self.Options.hparam_defaults()
+        unknown = set(hparams) - set(accepted)
         if unknown:
             raise ValueError(
-                f"{type(self).__name__} got unknown argument(s) {sorted(unknown)}; valid: "
-                f"{sorted(['lr', 'weight_decay', 'tau', 'adamw_betas', 'adamw_eps', *self.matrix_defaults])}"
+                f"{type(self).__name__} got unknown argument(s) {sorted(unknown)}{self._why_unknown(unknown)}; "
+                f"valid: {sorted(['lr', 'weight_decay', *accepted])}"
             )
-        defaults = dict(self.matrix_defaults)
+        defaults = self.Options.defaults()
         defaults.update(hparams)
-        defaults.update(lr=lr, weight_decay=weight_decay, tau=tau, adamw_betas=adamw_betas,
-                        adamw_eps=adamw_eps, algorithm=self.algorithm)
-        # Per group: the weights are stored (in, out), as Hugging Face's Conv1D does (see _logical).
-        defaults.setdefault("transposed", False)
+        defaults.update(lr=lr, weight_decay=weight_decay, algorithm=self.algorithm)
         self._param_names: dict[int, str] = dict(param_names or {})
         self._views: dict[torch.Tensor, torch.Tensor] = {}
         super().__init__(params, defaults)
+
+    def _why_unknown(self, unknown: set[str]) -> str:
+        if "tau" in unknown and "tau" not in self.Options.names():
+            return (f" ({type(self).__name__}'s step is not under the update-scale protocol "
+                    f"lr * tau*sqrt(max(m, n)): it takes no tau)")
+        return ""
 
     # ------------------------------------------------------------------ validation
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -98,11 +95,10 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 self._param_names[id(p)] = name
             params = [p for _, p in params]
         param_group["params"] = params
-        # Keys that builders add to every group (torch schedulers: initial_lr; torchtitan: param_names,
-        # fused, foreach) are accepted; the AdamW part always runs torch's foreach kernel.
         unknown = set(param_group) - set(self.defaults) - _BUILDER_KEYS
         if unknown:
-            raise ValueError(f"param group has unknown key(s) {sorted(unknown)}; valid: {sorted(self.defaults)}")
+            raise ValueError(f"param group has unknown key(s) {sorted(unknown)}{self._why_unknown(unknown)}; "
+                             f"valid: {sorted(self.defaults)}")
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         self._check_group(group)
@@ -110,52 +106,47 @@ class MatrixOptimizer(torch.optim.Optimizer):
         # loads only into state that exists, and every rank must hold the same keys.
         if group["algorithm"] == "adamw":
             for p in group["params"]:
-                self._init_adamw_state(p)
+                self._init_adamw_state(p, fused=bool(group["fused"]))
         else:
             with self._logical(group) as logical:
                 self._init_matrix_state(logical)
 
     def _check_group(self, group: dict[str, Any]) -> None:
-        # kinds first (a string where a number belongs is a ValueError naming it, never a TypeError)
-        check_kinds(group, COMMON_DEFAULTS)
-        if group["algorithm"] == self.algorithm:
-            check_kinds(group, self.matrix_defaults)
-        for key in ("lr", "weight_decay"):
-            _check_rate(key, group[key])
-        if group["tau"] <= 0:
-            raise ValueError(f"tau must be > 0, got {group['tau']}")
-        b1, b2 = group["adamw_betas"]
-        if not (0 <= b1 < 1 and 0 <= b2 < 1):
-            raise ValueError(f"adamw_betas must lie in [0, 1), got {group['adamw_betas']}")
-        if group["adamw_eps"] <= 0:
-            raise ValueError(f"adamw_eps must be > 0, got {group['adamw_eps']}")
         algo = group["algorithm"]
         if algo not in ("adamw", self.algorithm):
             raise ValueError(f"algorithm must be 'adamw' or {self.algorithm!r}, got {algo!r}")
-        if algo == self.algorithm:
-            for i, p in enumerate(group["params"]):
-                if p.is_complex():  # the matrix updates are real: the imaginary part would be dropped
-                    raise ValueError(
-                        f"{_name_of(p, self._param_names, i)} is complex ({p.dtype}); {type(self).__name__} "
-                        f"updates real matrices only: put it in an 'adamw' group (torch's AdamW handles complex "
-                        f"parameters), or store its real and imaginary parts as real parameters"
-                    )
-                if p.dim() == 3 and not self._expert_stacks:
-                    raise ValueError(
-                        f"{_name_of(p, self._param_names, i)} is a 3-D expert stack (E, out, in) = {tuple(p.shape)}; "
-                        f"{type(self).__name__} updates 2-D matrices only: optimize the stack with Dobb (algorithm "
-                        f"'dobb', E matrices with their own bases), put it in an 'adamw' group, or store each "
-                        f"expert as its own 2-D parameter"
-                    )
-                if p.dim() not in (2, 3):
-                    raise ValueError(
-                        f"{_name_of(p, self._param_names, i)} is {p.dim()}-D; {type(self).__name__} "
-                        f"updates 2-D matrices only: put it in an 'adamw' group (dobb.param_groups does this)"
-                    )
-            if not isinstance(group["transposed"], bool):
-                raise ValueError(f"transposed must be True or False, got {group['transposed']!r}")
-            with self._logical(group) as logical:
-                self._check_matrix_group(logical)
+        # kinds, ranges and choices, from the one declaration (an AdamW group: the options it reads)
+        self.Options.check(group, matrix=algo == self.algorithm)
+        if algo == "adamw":
+            if group["fused"]:
+                for i, p in enumerate(group["params"]):
+                    if not (p.is_floating_point() and p.device.type in fused_adamw_devices()):
+                        raise ValueError(
+                            f"fused=True: {_name_of(p, self._param_names, i)} ({p.dtype} on {p.device.type}) has "
+                            f"no fused AdamW kernel (floating parameters on {fused_adamw_devices()}); use fused=None"
+                        )
+            return
+        for i, p in enumerate(group["params"]):
+            if p.is_complex():  # the matrix updates are real: the imaginary part would be dropped
+                raise ValueError(
+                    f"{_name_of(p, self._param_names, i)} is complex ({p.dtype}); {type(self).__name__} "
+                    f"updates real matrices only: put it in an 'adamw' group (torch's AdamW handles complex "
+                    f"parameters), or store its real and imaginary parts as real parameters"
+                )
+            if p.dim() == 3 and not self._expert_stacks:
+                raise ValueError(
+                    f"{_name_of(p, self._param_names, i)} is a 3-D expert stack (E, out, in) = {tuple(p.shape)}; "
+                    f"{type(self).__name__} updates 2-D matrices only: optimize the stack with Dobb (algorithm "
+                    f"'dobb', E matrices with their own bases), put it in an 'adamw' group, or store each "
+                    f"expert as its own 2-D parameter"
+                )
+            if p.dim() not in (2, 3):
+                raise ValueError(
+                    f"{_name_of(p, self._param_names, i)} is {p.dim()}-D; {type(self).__name__} "
+                    f"updates 2-D matrices only: put it in an 'adamw' group (dobb.param_groups does this)"
+                )
+        with self._logical(group) as logical:
+            self._check_matrix_group(logical)
 
     def _check_matrix_group(self, group: dict[str, Any]) -> None:
         """Subclasses check their own hyperparameters here (raise ValueError naming the argument)."""
@@ -163,10 +154,11 @@ class MatrixOptimizer(torch.optim.Optimizer):
     def _init_matrix_state(self, group: dict[str, Any]) -> None:
         """Subclasses create the state of every matrix of ``group`` here."""
 
-    def _init_adamw_state(self, p: torch.Tensor) -> dict[str, Any]:
+    def _init_adamw_state(self, p: torch.Tensor, fused: bool = False) -> dict[str, Any]:
         state = self.state[p]
-        if not state:  # torch.optim.AdamW's keys and initial values
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        if not state:  # torch.optim.AdamW's keys and initial values (fused: the step on the device)
+            state["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if fused
+                             else torch.tensor(0.0, dtype=torch.float32))
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state
@@ -255,22 +247,28 @@ class MatrixOptimizer(torch.optim.Optimizer):
     def _adamw_inputs(self, group: dict[str, Any]) -> tuple[list, dict]:
         """Arguments of ``torch.optim.adamw.adamw`` for an ``"adamw"`` group, gathered by
         ``torch.optim.AdamW``'s own ``_init_group``: its checks (sparse gradients refused with its
-        ``RuntimeError``) and its ``has_complex`` flag (complex parameters stepped as real pairs)."""
+        ``RuntimeError``) and its ``has_complex`` flag (complex parameters stepped as real pairs).
+
+        The group's ``fused``/``foreach`` are honoured as ``torch.optim.AdamW`` honours them;
+        ``None`` (the default) is torch's foreach kernel, except for DTensor parameters and a
+        tensor lr (a scheduler holding tensors), which take the single-tensor path as
+        ``torch.optim.AdamW`` does."""
         lr = group["lr"]
         with_grad = [p for p in group["params"] if p.grad is not None]
-        # DTensor parameters and a tensor lr (a scheduler holding tensors) go through the
-        # single-tensor path, as torch.optim.AdamW does.
-        foreach = not any(is_dtensor(p) for p in with_grad) and not isinstance(lr, torch.Tensor)
+        fused = bool(group["fused"])
+        foreach = group["foreach"]
+        if foreach is None:
+            foreach = not fused and not any(is_dtensor(p) for p in with_grad) and not isinstance(lr, torch.Tensor)
         # compiled (torch.compile(opt.step)): bias corrections as tensors, as Dynamo makes
         # torch.optim.AdamW do; eager: torch's default host-side path
         capturable = torch.compiler.is_compiling()
         flags = dict(amsgrad=False, maximize=False, foreach=foreach, capturable=capturable,
-                     differentiable=False, fused=False)
+                     differentiable=False, fused=fused)
         # params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps
         lists: tuple[list, ...] = ([], [], [], [], [], [])
         for p in with_grad:
-            self._init_adamw_state(p)
-        has_complex = torch.optim.AdamW._init_group(self, dict(group, **flags), *lists)
+            self._init_adamw_state(p, fused=fused)
+        has_complex = adamw_init_group(self, dict(group, **flags), *lists)
         beta1, beta2 = group["adamw_betas"]
         return list(lists), dict(flags, has_complex=has_complex, beta1=beta1, beta2=beta2, lr=lr,
                                  weight_decay=group["weight_decay"], eps=group["adamw_eps"])

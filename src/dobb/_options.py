@@ -1,19 +1,25 @@
-"""Dobb's param-group options: what each may be, and which combinations make sense.
+"""Dobb's param-group options: one typed, validated declaration (``DobbOptions``), and the
+combinations that make sense.
 
-Checked once per group at construction and on ``add_param_group`` (``Dobb._check_matrix_group``),
-after ``dobb._hparams`` has checked each value's kind; every failure is a ``ValueError`` that names
-the option and what is valid. Apart from the class so that the rules are read in one place.
+``DobbOptions`` is ``Dobb.Options``: its fields are Dobb's hyperparameters with their defaults and
+value rules (``dobb._hparams``), read by the class (group defaults and checks), the registry and
+the factory. Its ``_check_together`` refuses combinations of options that cannot work; ``check_group``
+adds what needs the parameters and the model (expert stacks, hooks). Every failure is a
+``ValueError`` that names the option and what is valid. Apart from the class so that the rules are
+read in one place.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from . import functional as F
-from ._schedule import check_refresh_width
+from ._hparams import (ScaledOptions, boolean, floating_dtype, integer, one_of, option, optional, positive,
+                       unit_interval)
 
-__all__ = ["HOOK_SOURCES", "CHOICES", "check_group"]
+__all__ = ["HOOK_SOURCES", "CHOICES", "DobbOptions", "check_group", "check_params"]
 
 # sources whose statistic is captured by hooks on the model (grad_gram needs none)
 HOOK_SOURCES = ("activation", "output_grad")
@@ -29,40 +35,63 @@ CHOICES = {
 }
 
 
+def _choice(key: str, default: Any) -> Any:
+    return option(default, one_of(*CHOICES[key]))
+
+
+@dataclass(frozen=True, kw_only=True)
+class DobbOptions(ScaledOptions):
+    """Dobb's options (see ``dobb.Dobb`` for what each does)."""
+    blocks: int = option(1, integer(1))
+    refresh_every: int = option(9, integer(1))
+    basis: str = _choice("basis", "orthogonal_iteration")
+    ortho_steps: int = option(1, integer(1))
+    qr: str = _choice("qr", "householder")
+    norm: str = _choice("norm", "sign")
+    side: str = _choice("side", "input")
+    source: str = _choice("source", "activation")
+    capture: str = _choice("capture", "first")
+    stat_decay: float = option(0.9, unit_interval)
+    momentum: float = option(0.95, unit_interval)
+    nesterov: bool = option(False, boolean)
+    basis_dtype: torch.dtype = option(torch.bfloat16, floating_dtype)
+    stat_dtype: torch.dtype = option(torch.float32, floating_dtype)
+    init_basis: str = _choice("init_basis", "eigh")
+    stagger: bool = option(True, boolean)
+    product_dtype: str | torch.dtype = option("auto", one_of(*F.PRODUCT_DTYPES))
+    out_blocks: int = option(1, integer(1))
+    beta2: float = option(0.95, unit_interval)
+    eps: float = option(1e-8, positive)
+    refresh_width: int | None = option(None, optional(integer(1)).hint("block width per period step"))
+
+    @classmethod
+    def _check_together(cls, group):
+        super()._check_together(group)
+        if group["source"] == "activation" and group["side"] == "output":
+            raise ValueError("source='activation' gives an n x n statistic: it needs side='input' (or 'both')")
+        if group["side"] == "both":
+            if group["norm"] == "l2":
+                raise ValueError("norm='l2' normalizes one side's coefficient columns; side='both' takes norm='sign' or 'adam'")
+            if group["source"] == "output_grad":
+                raise ValueError("side='both' takes source='activation' (activations for the input side, output "
+                                 "gradients for the output side) or source='grad_gram' (G^T G and G G^T blocks)")
+        elif group["norm"] == "adam":
+            raise ValueError("norm='adam' is the second moment of the two-sided coefficients: it needs side='both'")
+        if group["source"] == "output_grad" and group["side"] != "output":
+            raise ValueError("source='output_grad' gives an m x m statistic: it needs side='output' (Dobb-G)")
+
+
 def check_group(group: dict[str, Any], name_of: Callable[[torch.Tensor, int], str], has_model: bool) -> None:
     """Raise ``ValueError`` for an invalid option or combination of ``group`` (a Dobb param group
-    with its defaults filled in). ``name_of(p, i)`` names parameter ``i`` in messages; ``has_model``:
-    whether the optimizer was given the model its hooks need."""
-    for key, options in CHOICES.items():
-        if group[key] not in options:
-            raise ValueError(f"{key} must be one of {options}, got {group[key]!r}")
-    for key in ("blocks", "refresh_every", "ortho_steps", "out_blocks"):
-        value = group[key]
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{key} must be an integer >= 1, got {value!r}")
-    for key in ("stat_decay", "momentum", "beta2"):
-        if not 0.0 <= group[key] < 1.0:
-            raise ValueError(f"{key} must lie in [0, 1), got {group[key]}")
-    if not group["eps"] > 0:
-        raise ValueError(f"eps must be > 0, got {group['eps']}")
-    check_refresh_width(group["refresh_width"])
-    if group["source"] == "activation" and group["side"] == "output":
-        raise ValueError("source='activation' gives an n x n statistic: it needs side='input' (or 'both')")
-    if group["side"] == "both":
-        if group["norm"] == "l2":
-            raise ValueError("norm='l2' normalizes one side's coefficient columns; side='both' takes norm='sign' or 'adam'")
-        if group["source"] == "output_grad":
-            raise ValueError("side='both' takes source='activation' (activations for the input side, output "
-                             "gradients for the output side) or source='grad_gram' (G^T G and G G^T blocks)")
-    elif group["norm"] == "adam":
-        raise ValueError("norm='adam' is the second moment of the two-sided coefficients: it needs side='both'")
-    if group["source"] == "output_grad" and group["side"] != "output":
-        raise ValueError("source='output_grad' gives an m x m statistic: it needs side='output' (Dobb-G)")
-    for key in ("basis_dtype", "stat_dtype"):
-        if not (isinstance(group[key], torch.dtype) and group[key].is_floating_point):
-            raise ValueError(f"{key} must be a floating torch.dtype, got {group[key]!r}")
-    if group["product_dtype"] not in F.PRODUCT_DTYPES:
-        raise ValueError(f"product_dtype must be one of {F.PRODUCT_DTYPES}, got {group['product_dtype']!r}")
+    with its defaults filled in): ``DobbOptions.check`` and ``check_params``."""
+    DobbOptions.check(group)
+    check_params(group, name_of, has_model)
+
+
+def check_params(group: dict[str, Any], name_of: Callable[[torch.Tensor, int], str], has_model: bool) -> None:
+    """What the options of ``group`` (already checked) require of its parameters and the model.
+    ``name_of(p, i)`` names parameter ``i`` in messages; ``has_model``: whether the optimizer was
+    given the model its hooks need."""
     for i, p in enumerate(group["params"]):
         if p.dim() == 3 and group["side"] == "both":
             raise ValueError(

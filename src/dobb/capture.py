@@ -23,12 +23,13 @@ import torch.distributed as dist
 from torch import nn
 
 from . import functional as F
+from ._torch_private import current_graph_task_id
 from .collectives import all_reduce_sum_
 from .layout import MatrixLayout, ReducedStat
 
 
 def in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
+    return current_graph_task_id() != -1
 
 
 @dataclass

@@ -31,7 +31,7 @@ from ._agreement import DueStat, agree
 from ._apply import apply_directions, apply_two_sided, decay_in_update
 from ._base import MatrixOptimizer, _name_of
 from ._options import HOOK_SOURCES as _HOOK_SOURCES
-from ._options import check_group
+from ._options import DobbOptions, check_params
 from ._dtensor import is_dtensor
 from ._refresh import fold_side
 from ._schedule import cycle, refresh_period, stagger_offsets
@@ -118,13 +118,7 @@ class Dobb(MatrixOptimizer):
     algorithm = "dobb"
     _native_transposed = True  # transposed groups flip the layout's blocked axis (see _init_matrix_state)
     _expert_stacks = True  # 3-D (E, out, in) parameters are E matrices (see experts)
-    matrix_defaults: dict[str, Any] = dict(
-        blocks=1, refresh_every=9, basis="orthogonal_iteration", ortho_steps=1, qr="householder",
-        norm="sign", side="input", source="activation", capture="first", stat_decay=0.9,
-        momentum=0.95, nesterov=False, basis_dtype=torch.bfloat16, stat_dtype=torch.float32,
-        init_basis="eigh", stagger=True, product_dtype="auto", out_blocks=1, beta2=0.95, eps=1e-8,
-        refresh_width=None,
-    )
+    Options = DobbOptions  # the options, their defaults and value rules (_options)
 
     def __init__(self, params, model: nn.Module | None = None, *, lr: float, weight_decay: float = 0.0,
                  check_finite: bool = True, stat_group="default", split_refresh: bool = False, **kwargs):
@@ -151,7 +145,7 @@ class Dobb(MatrixOptimizer):
 
     # ------------------------------------------------------------------ set-up
     def _check_matrix_group(self, group: dict[str, Any]) -> None:
-        check_group(group, lambda p, i: _name_of(p, self._param_names, i), has_model=self.model is not None)
+        check_params(group, lambda p, i: _name_of(p, self._param_names, i), has_model=self.model is not None)
 
     def _init_matrix_state(self, group: dict[str, Any]) -> None:
         for i, p in enumerate(group["params"]):

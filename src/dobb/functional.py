@@ -28,6 +28,8 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
+from ._torch_private import mkldnn_native
+
 __all__ = [
     "block_sizes",
     "valid_block_counts",
@@ -418,13 +420,8 @@ def update_scale(m: int, n: int, tau: float = 0.2) -> float:
 def cpu_native(dtype: torch.dtype) -> bool:
     """Whether this CPU has native instructions for ``dtype`` products (AVX512-BF16/AMX for bf16,
     AVX512-FP16/AMX-FP16 for fp16), as oneDNN reports it. Records name it (``provenance``)."""
-    try:
-        if dtype == torch.bfloat16:
-            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        if dtype == torch.float16:
-            return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
-    except (AttributeError, RuntimeError):
-        return False
+    if dtype in (torch.bfloat16, torch.float16):
+        return mkldnn_native(dtype)
     return True
 
 

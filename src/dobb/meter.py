@@ -28,10 +28,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from ._dtensor import is_dtensor_type, to_local
+from ._torch_private import HigherOrderOperator, TorchDispatchMode, tree_flatten
 from .collectives import current_kind
 
 __all__ = ["PayloadMeter", "Collective", "Totals", "state_bytes"]
@@ -121,7 +120,7 @@ class _CollectiveMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if isinstance(func, torch._ops.HigherOrderOperator):
+        if isinstance(func, HigherOrderOperator):
             return func(*args, **kwargs)
         if any(is_dtensor_type(t) for t in types):
             return NotImplemented  # let DTensor desugar into plain ops and collectives first

@@ -1,19 +1,21 @@
 """Every optimizer of this package, declared once: ``dobb.build_optimizer``, the integrations and the bench read this.
 
 To add an optimizer (five lines of work):
-1. write its class: a ``dobb._base.MatrixOptimizer`` subclass with ``algorithm`` and ``matrix_defaults``;
+1. write its class: a ``dobb._base.MatrixOptimizer`` subclass with ``algorithm`` and ``Options`` (its typed
+   options: a frozen dataclass, see ``dobb._hparams``);
 2. add one ``Entry(name, Class, label, payload=..., state=...)`` line to ``_ENTRIES`` below (``preset``: fixed kwargs of a variant);
 3. ``payload``/``state`` name formulas in ``dobb_bench.payload.PAYLOAD_FORMULAS``/``STATE_FORMULAS`` (add one there if none fits);
 4. export the class from ``dobb/__init__.py``; ``tests/test_registry.py`` then builds, validates and steps it.
 
-An entry's accepted hyperparameters are its class' ``matrix_defaults`` and constructor keywords, the
-shared ones (``tau``, ``adamw_betas``, ``adamw_eps``), the grouping ones passed to
-``dobb.param_groups`` (``head_names``, ``is_matrix``, ``experts``, ``decay_names``), less the
-``preset`` (fixed by the variant: ``dobb-l2`` is ``Dobb`` with ``norm="l2"``, and asking it for
-another ``norm`` is an error). Validation (``validate``) is one style for all: unknown names and
-hyperparameters, and values of the wrong kind (``dobb._hparams.check_kind``), are ``ValueError``s
-naming the parameter and what is valid, raised before anything is built; the class then checks
-ranges and choices the same way.
+An entry's accepted hyperparameters, with their defaults, are read from its class' ``Options``
+(the shared ones, ``tau``, ``adamw_betas``, ``adamw_eps``, ``fused``, ``foreach``, among them) and
+its other constructor keywords, plus the grouping ones passed to ``dobb.param_groups``
+(``head_names``, ``is_matrix``, ``experts``, ``decay_names``), less the ``preset`` (fixed by the
+variant: ``dobb-l2`` is ``Dobb`` with ``norm="l2"``, and asking it for another ``norm`` is an
+error). Validation (``validate``) is one style for all, raised before anything is built: unknown
+names and hyperparameters, values of the wrong kind, out of range or refused together are
+``ValueError``s naming the parameter and what is valid, by the same ``Options.check`` the class
+runs on its groups.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ._hparams import COMMON_DEFAULTS, check_kind
+from ._hparams import check_kind
 from .baselines import RMNP, BlockMuon, Dion, Dion2, Dion3, Muon, MuonBP, NorMuon, OwnerMuon, PeriodicRowMuon, SAMuon
 from .baselines.dash import Dash, Shampoo
 from .baselines.newton_muon import NewtonMuon
@@ -83,10 +85,8 @@ class Entry:
             out = {k: p.default for k, p in sig.parameters.items() if k not in _NOT_HPARAMS}
             out["decay_names"] = None  # Hugging Face's decay rule (the others without weight decay)
         else:
-            out = dict(COMMON_DEFAULTS)
-            out.pop("lr"), out.pop("weight_decay")
+            out = self.cls.Options.hparam_defaults()
             out.update(_ctor_keywords(self.cls))
-            out.update(self.cls.matrix_defaults)
             out.update(dict.fromkeys(GROUPING_KEYS))
         out.update(self.defaults)
         for key in self.preset:
@@ -182,8 +182,9 @@ def valid_hparams(name: str) -> list[str]:
 def validate(name: str, hparams: Mapping[str, Any], *, lr=None, weight_decay=None) -> Entry:
     """Check ``name`` and ``hparams`` before anything is built; returns the entry.
 
-    Unknown keys (a preset's fixed key among them) and values of the wrong kind raise a
-    ``ValueError`` naming the parameter and what is valid.
+    Unknown keys (a preset's fixed key among them), values of the wrong kind and, for the matrix
+    optimizers, values their ``Options`` refuse raise a ``ValueError`` naming the parameter and
+    what is valid.
     """
     entry = get(name)
     accepted = entry.hparam_defaults()
@@ -198,4 +199,10 @@ def validate(name: str, hparams: Mapping[str, Any], *, lr=None, weight_decay=Non
     for key, value in hparams.items():
         if accepted[key] is not None:
             check_kind(key, value, accepted[key])
+    if entry.is_matrix:  # ranges, choices and combinations: the class' own rules, on its options
+        options = entry.cls.Options
+        given = {**entry.defaults, **hparams, **entry.preset}
+        values = {k: v for k, v in given.items() if k in options.names()}
+        values.update((k, v) for k, v in (("lr", lr), ("weight_decay", weight_decay)) if v is not None)
+        options.check(values)
     return entry

@@ -1,7 +1,7 @@
 """dobb.baselines._common: the update protocol ``apply_protocol`` against the formula written out in
-float64, the validation helpers every baseline checks its hyperparameters with (a ValueError naming
-the argument; whole messages compared), the DTensor forwarders on plain tensors, and the step's rules
-shared by all of them (no host synchronisation inside ``step()``)."""
+float64, the DTensor forwarders on plain tensors, and the step's rules shared by all baselines (their
+hyperparameters refused with a ValueError naming them, by the one set of rules of ``dobb._hparams``;
+no host synchronisation inside ``step()``)."""
 from __future__ import annotations
 
 import pytest
@@ -92,31 +92,3 @@ def test_dtensor_forwarders_pass_plain_tensors_through():
     assert C.gather_full(t, t) is t and C.local_slice(full, t) is full and C.rows_are_local(t)
     rows = C.row_wise(lambda x: x / x.norm(dim=1, keepdim=True), t, t)
     assert torch.allclose(rows, t / t.norm(dim=1, keepdim=True))
-
-
-# ----------------------------------------------------------------------------- validation helpers
-@pytest.mark.parametrize("check,value,extra,message", [
-    (C.check_fraction, 0.0, (), "x must be a number in (0, 1], got 0.0"),
-    (C.check_fraction, True, (), "x must be a number in (0, 1], got True"),
-    (C.check_unit_interval, 1.0, (), "x must lie in [0, 1), got 1.0"),
-    (C.check_int, 2.0, (), "x must be an integer >= 1, got 2.0"),
-    (C.check_int, 0, (1, 5), "x must be an integer in [1, 5], got 0"),
-    (C.check_int, 6, (1, 5), "x must be an integer in [1, 5], got 6"),
-    (C.check_bool, 1, (), "x must be True or False, got 1"),
-    (C.check_positive, float("inf"), (), "x must be a finite number > 0, got inf"),
-    (C.check_positive, 0, (), "x must be a finite number > 0, got 0"),
-    (C.check_choice, "c", (("a", "b"),), "x must be one of ('a', 'b'), got 'c'"),
-])
-def test_validation_helpers_name_the_key_and_the_valid_values(check, value, extra, message):
-    with pytest.raises(ValueError) as err:
-        check({"x": value}, "x", *extra)
-    assert str(err.value) == message
-
-
-@pytest.mark.parametrize("check,value,extra", [
-    (C.check_fraction, 1.0, ()), (C.check_fraction, 1, ()), (C.check_unit_interval, 0.0, ()),
-    (C.check_int, 1, ()), (C.check_int, 5, (1, 5)), (C.check_bool, False, ()), (C.check_positive, 1e-30, ()),
-    (C.check_choice, "b", (("a", "b"),)),
-])
-def test_validation_helpers_accept_the_bounds(check, value, extra):
-    check({"x": value}, "x", *extra)

@@ -94,5 +94,5 @@ def test_registry_entry_and_defaults():
     assert entry.cls is MuonBP
     d = dobb.registry.hparam_defaults("muonbp")
     assert (d["period"], d["blocks"], d["axis"]) == (5, 4, 0)
-    # the NS options are Muon's own defaults, inherited through the family's MUON_DEFAULTS
+    # the NS options are Muon's own defaults, inherited through the family's MuonOptions
     assert all(d[k] == Muon.matrix_defaults[k] for k in ("ns_dtype", "ns_steps", "ns_method", "momentum"))

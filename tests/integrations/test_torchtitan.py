@@ -55,12 +55,15 @@ def test_builder_keys_fused_foreach_param_names_initial_lr_are_accepted(name):
     cls = type(dobb.build_optimizer(name, model, lr=1e-3))
     groups = dobb.param_groups(model, algorithm=cls.algorithm)
     for g in groups:  # what torchtitan's builder and torch's schedulers add to every group
-        g.update(param_names=[n for n, _ in g["params"]], params=[p for _, p in g["params"]], fused=True,
-                 foreach=False, initial_lr=1e-3)
+        adamw = g["algorithm"] == "adamw"  # the AdamW part honours fused; the matrix step has no fused kernel
+        g.update(param_names=[n for n, _ in g["params"]], params=[p for _, p in g["params"]], fused=adamw,
+                 foreach=not adamw, initial_lr=1e-3)
     kw = {"model": model} if cls is dobb.Dobb else {}
     opt = cls(groups, lr=1e-3, **kw)
     with pytest.raises(ValueError, match="unknown key"):
         cls([dict(groups[0], fusd=True)], lr=1e-3, **kw)
+    with pytest.raises(ValueError, match="^fused=True: the matrix step has no fused kernel"):
+        cls([dict(groups[0], fused=True)], lr=1e-3, **kw)
     torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     before = model.fc1.weight.detach().clone()
     _train(model, opt, _batches(2))
@@ -76,6 +79,15 @@ def test_factory_splits_builder_groups_and_keeps_names_aligned():
     for g in opt.param_groups:
         assert [id(p) for p in g["params"]] == [id(dict(model.named_parameters())[n]) for n in g["param_names"]]
         assert g["adamw_betas"] == (0.9, 0.95) and g["blocks"] == 2
+        # torchtitan's fused/foreach reach the AdamW groups, which honour them; not the matrix groups
+        flags = (True, False) if g["algorithm"] == "adamw" else (None, None)
+        assert (g["fused"], g["foreach"]) == flags, g["algorithm"]
+    shared = dobb_factory(_builder_groups(model, fused=True), model=model, fused=False, foreach=True)
+    assert [(g["fused"], g["foreach"]) for g in shared.param_groups if g["algorithm"] == "adamw"] == [(True, False)]
+    only_shared = [{k: v for k, v in g.items() if k not in ("fused", "foreach")} for g in _builder_groups(model, True)]
+    shared = dobb_factory(only_shared, model=model, fused=True)
+    assert [g["fused"] for g in shared.param_groups] == [None if g["algorithm"] != "adamw" else True
+                                                         for g in shared.param_groups]
     with pytest.raises(ValueError, match="param_names"):
         dobb_factory([{"params": [model.fc1.weight], "param_names": [], "lr": 1.0}], model=model)
 

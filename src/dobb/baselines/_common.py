@@ -1,5 +1,5 @@
-"""Helpers shared by the baselines: the update protocol, validation, and forwarders to the DTensor
-gather/slice helpers of ``dobb.sharding``.
+"""Helpers shared by the baselines: the update protocol and forwarders to the DTensor gather/slice
+helpers of ``dobb.sharding``. (Their options and value rules are declared with ``dobb._hparams``.)
 
 Why a separate ``apply_protocol`` (and not one apply shared with Dobb's ``_apply.py``): the Muon family
 produces bf16 directions, and ``torch.optim.Muon`` adds them with ``param.add_(O, alpha=-lr*s)``,
@@ -8,7 +8,6 @@ the baselines add with ``alpha`` to stay bitwise equal to torch's Muon on CPU.
 """
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Sequence
 
@@ -85,38 +84,3 @@ def apply_protocol(params: Sequence[Tensor], targets: Sequence[Tensor], updates:
         else:
             torch._foreach_add_(ts, us, alpha=-lr * s)
 
-
-# ----------------------------------------------------------------------------- validation
-def check_fraction(group: dict, key: str) -> None:
-    v = group[key]
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0.0 < v <= 1.0):
-        raise ValueError(f"{key} must be a number in (0, 1], got {v!r}")
-
-
-def check_unit_interval(group: dict, key: str) -> None:
-    v = group[key]
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0.0 <= v < 1.0):
-        raise ValueError(f"{key} must lie in [0, 1), got {v!r}")
-
-
-def check_int(group: dict, key: str, low: int = 1, high: int | None = None) -> None:
-    v = group[key]
-    if isinstance(v, bool) or not isinstance(v, int) or v < low or (high is not None and v > high):
-        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"{key} must be an integer {bound}, got {v!r}")
-
-
-def check_bool(group: dict, key: str) -> None:
-    if not isinstance(group[key], bool):
-        raise ValueError(f"{key} must be True or False, got {group[key]!r}")
-
-
-def check_positive(group: dict, key: str) -> None:
-    v = group[key]
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0 and math.isfinite(v)):
-        raise ValueError(f"{key} must be a finite number > 0, got {v!r}")
-
-
-def check_choice(group: dict, key: str, choices: Sequence[str]) -> None:
-    if group[key] not in choices:
-        raise ValueError(f"{key} must be one of {tuple(choices)}, got {group[key]!r}")

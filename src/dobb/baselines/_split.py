@@ -17,28 +17,31 @@ own momentum (CMuon's "independent momentum per chunk" needs nothing more).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from .._dtensor import is_dtensor
+from .._hparams import Rule, integer, option, optional
 from . import _common as C
 
 WHOLE = (slice(None), slice(None))
 Tile = tuple[slice, slice]
 
 
-def check_split_options(group: dict) -> None:
-    """ValueError naming ``split_sizes`` / ``num_heads`` when they are malformed."""
-    sizes, heads = group.get("split_sizes"), group.get("num_heads")
-    if sizes is not None and sizes != "qkv":
-        ok = (isinstance(sizes, (list, tuple)) and len(sizes) >= 1
-              and all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes))
-        if not ok:
-            raise ValueError(f"split_sizes must be None, 'qkv' or a sequence of positive integers "
-                             f"(the row sizes of a fused weight's parts), got {sizes!r}")
-    if heads is not None and (isinstance(heads, bool) or not isinstance(heads, int) or heads < 1):
-        raise ValueError(f"num_heads must be None or a positive integer, got {heads!r}")
+def _split_sizes_ok(sizes) -> bool:
+    return sizes is None or sizes == "qkv" or (
+        isinstance(sizes, (list, tuple)) and len(sizes) >= 1
+        and all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes))
+
+
+@dataclass(frozen=True, kw_only=True)
+class SplitOptions:
+    """The fused-weight split (CMuon) of the classes that take it (``None``: every matrix whole)."""
+    split_sizes: str | tuple[int, ...] | None = option(None, Rule(
+        _split_sizes_ok, "be None, 'qkv' or a sequence of positive integers (the row sizes of a fused weight's parts)"))
+    num_heads: int | None = option(None, optional(integer(1)))
 
 
 def row_parts(shape: Sequence[int], split_sizes, num_heads) -> list[int] | None:

@@ -21,12 +21,20 @@ matrices of a group run as one batched NS5.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .. import functional as F
 from .._base import _name_of
 from ..placement import layout_for
-from . import _common as C
 from ._split import tiled_directions
-from .muon import MUON_DEFAULTS, SPLIT_DEFAULTS, _MuonFamily
+from .._hparams import integer, option
+from .muon import AXIS, MuonSplitOptions, _MuonFamily
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockMuonOptions(MuonSplitOptions):
+    blocks: int = option(4, integer(1))
+    axis: int = option(1, AXIS)
 
 
 class BlockMuon(_MuonFamily):
@@ -36,16 +44,13 @@ class BlockMuon(_MuonFamily):
     into ``blocks`` blocks (the parts x blocks tiles are gathered when the weight is sharded)."""
 
     algorithm = "block-muon"
-    matrix_defaults = dict(MUON_DEFAULTS, blocks=4, axis=1, **SPLIT_DEFAULTS)
+    Options = BlockMuonOptions
 
     def __init__(self, params, *, lr: float, **kwargs):
         self._layouts = {}
         super().__init__(params, lr=lr, **kwargs)
 
     def _check_matrix_group(self, group):
-        C.check_int(group, "blocks", 1)
-        if group["axis"] not in (0, 1) or isinstance(group["axis"], bool):
-            raise ValueError(f"axis must be 0 (row blocks) or 1 (column blocks), got {group['axis']!r}")
         side = "input" if group["axis"] == 1 else "output"
         super()._check_matrix_group(group)
         for i, p in enumerate(group["params"]):

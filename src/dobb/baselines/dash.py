@@ -37,7 +37,7 @@ the same layout; ``torch.distributed.checkpoint`` resharding of them is not supp
 """
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 from collections import defaultdict
 
 import torch
@@ -47,6 +47,8 @@ from .._base import MatrixOptimizer, _name_of
 from .._dtensor import is_dtensor, to_local
 from . import _common as C
 from ._matrix_roots import INVERSE_ROOTS, inverse_root
+from .._hparams import (ScaledOptions, closed_unit_interval, integer, non_negative, one_of, option, positive,
+                        unit_interval)
 
 GRAFTS = ("adam", "none")
 ROOT = 4  # Shampoo's two-sided exponent: L^{-1/4} G R^{-1/4}
@@ -118,6 +120,26 @@ def _factor_dtype(p: Tensor) -> torch.dtype:
     return torch.float64 if p.dtype == torch.float64 else torch.float32
 
 
+@dataclass(frozen=True, kw_only=True)
+class ShampooOptions(ScaledOptions):
+    """DASH's options but the tile size (Shampoo: one tile per matrix)."""
+    beta_lr: float = option(0.95, closed_unit_interval.hint("1 sums the factors"))
+    beta_g: float = option(0.9, unit_interval)
+    beta_graft: float = option(0.95, unit_interval)
+    graft: str = option("adam", one_of(*GRAFTS))
+    eps_graft: float = option(1e-8, positive)
+    precondition_every: int = option(10, integer(1))
+    inverse_root: str = option("eigh", one_of(*INVERSE_ROOTS))
+    eps_inv_root: float = option(1e-10, non_negative)
+    newton_steps: int = option(30, integer(1, 1000))
+    newton_tol: float = option(1e-4, non_negative.hint("0: a fixed newton_steps"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class DashOptions(ShampooOptions):
+    block_size: int = option(1024, integer(1))
+
+
 class Dash(MatrixOptimizer):
     """Block Shampoo (DASH) for hidden matrices, AdamW for the rest; see the module docstring.
 
@@ -133,33 +155,13 @@ class Dash(MatrixOptimizer):
     """
 
     algorithm = "dash"
-    matrix_defaults = dict(block_size=1024, beta_lr=0.95, beta_g=0.9, beta_graft=0.95, graft="adam",
-                           eps_graft=1e-8, precondition_every=10, inverse_root="eigh", eps_inv_root=1e-10,
-                           newton_steps=30, newton_tol=1e-4)
+    Options = DashOptions
     _own_dtype_keys = ("L", "R", "L_root", "R_root")
 
     def _block_size(self, group, shape) -> int:
         return group["block_size"]
 
     def _check_matrix_group(self, group):
-        if "block_size" in self.matrix_defaults:
-            C.check_int(group, "block_size", 1)
-        C.check_unit_interval(group, "beta_g")
-        C.check_unit_interval(group, "beta_graft")
-        b = group["beta_lr"]
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0.0 <= b <= 1.0:
-            raise ValueError(f"beta_lr must lie in [0, 1] (1 sums the factors), got {b!r}")
-        C.check_choice(group, "graft", GRAFTS)
-        C.check_choice(group, "inverse_root", INVERSE_ROOTS)
-        C.check_positive(group, "eps_graft")
-        e = group["eps_inv_root"]
-        if isinstance(e, bool) or not isinstance(e, (int, float)) or not (e >= 0 and math.isfinite(e)):
-            raise ValueError(f"eps_inv_root must be a finite number >= 0, got {e!r}")
-        C.check_int(group, "precondition_every", 1)
-        C.check_int(group, "newton_steps", 1, 1000)
-        t = group["newton_tol"]
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (t >= 0 and math.isfinite(t)):
-            raise ValueError(f"newton_tol must be a finite number >= 0 (0: a fixed newton_steps), got {t!r}")
         for i, p in enumerate(group["params"]):
             if is_dtensor(p):  # tiles are cut within the local shard: it must be a contiguous rectangle
                 from ..sharding import axis_split
@@ -262,7 +264,7 @@ class Shampoo(Dash):
     rank's shard, so the step stays local: sharded Shampoo is block-diagonal over the shards."""
 
     algorithm = "shampoo"
-    matrix_defaults = {k: v for k, v in Dash.matrix_defaults.items() if k != "block_size"}
+    Options = ShampooOptions
 
     def _block_size(self, group, shape) -> int:
         return max(1, *shape)

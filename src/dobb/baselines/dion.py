@@ -42,6 +42,7 @@ whole matrix (listed in ``Dion.gathered``, with the reason). The math below sees
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from collections import defaultdict
 from typing import Any
 
@@ -51,6 +52,7 @@ from torch import Tensor
 from .._base import MatrixOptimizer
 from .._dtensor import is_dtensor, to_local
 from . import _common as C
+from .._hparams import ScaledOptions, fraction, integer, one_of, option, unit_interval
 from .newton_schulz import column_normalize
 
 _QR = ("householder", "rcqr")
@@ -191,6 +193,14 @@ def dion_step(b: Tensor, q: Tensor, mu: float, qr: str = "householder",
     return p @ q_new.mT, m_new, q_new
 
 
+@dataclass(frozen=True, kw_only=True)
+class DionOptions(ScaledOptions):
+    rank_fraction: float = option(0.25, fraction)
+    momentum: float = option(0.95, unit_interval)
+    qr: str = option("householder", one_of(*_QR))
+    seed: int = option(0, integer(0))
+
+
 class Dion(MatrixOptimizer):
     """Args: ``lr``, ``weight_decay``, ``tau``, ``rank_fraction`` (0.25), ``momentum`` (``mu``, 0.95),
     ``qr`` ("householder" or "rcqr": randomized Cholesky QR), ``seed`` (0), AdamW args.
@@ -200,7 +210,7 @@ class Dion(MatrixOptimizer):
     """
 
     algorithm = "dion"
-    matrix_defaults: dict[str, Any] = dict(rank_fraction=0.25, momentum=0.95, qr="householder", seed=0)
+    Options = DionOptions
     _own_dtype_keys = ("Q",)  # Q stays fp32 when a bf16 model resumes
 
     def __init__(self, params, *, lr: float, **kwargs):
@@ -223,12 +233,6 @@ class Dion(MatrixOptimizer):
                     self.gathered[name] = split
             self._splits[id(p)] = split
         return self._splits[id(p)]
-
-    def _check_matrix_group(self, group):
-        C.check_fraction(group, "rank_fraction")
-        C.check_unit_interval(group, "momentum")
-        C.check_choice(group, "qr", _QR)
-        C.check_int(group, "seed", 0)
 
     def _init_matrix_state(self, group):
         for p in group["params"]:

@@ -33,7 +33,7 @@ Where the rows are selected (``select``):
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -42,7 +42,9 @@ from .._base import MatrixOptimizer, _name_of
 from .._dtensor import to_local
 from ..placement import layout_for
 from . import _common as C
-from .muon import check_ns_options, ns_options
+from .._hparams import ScaledOptions, integer, one_of, option, unit_interval
+from .._hparams import fraction as fraction_rule
+from .muon import NSOptions, ns_options
 from .newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_STEPS, orthogonalize
 
 SELECT = ("global", "shard")
@@ -66,6 +68,14 @@ def dion2_step(b: Tensor, k: int, mu: float, coefficients=NS_COEFFICIENTS, steps
     return o, m_new, rows
 
 
+@dataclass(frozen=True, kw_only=True)
+class Dion2Options(ScaledOptions, NSOptions):
+    fraction: float = option(0.25, fraction_rule)
+    momentum: float = option(0.95, unit_interval)
+    select: str = option("global", one_of(*SELECT))
+    blocks: int = option(4, integer(1))
+
+
 class Dion2(MatrixOptimizer):
     """Args: ``lr``, ``weight_decay``, ``tau``, ``fraction`` (0.25), ``momentum`` (0.95),
     ``ns_coefficients``, ``ns_steps`` (5), ``eps``, ``ns_method``, ``ns_dtype`` (as Dion3's),
@@ -73,22 +83,13 @@ class Dion2(MatrixOptimizer):
     the module docstring), AdamW args."""
 
     algorithm = "dion2"
-    matrix_defaults: dict[str, Any] = dict(fraction=0.25, momentum=0.95, ns_coefficients=NS_COEFFICIENTS,
-                                           ns_steps=NS_STEPS, eps=NS_EPS, ns_method="standard",
-                                           ns_dtype="auto", select="global", blocks=4)
+    Options = Dion2Options
 
     def __init__(self, params, *, lr: float, **kwargs):
         self._layouts = {}
         super().__init__(params, lr=lr, **kwargs)
 
     def _check_matrix_group(self, group):
-        C.check_fraction(group, "fraction")
-        C.check_unit_interval(group, "momentum")
-        C.check_int(group, "ns_steps", 1, 99)
-        C.check_positive(group, "eps")
-        check_ns_options(group)
-        C.check_choice(group, "select", SELECT)
-        C.check_int(group, "blocks", 1)
         if group["select"] == "shard":
             for i, p in enumerate(group["params"]):
                 try:

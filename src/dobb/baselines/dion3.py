@@ -19,7 +19,7 @@ through ``normuon_normalize``, which keeps its Frobenius norm, so the moved rows
 """
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -28,9 +28,11 @@ from .._base import MatrixOptimizer
 from .._dtensor import to_local
 from . import _common as C
 from .dion2 import gathered_lookahead, selected_rows
-from .muon import check_ns_options, ns_options
+from .._hparams import ScaledOptions, option, unit_interval
+from .._hparams import fraction as fraction_rule
+from .muon import NSOptions, ns_options
 from .newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_STEPS, orthogonalize
-from .normuon import check_neuron_options, normuon_normalize, state_dtype
+from .normuon import NeuronOptions, normuon_normalize, state_dtype
 
 
 def dion3_step(b: Tensor, v: Tensor, k: int, mu: float, beta2: float, neuron_eps: float = 1e-8,
@@ -51,6 +53,12 @@ def dion3_step(b: Tensor, v: Tensor, k: int, mu: float, beta2: float, neuron_eps
     return o, b.scatter(1, idx, sub * mu), v.scatter(1, rows, v_sel), rows
 
 
+@dataclass(frozen=True, kw_only=True)
+class Dion3Options(ScaledOptions, NSOptions, NeuronOptions):
+    fraction: float = option(0.25, fraction_rule)
+    momentum: float = option(0.95, unit_interval)
+
+
 class Dion3(MatrixOptimizer):
     """Args: ``lr``, ``weight_decay``, ``tau``, ``fraction`` (0.25), ``momentum`` (0.95), ``beta2``
     (0.95), ``neuron_eps`` (1e-8), ``ns_coefficients``, ``ns_steps`` (5), ``eps``, ``ns_method``,
@@ -58,17 +66,7 @@ class Dion3(MatrixOptimizer):
 
     algorithm = "dion3"
     _own_dtype_keys = ("neuron_variance",)  # stays fp32 when a bf16 model resumes
-    matrix_defaults: dict[str, Any] = dict(fraction=0.25, momentum=0.95, beta2=0.95, neuron_eps=1e-8,
-                                           ns_coefficients=NS_COEFFICIENTS, ns_steps=NS_STEPS, eps=NS_EPS,
-                                           ns_method="standard", ns_dtype="auto")
-
-    def _check_matrix_group(self, group):
-        C.check_fraction(group, "fraction")
-        C.check_unit_interval(group, "momentum")
-        C.check_int(group, "ns_steps", 1, 99)
-        C.check_positive(group, "eps")
-        check_ns_options(group)
-        check_neuron_options(group)
+    Options = Dion3Options
 
     def _init_matrix_state(self, group):
         for p in group["params"]:

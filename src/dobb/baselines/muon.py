@@ -18,26 +18,53 @@ Block Muon); subclasses only say how ``U`` becomes a direction (``_directions``)
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from .._base import MatrixOptimizer, _name_of
+from .._hparams import Rule, ScaledOptions, boolean, integer, numbers_tuple, one_of, option, positive, unit_interval
 from .._dtensor import to_local
 from ..functional import cpu_native
 from . import _common as C
-from ._split import check_split_options, row_parts, row_tiles, tiled_directions
+from ._split import SplitOptions, row_parts, row_tiles, tiled_directions
 from .newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_METHODS, NS_STEPS, orthogonalize
 
-MUON_DEFAULTS: dict[str, Any] = dict(
-    momentum=0.95, nesterov=True, ns_coefficients=NS_COEFFICIENTS, ns_steps=NS_STEPS, eps=NS_EPS,
-    ns_method="standard", ns_dtype="auto",
-)
-# The fused-weight split (CMuon) of the classes that take it: None = every matrix whole.
-SPLIT_DEFAULTS: dict[str, Any] = dict(split_sizes=None, num_heads=None)
 NS_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
              "float64": torch.float64}
+
+
+def _ns_dtype_ok(dt) -> bool:
+    return (isinstance(dt, str) and (dt == "auto" or dt in NS_DTYPES)) or dt in NS_DTYPES.values()
+
+
+@dataclass(frozen=True, kw_only=True)
+class NSOptions:
+    """The Newton-Schulz options (Muon's family, Dion2, Dion3)."""
+    ns_coefficients: tuple[float, float, float] = option(NS_COEFFICIENTS, numbers_tuple(3, "three numbers (a, b, c)"))
+    ns_steps: int = option(NS_STEPS, integer(1, 99))
+    eps: float = option(NS_EPS, positive)
+    ns_method: str = option("standard", one_of(*NS_METHODS))
+    ns_dtype: str | torch.dtype = option("auto", Rule(
+        _ns_dtype_ok, f"be 'auto' or one of {tuple(NS_DTYPES)} (or the torch dtype)"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class MuonOptions(ScaledOptions, NSOptions):
+    """Muon's momentum and Newton-Schulz options, shared by the Muon family."""
+    momentum: float = option(0.95, unit_interval)
+    nesterov: bool = option(True, boolean)
+
+
+# Block Muon's and MuonBP's block axis
+AXIS = Rule(lambda v: v in (0, 1) and not isinstance(v, bool), "be 0 (row blocks) or 1 (column blocks)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MuonSplitOptions(MuonOptions, SplitOptions):
+    """Muon's options with the fused-weight split (Muon, CMuon, NorMuon, Block Muon)."""
 
 
 def resolve_ns_dtype(ns_dtype: "str | torch.dtype", device: "torch.device | str" = "cpu") -> torch.dtype:
@@ -63,30 +90,14 @@ def ns_options(group: dict[str, Any]) -> dict[str, Any]:
     return dict(method=group["ns_method"], dtype=resolve_ns_dtype(group["ns_dtype"], device))
 
 
-def check_ns_options(group: dict[str, Any]) -> None:
-    C.check_choice(group, "ns_method", NS_METHODS)
-    dt = group["ns_dtype"]
-    if not ((isinstance(dt, str) and (dt == "auto" or dt in NS_DTYPES)) or dt in NS_DTYPES.values()):
-        raise ValueError(f"ns_dtype must be 'auto' or one of {tuple(NS_DTYPES)} (or the torch dtype), got {dt!r}")
-
-
 class _MuonFamily(MatrixOptimizer):
     """Muon's momentum and protocol; subclasses implement ``_directions``."""
 
+    Options = MuonOptions
     _uses_step = False  # whether the state carries a step counter (schedules)
 
     def _check_matrix_group(self, group: dict[str, Any]) -> None:
-        C.check_unit_interval(group, "momentum")
-        C.check_bool(group, "nesterov")
-        C.check_int(group, "ns_steps", 1, 99)
-        C.check_positive(group, "eps")
-        check_ns_options(group)
-        coeffs = group["ns_coefficients"]
-        if not (isinstance(coeffs, (tuple, list)) and len(coeffs) == 3
-                and all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in coeffs)):
-            raise ValueError(f"ns_coefficients must be three numbers (a, b, c), got {coeffs!r}")
         if "split_sizes" in self.matrix_defaults:
-            check_split_options(group)
             for i, p in enumerate(group["params"]):
                 try:
                     row_parts(p.shape, group["split_sizes"], group["num_heads"])
@@ -152,7 +163,7 @@ class Muon(_MuonFamily):
     """
 
     algorithm = "muon"
-    matrix_defaults = dict(MUON_DEFAULTS, **SPLIT_DEFAULTS)
+    Options = MuonSplitOptions
 
     def _directions(self, group, active, states, params, u):
         if group["split_sizes"] is None and group["num_heads"] is None:

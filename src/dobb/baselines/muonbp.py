@@ -29,13 +29,16 @@ Choices where the paper is silent (stated in docs/baselines.md too):
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .._base import _name_of
+from .._hparams import integer, option
 from .._dtensor import is_dtensor
 from ..placement import layout_for
 from . import _common as C
 from ._split import tiled_directions
 from .block_muon import _blocks
-from .muon import MUON_DEFAULTS
+from .muon import AXIS, MuonOptions
 from .owner_muon import OwnerMuon
 
 __all__ = ["MuonBP", "block_axis"]
@@ -50,13 +53,20 @@ def block_axis(p, axis: int) -> int:
     return dims.pop() if len(dims) == 1 else axis
 
 
+@dataclass(frozen=True, kw_only=True)
+class MuonBPOptions(MuonOptions):
+    period: int = option(5, integer(0))
+    blocks: int = option(4, integer(1))
+    axis: int = option(0, AXIS)
+
+
 class MuonBP(OwnerMuon):
     """MuonBP. Args as ``Muon`` (and ``OwnerMuon``'s ``replicated_group``) plus ``period`` (``P``,
     default 5: a full step every ``P``-th step, 0 never), ``blocks`` (default 4) and ``axis``
     (0 rows, the default; 1 columns) of the block steps; see the module docstring."""
 
     algorithm = "muonbp"
-    matrix_defaults = dict(MUON_DEFAULTS, period=5, blocks=4, axis=0)
+    Options = MuonBPOptions
     _uses_step = True
 
     def __init__(self, params, *, lr: float, **kwargs):
@@ -64,10 +74,6 @@ class MuonBP(OwnerMuon):
         super().__init__(params, lr=lr, **kwargs)
 
     def _check_matrix_group(self, group):
-        C.check_int(group, "period", 0)
-        C.check_int(group, "blocks", 1)
-        if group["axis"] not in (0, 1) or isinstance(group["axis"], bool):
-            raise ValueError(f"axis must be 0 (row blocks) or 1 (column blocks), got {group['axis']!r}")
         super()._check_matrix_group(group)
         for i, p in enumerate(group["params"]):
             side = "input" if block_axis(p, group["axis"]) == 1 else "output"

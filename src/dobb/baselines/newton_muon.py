@@ -29,6 +29,7 @@ data (the statistic is not averaged across ranks, so replicas would drift); 3-D 
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,13 +41,20 @@ from ..capture import CaptureHooks
 from ..collectives import plain_stat_group
 from ..layout import MatrixLayout, plain_layout
 from . import _common as C
-from .muon import MUON_DEFAULTS, _MuonFamily
+from .._hparams import integer, one_of, option, positive, unit_interval
+from .muon import MuonOptions, _MuonFamily
 
 __all__ = ["NewtonMuon", "damped_inverse", "precondition"]
 
-NEWTON_MUON_DEFAULTS: dict[str, Any] = dict(
-    MUON_DEFAULTS, refresh_every=64, stat_decay=0.95, damping=0.2, blocks=1, capture="first",
-)
+
+
+@dataclass(frozen=True, kw_only=True)
+class NewtonMuonOptions(MuonOptions):
+    refresh_every: int = option(64, integer(1))
+    stat_decay: float = option(0.95, unit_interval)
+    damping: float = option(0.2, positive)
+    blocks: int = option(1, integer(1))
+    capture: str = option("first", one_of("first", "all"))
 _RIDGE_FLOOR = 1e-8  # the authors' absolute floor under the relative damping
 
 
@@ -99,7 +107,7 @@ class NewtonMuon(_MuonFamily):
     """
 
     algorithm = "newton-muon"
-    matrix_defaults = dict(NEWTON_MUON_DEFAULTS)
+    Options = NewtonMuonOptions
     _own_dtype_keys = ("stat", "precond")  # fp32 when a bf16 model resumes
 
     def __init__(self, params, model: nn.Module | None = None, *, lr: float, stat_group="default", **kwargs):
@@ -118,11 +126,6 @@ class NewtonMuon(_MuonFamily):
     # ------------------------------------------------------------------ set-up
     def _check_matrix_group(self, group: dict[str, Any]) -> None:
         super()._check_matrix_group(group)
-        C.check_int(group, "refresh_every", 1)
-        C.check_unit_interval(group, "stat_decay")
-        C.check_positive(group, "damping")
-        C.check_int(group, "blocks", 1)
-        C.check_choice(group, "capture", ("first", "all"))
         for i, p in enumerate(group["params"]):
             name = _name_of(p, self._param_names, i)
             if is_dtensor(p):

@@ -19,10 +19,8 @@ from torch import Tensor
 
 from .gram_ns import gram_newton_schulz, wide_normalized
 
-try:  # torch >= 2.9 ships Muon; older versions use the batched path for every matrix
-    from torch.optim._muon import _zeropower_via_newtonschulz as _torch_ns
-except ImportError:  # pragma: no cover - depends on the installed torch
-    _torch_ns = None
+# torch >= 2.9 ships Muon (None before: the batched path for every matrix)
+from .._torch_private import torch_newton_schulz as _torch_ns
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5

@@ -15,16 +15,26 @@ Muon does). The normalization is the pure function ``normuon_normalize``.
 """
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from . import _common as C
 from ._split import row_tiles, tiled_directions
-from .muon import MUON_DEFAULTS, SPLIT_DEFAULTS, _MuonFamily
+from .._hparams import option, positive, unit_interval
+from .muon import MuonSplitOptions, _MuonFamily
 
-NORMUON_DEFAULTS: dict[str, Any] = dict(MUON_DEFAULTS, beta2=0.95, neuron_eps=1e-8)
+
+@dataclass(frozen=True, kw_only=True)
+class NeuronOptions:
+    """The per-row second moment of NorMuon and Dion3."""
+    beta2: float = option(0.95, unit_interval)
+    neuron_eps: float = option(1e-8, positive)
+
+
+@dataclass(frozen=True, kw_only=True)
+class NorMuonOptions(MuonSplitOptions, NeuronOptions):
+    pass
 
 
 def normuon_normalize(o: Tensor, v: Tensor, beta2: float, eps: float = 1e-8) -> tuple[Tensor, Tensor]:
@@ -44,23 +54,14 @@ def state_dtype(p: Tensor) -> torch.dtype:
     return torch.float64 if p.dtype == torch.float64 else torch.float32
 
 
-def check_neuron_options(group: dict) -> None:
-    C.check_unit_interval(group, "beta2")
-    C.check_positive(group, "neuron_eps")
-
-
 class NorMuon(_MuonFamily):
     """NorMuon. Args as ``Muon`` (``split_sizes``/``num_heads`` included: each part is normalized,
     Frobenius rescale too, as a matrix of its own) plus ``beta2`` (0.95, the per-row second moment's
     EMA) and ``neuron_eps`` (1e-8)."""
 
     algorithm = "normuon"
-    matrix_defaults = dict(NORMUON_DEFAULTS, **SPLIT_DEFAULTS)
+    Options = NorMuonOptions
     _own_dtype_keys = ("neuron_variance",)  # stays fp32 when a bf16 model resumes
-
-    def _check_matrix_group(self, group):
-        check_neuron_options(group)
-        super()._check_matrix_group(group)
 
     def _init_matrix_state(self, group):
         super()._init_matrix_state(group)

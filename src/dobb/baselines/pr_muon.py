@@ -13,22 +13,25 @@ summary does not pin them down:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from . import _common as C
-from .muon import MUON_DEFAULTS, _MuonFamily
+from .._hparams import integer, option
+from .muon import MuonOptions, _MuonFamily
 from .newton_schulz import row_normalize
+
+
+@dataclass(frozen=True, kw_only=True)
+class PRMuonOptions(MuonOptions):
+    period: int = option(3, integer(1))
 
 
 class PeriodicRowMuon(_MuonFamily):
     """PR-Muon. Args as ``Muon`` plus ``period`` (``K``, default 3: full NS5 every K-th step)."""
 
     algorithm = "pr-muon"
-    matrix_defaults = dict(MUON_DEFAULTS, period=3)
+    Options = PRMuonOptions
     _uses_step = True
-
-    def _check_matrix_group(self, group):
-        C.check_int(group, "period", 1)
-        super()._check_matrix_group(group)
 
     def _directions(self, group, active, states, params, u):
         full_idx = [i for i, s in enumerate(states) if s["step"] % group["period"] == 0]

@@ -8,25 +8,28 @@ communication then, which is what makes it a cheap baseline.
 """
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
 from .._base import MatrixOptimizer
 from .._dtensor import to_local
+from .._hparams import ScaledOptions, boolean, option, unit_interval
 from . import _common as C
 from .newton_schulz import row_normalize
+
+
+@dataclass(frozen=True, kw_only=True)
+class RMNPOptions(ScaledOptions):
+    momentum: float = option(0.95, unit_interval)
+    nesterov: bool = option(False, boolean)
 
 
 class RMNP(MatrixOptimizer):
     """Args: ``lr``, ``weight_decay``, ``tau``, ``momentum`` (0.95), ``nesterov`` (False), AdamW args."""
 
     algorithm = "rmnp"
-    matrix_defaults: dict[str, Any] = dict(momentum=0.95, nesterov=False)
-
-    def _check_matrix_group(self, group):
-        C.check_unit_interval(group, "momentum")
-        C.check_bool(group, "nesterov")
+    Options = RMNPOptions
 
     def _init_matrix_state(self, group):
         for p in group["params"]:

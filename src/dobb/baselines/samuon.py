@@ -29,20 +29,35 @@ from __future__ import annotations
 import math
 import warnings
 from collections import defaultdict
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from . import _common as C
-from .muon import MUON_DEFAULTS, _MuonFamily
+from .._hparams import Rule, closed_unit_interval, integer, one_of, option, optional, positive
+from .muon import MuonOptions, _MuonFamily
 
 TOPK_METHODS = ("auto", "exact", "lowrank", "power")
 EXACT_UP_TO = 1024  # "auto": exact SVD up to this min(m, n), randomized above
-SAMUON_DEFAULTS: dict[str, Any] = dict(
-    MUON_DEFAULTS, gamma=5.0, gamma_warmup=0.3, total_steps=None, top_k=None, topk_method="auto",
-    power_iters=2, oversample=8, seed=0,
-)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SAMuonOptions(MuonOptions):
+    gamma: float = option(5.0, positive.hint("1 is Muon"))
+    gamma_warmup: float = option(0.3, Rule(closed_unit_interval.test, "be a fraction of total_steps in [0, 1]"))
+    total_steps: int | None = option(None, optional(integer(1)))
+    top_k: int | None = option(None, optional(integer(1)))
+    topk_method: str = option("auto", one_of(*TOPK_METHODS))
+    power_iters: int = option(2, integer(1))
+    oversample: int = option(8, integer(0))
+    seed: int = option(0, integer(0))
+
+    @classmethod
+    def _check_together(cls, values):
+        super()._check_together(values)
+        if values["topk_method"] == "power" and values["top_k"] != 1:
+            raise ValueError(f"topk_method='power' finds one pair: it needs top_k=1, got top_k={values['top_k']!r}")
 
 __all__ = ["SAMuon", "spectral_prior", "gamma_at", "default_top_k", "top_singular_pairs", "power_pair",
            "samuon_direction"]
@@ -121,33 +136,18 @@ class SAMuon(_MuonFamily):
     """
 
     algorithm = "samuon"
-    matrix_defaults = dict(SAMUON_DEFAULTS)
+    Options = SAMuonOptions
     _uses_step = True
     _own_dtype_keys = ("top_v",)
 
     def _check_matrix_group(self, group):
         super()._check_matrix_group(group)
-        g = group["gamma"]
-        if isinstance(g, bool) or not isinstance(g, (int, float)) or not (g > 0 and math.isfinite(g)):
-            raise ValueError(f"gamma must be a finite number > 0 (1 is Muon), got {g!r}")
-        w = group["gamma_warmup"]
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w <= 1:
-            raise ValueError(f"gamma_warmup must be a fraction of total_steps in [0, 1], got {w!r}")
-        if group["total_steps"] is not None:
-            C.check_int(group, "total_steps", 1)
-        elif g != 1 and w > 0:
+        g, w = group["gamma"], group["gamma_warmup"]
+        if group["total_steps"] is None and g != 1 and w > 0:
             # Built without the run's length (a generic builder, a trainer that does not pass it):
             # the warmup cannot be placed, so gamma applies from the first step, and we say so.
             warnings.warn("SAMuon: total_steps not given, so gamma is not warmed up (the published method "
                           "warms it up over gamma_warmup of the run): pass total_steps", stacklevel=6)
-        if group["top_k"] is not None:
-            C.check_int(group, "top_k", 1)
-        C.check_choice(group, "topk_method", TOPK_METHODS)
-        C.check_int(group, "power_iters", 1)
-        C.check_int(group, "oversample", 0)
-        C.check_int(group, "seed", 0)
-        if group["topk_method"] == "power" and group["top_k"] != 1:
-            raise ValueError(f"topk_method='power' finds one pair: it needs top_k=1, got top_k={group['top_k']!r}")
 
     def _init_matrix_state(self, group):
         super()._init_matrix_state(group)

@@ -32,6 +32,7 @@ Sharded (DTensor) weights are refused: this class computes on whole matrices.
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,6 +40,8 @@ from torch import Tensor
 
 from .._base import MatrixOptimizer, _name_of
 from .._dtensor import is_dtensor
+from .._hparams import Options, boolean, integer, one_of, option, optional, positive, unit_interval
+from .._hparams import betas as betas_rule
 from . import _common as C
 
 SIDES = ("both", "input", "output")
@@ -101,6 +104,19 @@ def _unblock(x: Tensor) -> Tensor:
     return x.permute(1, 0, 2).reshape(m, b * nb)
 
 
+@dataclass(frozen=True, kw_only=True)
+class SOAPOptions(Options):
+    """SOAP's options: Adam-scaled in the rotated space, so no ``tau`` (passing one is an error)."""
+    betas: tuple[float, float] = option((0.95, 0.95), betas_rule)
+    shampoo_beta: float | None = option(None, optional(unit_interval))
+    eps: float = option(1e-8, positive)
+    precondition_frequency: int = option(10, integer(1))
+    max_precondition_dim: int = option(10000, integer(1))
+    blocks: int = option(1, integer(1))
+    sides: str = option("both", one_of(*SIDES))
+    correct_bias: bool = option(True, boolean)
+
+
 class SOAP(MatrixOptimizer):
     """SOAP for hidden matrices, AdamW for the rest (see the module docstring).
 
@@ -109,30 +125,15 @@ class SOAP(MatrixOptimizer):
     ``precondition_frequency`` (10: steps between basis refreshes), ``max_precondition_dim``
     (10000: a longer side keeps the identity), ``blocks`` (1: equal column blocks, each its own
     SOAP; must divide ``n``), ``sides`` (``"both"``; ``"input"``: only ``R``; ``"output"``: only
-    ``L``), ``correct_bias`` (True), ``adamw_betas``, ``adamw_eps``. ``tau`` is unused (Adam-scaled).
+    ``L``), ``correct_bias`` (True), ``adamw_betas``, ``adamw_eps``. It takes no ``tau`` (Adam-scaled).
     """
 
     algorithm = "soap"
-    matrix_defaults: dict[str, Any] = dict(
-        betas=(0.95, 0.95), shampoo_beta=None, eps=1e-8, precondition_frequency=10,
-        max_precondition_dim=10000, blocks=1, sides="both", correct_bias=True,
-    )
+    Options = SOAPOptions
     # fp32 statistics stay fp32 when a bf16 model resumes
     _own_dtype_keys = ("momentum", "exp_avg_sq", "stat_left", "stat_right", "basis_left", "basis_right")
 
     def _check_matrix_group(self, group: dict[str, Any]) -> None:
-        betas = group["betas"]
-        if not (isinstance(betas, (tuple, list)) and len(betas) == 2
-                and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas)):
-            raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
-        if group["shampoo_beta"] is not None:
-            C.check_unit_interval(group, "shampoo_beta")
-        C.check_positive(group, "eps")
-        C.check_int(group, "precondition_frequency", 1)
-        C.check_int(group, "max_precondition_dim", 1)
-        C.check_int(group, "blocks", 1)
-        C.check_choice(group, "sides", SIDES)
-        C.check_bool(group, "correct_bias")
         for i, p in enumerate(group["params"]):
             name = _name_of(p, self._param_names, i)
             if is_dtensor(p):

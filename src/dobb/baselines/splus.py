@@ -51,6 +51,7 @@ Update scale: ``tau`` is accepted and unused (SPlus's ``2 / (m + n)`` replaces t
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -58,17 +59,28 @@ from torch import Tensor
 
 from .. import functional as F
 from .._base import MatrixOptimizer, _name_of
-from .._dtensor import is_dtensor, to_local
+from .._dtensor import to_local
+from .._hparams import Options, integer, option, positive, unit_interval
 from .._two_sided import blockwise
 from ..placement import layout_for
 from . import _common as C
 
 __all__ = ["SPlus", "splus_direction"]
 
-SPLUS_DEFAULTS: dict[str, Any] = dict(
-    b1=0.9, b2=0.999, ema_rate=0.999, eps=1e-30, inverse_every=100, max_dim=10000,
-    nonstandard_constant=0.001, blocks=1, out_blocks=1, adamw_lr_ratio=1.0,
-)
+@dataclass(frozen=True, kw_only=True)
+class SPlusOptions(Options):
+    """SPlus's options: sign-scaled by ``2/(m+n)``, so no ``tau`` (passing one is an error);
+    ``ema_rate`` and ``adamw_lr_ratio`` are read by the ``"adamw"`` groups too."""
+    b1: float = option(0.9, unit_interval)
+    b2: float = option(0.999, unit_interval)
+    ema_rate: float = option(0.999, unit_interval, adamw=True)
+    eps: float = option(1e-30, positive)
+    inverse_every: int = option(100, integer(1))
+    max_dim: int = option(10000, integer(1))
+    nonstandard_constant: float = option(0.001, positive)
+    blocks: int = option(1, integer(1))
+    out_blocks: int = option(1, integer(1))
+    adamw_lr_ratio: float = option(1.0, positive, adamw=True)
 
 
 # ----------------------------------------------------------------------------- pure math
@@ -121,11 +133,11 @@ class SPlus(MatrixOptimizer):
     ``out_blocks`` (1: diagonal blocks of ``Q_L``), ``adamw_betas``, ``adamw_eps``,
     ``adamw_lr_ratio`` (1.0: the ``"adamw"`` groups step with ``lr * adamw_lr_ratio``; SPlus's
     ``lr`` is a per-sign-entry scale over ``(m + n) / 2``, so its good values (about 0.1-0.5) are far
-    above AdamW's, and a ratio lets the other parameters keep an AdamW lr); ``tau`` unused.
+    above AdamW's, and a ratio lets the other parameters keep an AdamW lr); it takes no ``tau``.
     """
 
     algorithm = "splus"
-    matrix_defaults: dict[str, Any] = dict(SPLUS_DEFAULTS)
+    Options = SPlusOptions
     # What the bench's evaluation uses: this optimizer's eval() swaps in the iterate average.
     eval_weights = "iterate-ema"
     _own_dtype_keys = ("stat_out", "stat_in", "basis_out", "basis_in")
@@ -135,11 +147,6 @@ class SPlus(MatrixOptimizer):
         super().__init__(params, lr=lr, **kwargs)
 
     # ------------------------------------------------------------------ validation and state
-    def _check_group(self, group: dict[str, Any]) -> None:
-        super()._check_group(group)
-        C.check_unit_interval(group, "ema_rate")  # AdamW groups keep an iterate average too
-        C.check_positive(group, "adamw_lr_ratio")
-
     def _adamw_inputs(self, group: dict[str, Any]) -> tuple[list, dict]:
         lists, kwargs = super()._adamw_inputs(group)
         if group["adamw_lr_ratio"] != 1.0:
@@ -147,14 +154,6 @@ class SPlus(MatrixOptimizer):
         return lists, kwargs
 
     def _check_matrix_group(self, group: dict[str, Any]) -> None:
-        for key in ("b1", "b2"):
-            C.check_unit_interval(group, key)
-        C.check_positive(group, "eps")
-        C.check_positive(group, "nonstandard_constant")
-        C.check_int(group, "inverse_every", 1)
-        C.check_int(group, "max_dim", 1)
-        C.check_int(group, "blocks", 1)
-        C.check_int(group, "out_blocks", 1)
         for i, p in enumerate(group["params"]):
             try:
                 self._layouts[p] = (layout_for(p, "output", group["out_blocks"], None),
@@ -198,8 +197,8 @@ class SPlus(MatrixOptimizer):
                       ema=torch.zeros_like(p, memory_format=torch.preserve_format),
                       stat_out=stat_out, basis_out=basis_out, stat_in=stat_in, basis_in=basis_in)
 
-    def _init_adamw_state(self, p: Tensor) -> dict[str, Any]:
-        state = super()._init_adamw_state(p)
+    def _init_adamw_state(self, p: Tensor, fused: bool = False) -> dict[str, Any]:
+        state = super()._init_adamw_state(p, fused)
         if "ema" not in state:
             state["ema"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["ema_step"] = 0

@@ -6,7 +6,9 @@ with the list of groups. ``dobb_factory`` is such a factory: every incoming grou
 its Dobb matrices (transposed ones, stored ``(in, out)``, in a ``transposed=True`` group) and the
 rest (AdamW inside the same Dobb object, as ``dobb.param_groups`` decides), keeping each group's hyperparameters and ``param_names`` aligned with its params, so a
 catch-all pattern ``".*"`` is enough. torchtitan's AdamW spellings ``betas``/``eps`` become
-``adamw_betas``/``adamw_eps``.
+``adamw_betas``/``adamw_eps``, and its ``fused``/``foreach`` (torch's AdamW kernel flags, given to
+every group) go to the AdamW groups, which honour them as ``torch.optim.AdamW`` does; Dobb's
+matrix groups have one kernel and do not take them.
 
 Dobb reads layer inputs with hooks, so the factory needs the model part; ``DobbOptimizersContainer``
 (torchtitan installed) passes it::
@@ -36,6 +38,8 @@ from ..groups import split_parameters, transposed_parameters
 __all__ = ["dobb_factory", "DobbOptimizersContainer"]
 
 _RENAMES = {"betas": "adamw_betas", "eps": "adamw_eps"}
+# torch's AdamW kernel flags: honoured by the AdamW groups, not taken by the matrix groups
+_ADAMW_ONLY = ("fused", "foreach")
 
 
 def dobb_factory(param_groups: list[dict[str, Any]], *, model: nn.Module, **kwargs: Any) -> Dobb:
@@ -63,6 +67,9 @@ def dobb_factory(param_groups: list[dict[str, Any]], *, model: nn.Module, **kwar
             if not idx:
                 continue
             sub = dict(g, params=[params[i] for i in idx])
+            if k != "adamw":
+                for key in _ADAMW_ONLY:
+                    sub.pop(key, None)
             if names is not None:
                 sub["param_names"] = [names[i] for i in idx]
             sub["algorithm"] = "adamw" if k == "adamw" else (algorithm or Dobb.algorithm)
@@ -70,6 +77,12 @@ def dobb_factory(param_groups: list[dict[str, Any]], *, model: nn.Module, **kwar
                 sub["transposed"] = True
             groups.append(sub)
     shared = {_RENAMES.get(k, k): v for k, v in kwargs.items()}
+    for key in _ADAMW_ONLY:  # shared flags reach the AdamW groups only (a group's own value wins)
+        if key in shared:
+            value = shared.pop(key)
+            for sub in groups:
+                if sub["algorithm"] == "adamw":
+                    sub.setdefault(key, value)
     lr = shared.pop("lr", groups[0].get("lr"))
     if lr is None:
         raise ValueError("dobb_factory needs lr: in every param group (torchtitan's optimizer_kwargs) or as a keyword")

@@ -245,7 +245,7 @@ def _pay_block_muon(m, n, hp, sharded, shards):
 
 
 def _pay_dobb(m, n, hp, sharded, shards):
-    if hp["side"] == "both":  # issue 25: each side as a one-sided Dobb-sign of its own axis
+    if hp["side"] == "both":  # each side as a one-sided Dobb-sign of its own axis
         total = 0.0
         for side, size, other, blocks in (("input", n, m, _blocks(hp)), ("output", m, n, int(hp["out_blocks"]))):
             if side == sharded:
@@ -411,7 +411,7 @@ def _state_dobb(m, n, hp, mn, out_shards, in_shards):
     def stored(k, blocks):  # row-stacked (k, s_max) buffers: k^2/B for equal blocks
         return k * -(-k // min(blocks, k))
 
-    if side == "both":  # issue 25: both sides' statistic and basis, each sharded with its own axis
+    if side == "both":  # both sides' statistic and basis, each sharded with its own axis
         total = (mn + stored(n, _blocks(hp)) * (stat_b + basis_b) / in_shards
                  + stored(m, int(hp["out_blocks"])) * (stat_b + basis_b) / out_shards)
         if hp["norm"] == "adam":  # the rotated gradient's second moment, weight-shaped, in stat_dtype

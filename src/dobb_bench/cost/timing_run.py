@@ -392,7 +392,7 @@ def run_timing(cfg: TimingConfig) -> dict:
     record = {"kind": "run", "config": jsonable(asdict(cfg)), "machine": _machine(cfg),
               "matrices": len(shapes), "entries": sum(m * n for _, (m, n) in shapes),
               "world": 1 if dist_ctx is None else dist_ctx.world, "meter": bool(metered), "ratio_matrix": ratios,
-              # the run records' provenance (40-hex revision, dirty flag, bf16 flags, command): issue 23 item 7
+              # the run records' provenance (40-hex revision, dirty flag, bf16 flags, command)
               "provenance": _provenance()}
     return {"run": record, "summaries": summaries, "reps": reps_out, "rank0": rank0, "profiles": profiles}
 

@@ -1,8 +1,8 @@
 """"Best row" sentences must name their table's lowest row and say at which lr.
 
-Why (issue 32): prose on the results page called Muon "the best row" beside a table whose lowest
-row was SOAP, and said tuning moved no row beyond noise beside a table that showed one moving by
-0.25 nats. ``dobb-bench report --check`` compares the marked tables with their records; this module
+Why: a ranking sentence drifts from the table it talks about when the table is regenerated (it
+names a row that is no longer the lowest, or says no row moved beyond noise beside a table where
+one did). ``dobb-bench report --check`` compares the marked tables with their records; this module
 compares a ranking sentence with the table it talks about. The rule, applied to every ``docs/*.md``
 (the files whose marked tables ``report`` regenerates):
 
@@ -10,7 +10,7 @@ compares a ranking sentence with the table it talks about. The rule, applied to 
 a quote, a parenthesis or ``*``, and at every blank line and list item; tables, fenced code and
 headings are not prose) that contains "best row", "lowest row", "best loss" or "lowest loss", or
 "is best" / "are best" followed by punctuation, a parenthesis or "of" ("Muon is best (median
-1.645)"; not "are best at the shared lr", which says which lr each row prefers, not which row wins).
+<its loss>)"; not "are best at the shared lr", which says which lr each row prefers, not which row wins).
 
 **Its table** is the last marked table (``<!-- table:NAME -->``) above the sentence in the same
 section (the text between two headings of any level); without one, the first marked table below it

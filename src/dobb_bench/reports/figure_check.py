@@ -1,6 +1,6 @@
 """Figures outside the regenerated tables: each must name its record or say it was not measured here.
 
-Why (issue 23 item 7): ``dobb-bench report --check`` compares the marked tables with their
+Why: ``dobb-bench report --check`` compares the marked tables with their
 regeneration, but prose and hand-written tables quote measurements too. ``--strict-figures`` fails
 on any figure in README.md or docs/**/*.md that a reader cannot trace.
 

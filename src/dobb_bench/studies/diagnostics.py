@@ -176,7 +176,7 @@ class StepDiagnostics:
 
 
 # ----------------------------------------------------------------------------- the grid command
-# The issue-14 setting (default preset of the 200-step main job) and the quick one; stated here so
+# The diagnostics' setting (default preset of the 200-step main job) and the quick one; stated here so
 # the record stays comparable if the main job's defaults change.
 SETTINGS = {
     "default": dict(preset="small-cpu", steps=200, batch_size=16, eval_every=25, eval_seqs=64),

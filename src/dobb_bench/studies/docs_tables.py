@@ -149,7 +149,7 @@ def cmd_report(args) -> int:
     changed = regenerate_docs(write=not args.check)
     for name, tabs in changed.items():
         print(f"{'differs' if args.check else 'rewrote'}: docs/{name}: {', '.join(tabs)}")
-    if args.check:  # figures outside the marked tables (README.md, docs/**/*.md): listed (issue 23 item 7)
+    if args.check:  # figures outside the marked tables (README.md, docs/**/*.md): listed
         figures = scan()
         for path, hits in figures.items():
             for line, text in hits:
@@ -157,7 +157,7 @@ def cmd_report(args) -> int:
         if figures:
             print(f"report: {sum(map(len, figures.values()))} figure(s) name no record and are not marked "
                   "'not measured here'" + ("" if args.strict_figures else " (listed; --strict-figures fails on them)"))
-        claims = best_row.scan()  # "best row" sentences against their table (issue 32)
+        claims = best_row.scan()  # "best row" sentences against their table
         for name, hits in claims.items():
             for line, sentence, problem in hits:
                 print(f"best-row claim: docs/{name}:{line}: {problem}: {sentence[:100]}")

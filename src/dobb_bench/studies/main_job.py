@@ -133,11 +133,11 @@ NESTEROV_ORDER = ["Muon-fp32", "Muon-fp32-nesterov", "Dobb B=4", "Dobb B=4 neste
 def _headline():
     """Headline rows; AdamW's seed-0 run at the shared lr is the lr grid's (same setting)."""
     recs = R.load("headline") + [r for r in R.load("lr-grid") if abs(r["lr"] - SHARED_LR) < 1e-12]
-    recs += family_soap.headline_rows()  # issue 24: SOAP and Newton-Muon, 3 seeds at the shared lr
+    recs += family_soap.headline_rows()  # SOAP and Newton-Muon, 3 seeds at the shared lr
     return seeds_table(recs, HEADLINE_ORDER), recs
 
 
-# The bf16-products study (issue 20): Dobb with its projection products forced to bf16 beside the
+# The bf16-products study: Dobb with its projection products forced to bf16 beside the
 # headline's fp32-product rows of the same block count. Paired by seed (same data order and initial
 # weights), so the per-seed difference isolates the product dtype; the noise rule is the project's.
 BF16_BLOCKS = (1, 4, 16)

@@ -1,6 +1,6 @@
-"""Operating points (issue 23): loss and step cost of each optimizer at each block count, from records.
+"""Operating points: loss and step cost of each optimizer at each block count, from records.
 
-Rules fixed before the operating-point runs were read (they are the issue's own example, not tuned):
+Rules fixed before the operating-point runs were read (an example fixed in advance, not tuned):
 
 - **plateau-stuck**: a run whose validation loss at step ``PLATEAU_STEP`` (150; from the record's eval
   curve) is above ``PLATEAU_LOSS`` (2.8 nats) sat on the early loss plateau. Stuck runs are counted

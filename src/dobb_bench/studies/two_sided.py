@@ -1,4 +1,4 @@
-"""Issue 25's tables: two-sided Dobb (``side="both"``) beside the headline's AdamW, Muon and
+"""The two-sided tables: two-sided Dobb (``side="both"``) beside the headline's AdamW, Muon and
 one-sided Dobb rows, computed only from committed records (study ``two-sided`` plus the
 ``headline``, ``lr-grid``, ``muon-fp32``, ``family-soap`` (our SOAP) and ``own-lr`` records of the
 same setting).

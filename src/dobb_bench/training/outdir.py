@@ -1,4 +1,4 @@
-"""What ``--out`` already holds, and when a command may write there (issue 20: no lost results).
+"""What ``--out`` already holds, and when a command may write there (no result is lost).
 
 Why: ``train``, ``compare`` and ``sweep`` reuse a finished run found in ``--out`` and resume an
 unfinished one; a careless rerun with one setting changed used to retrain in place and replace the

@@ -62,7 +62,7 @@ def optimizer_options(optimizer) -> list[dict]:
             opts[k] = v
         opts["n_params"] = len(g["params"])
         if "product_dtype" in g and "basis_dtype" in g and g["params"]:
-            # the dtype Dobb's products actually ran in on this device (issue 20: records name it)
+            # the dtype Dobb's products actually ran in on this device (records name it)
             dev = g["params"][0].device
             opts["product_dtype_resolved"] = str(dobb.functional.matmul_dtype(g["basis_dtype"], dev, g["product_dtype"]))
         if "ns_dtype" in g and g["params"]:

@@ -12,211 +12,46 @@ Why it is built this way:
 - Everything random is a function of the seed and the step counter, so a checkpoint only needs
   (model, optimizer, scheduler, step, RNG states) and a resumed run reproduces the uninterrupted
   curve exactly (on the same device and thread count).
-- Checkpoints are written to a temp file and renamed, so an interrupted write leaves the previous
-  checkpoint intact. Under FSDP the model/optimizer go through ``torch.distributed.checkpoint``
-  (``get_state_dict``/``set_state_dict``) into a folder that is renamed the same way.
+- Checkpoints are written atomically and loaded only from the same configuration
+  (``run_checkpoint``).
+
+Split by concern: settings and lr schedule (``config``), process layout (``dist_env``), validation
+(``evaluate``), checkpoints (``run_checkpoint``), stopping between steps (``stop``); this module
+is the loop and re-exports their public names.
 """
 from __future__ import annotations
 
 import math
-import os
 import random
-import shutil
 import signal
-import threading
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
-from dobb_bench.training.data import BatchSampler, Corpus, eval_batches, eval_offsets
-from dobb_bench.training.checkpoint_io import (COMPLETE, FAULT_ENV, UnsafeCheckpoint, _fault, _fqn_to_index,
-                                               _fsync_file, _rng_state, _set_rng_state, check_dcp_metadata, safe_load)
 from dobb_bench.provenance import provenance
+from dobb_bench.training.checkpoint_io import (COMPLETE, FAULT_ENV, UnsafeCheckpoint,  # noqa: F401 (re-exported)
+                                               _fault, check_dcp_metadata, safe_load)
+from dobb_bench.training.config import TrainConfig, lr_factor
+from dobb_bench.training.data import BatchSampler, Corpus, eval_offsets
+from dobb_bench.training.dist_env import DistEnv, _sync, setup_dist
+from dobb_bench.training.evaluate import eval_weights, evaluate
 from dobb_bench.training.model import GPT, ModelConfig
+from dobb_bench.training.run_checkpoint import CKPT_DIR, CKPT_FILE, RunCheckpoints  # noqa: F401 (re-exported)
 from dobb_bench.training.run_stats import _peak_mem_mb, _state_bytes, optimizer_options, write_jsonl  # noqa: F401
+from dobb_bench.training.stop import _STOP, _StopRequest  # noqa: F401 (re-exported)
 
-CKPT_FILE = "checkpoint.pt"
-CKPT_DIR = "checkpoint_dcp"
+__all__ = ["Run", "run_training", "METRICS_FILE", "CKPT_FILE", "CKPT_DIR", "TrainConfig", "lr_factor", "DistEnv",
+           "setup_dist", "evaluate", "eval_weights", "write_jsonl"]
+
 METRICS_FILE = "metrics.jsonl"
 
 
-class _StopRequest:
-    """Ctrl-C (SIGINT) or SIGTERM while a single-process loop runs: honoured between steps, where
-    model, optimizer, scheduler and RNG are whole, so the checkpoint written then resumes exactly.
-    A second signal, or one outside the loop, raises ``KeyboardInterrupt`` at once."""
-
-    def __init__(self):
-        self.active, self.signal = False, None
-
-    def __call__(self, signum, frame):
-        if self.active and self.signal is None:
-            self.signal = signum
-            return
-        raise KeyboardInterrupt
-
-    def install(self) -> list:
-        """Handlers for SIGINT/SIGTERM; returns what to restore. Not under torchrun (ranks would
-        stop at different steps and hang in a collective) nor off the main thread (Python allows
-        handlers only there). A SIGINT ignored by the parent (``compare``'s children: the parent
-        stops them) stays ignored."""
-        self.signal = None
-        if threading.current_thread() is not threading.main_thread():
-            return []
-        saved = []
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            if signal.getsignal(sig) is not signal.SIG_IGN:
-                saved.append((sig, signal.signal(sig, self)))
-        self.active = bool(saved)
-        return saved
-
-    def restore(self, saved: list) -> None:
-        self.active = False
-        for sig, handler in saved:
-            signal.signal(sig, handler)
-
-
-_STOP = _StopRequest()
-
-
-
-@dataclass
-class TrainConfig:
-    """Loop settings. ``batch_size`` is global sequences per step; warmup ``None`` = 5% of steps."""
-
-    steps: int = 200
-    seq_len: int | None = None  # training window; None = the model context
-    batch_size: int = 16
-    micro_batches: int = 1
-    lr: float = 5e-3 * 2 ** -0.5  # the paper's grid point j = -1 [T8]
-    weight_decay: float = 0.1
-    warmup: int | None = None
-    schedule: str = "cosine"
-    min_lr_ratio: float = 0.1
-    grad_clip: float = 0.0
-    eval_every: int = 50
-    eval_seqs: int = 64
-    eval_batch_size: int = 32
-    seed: int = 0
-    checkpoint_every: int = 0
-    device: str = "auto"
-    dist: str = "none"
-
-    def __post_init__(self):
-        if self.steps < 1 or self.batch_size < 1 or self.micro_batches < 1 or self.eval_seqs < 1:
-            raise ValueError("steps, batch_size, micro_batches and eval_seqs must be positive")
-        if self.batch_size % self.micro_batches:
-            raise ValueError(f"batch_size ({self.batch_size}) must be divisible by micro_batches "
-                             f"({self.micro_batches})")
-        if self.schedule not in ("cosine", "linear", "constant"):
-            raise ValueError(f"unknown schedule {self.schedule!r}; choose cosine, linear or constant")
-        if self.dist not in ("none", "ddp", "fsdp"):
-            raise ValueError(f"unknown dist {self.dist!r}; choose none, ddp or fsdp")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.eval_every < 1:
-            raise ValueError(f"eval_every must be positive, got {self.eval_every}")
-
-    @property
-    def warmup_steps(self) -> int:
-        return self.warmup if self.warmup is not None else max(1, round(0.05 * self.steps))
-
-
-def lr_factor(step: int, cfg: TrainConfig) -> float:
-    """Multiplier of the base lr at 0-based step ``step``: linear warmup, then decay to the floor.
-
-    Warmup reaches 1 at step ``warmup - 1``; the decay starts at 1 on step ``warmup`` and reaches
-    ``min_lr_ratio`` on the last step, ``steps - 1``.
-    """
-    warm = cfg.warmup_steps
-    if step < warm:
-        return (step + 1) / warm
-    if cfg.schedule == "constant":
-        return 1.0
-    p = min(1.0, (step - warm) / max(1, cfg.steps - 1 - warm))
-    floor = cfg.min_lr_ratio
-    if cfg.schedule == "linear":
-        return 1.0 - (1.0 - floor) * p
-    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * p))
-
-
-@dataclass
-class DistEnv:
-    rank: int = 0
-    world: int = 1
-    device: torch.device = torch.device("cpu")
-    mode: str = "none"
-
-    def all_mean(self, values: list[float]) -> list[float]:
-        if self.world == 1:
-            return values
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t)
-        return (t / self.world).tolist()
-
-    def barrier(self):
-        if self.world > 1:
-            dist.barrier()
-
-
-def setup_dist(mode: str, device: str = "auto") -> DistEnv:
-    """Joins the torchrun process group when ``mode`` is ddp/fsdp (gloo on CPU, nccl on GPU)."""
-    use_cuda = torch.cuda.is_available() if device == "auto" else device.startswith("cuda")
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if mode == "none" and world > 1:
-        # Without a process group every torchrun process would be a "rank 0" training the whole
-        # model and writing the same files.
-        raise ValueError(f"torchrun started {world} processes but --dist is none: add --dist ddp or "
-                         "--dist fsdp, or run without torchrun")
-    if mode == "none":
-        return DistEnv(device=torch.device(("cuda" if use_cuda else "cpu") if device == "auto" else device))
-    if "RANK" not in os.environ:
-        raise ValueError(f"--dist {mode} needs torchrun (e.g. torchrun --nproc_per_node=2 -m dobb_bench.cli ...)")
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    dev = torch.device(f"cuda:{local}") if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(dev)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo")
-    return DistEnv(dist.get_rank(), dist.get_world_size(), dev, mode)
-
-
-def _sync(device: torch.device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-@torch.no_grad()
-def evaluate(model, corpus: Corpus, offsets: np.ndarray, seq_len: int, batch_size: int,
-             env: DistEnv) -> float:
-    """Mean loss (nats/token) over this rank's slice of the fixed eval windows, averaged over ranks."""
-    was_training = model.training
-    model.eval()
-    total = torch.zeros(2, dtype=torch.float64, device=env.device)
-    for x, y in eval_batches(corpus.val, offsets, seq_len, batch_size):
-        logits, _ = model(x.to(env.device))
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.to(env.device).flatten(), reduction="sum")
-        total += torch.stack([loss.double(), torch.tensor(float(y.numel()), dtype=torch.float64,
-                                                          device=env.device)])
-    if env.world > 1:
-        dist.all_reduce(total)
-    model.train(was_training)
-    return (total[0] / total[1]).item()
-
-
-def eval_weights(optimizer) -> str:
-    """Which weights validation uses: ``"iterate-ema"`` for an optimizer that keeps an average of
-    its iterates and swaps it in with ``eval()``/``train()`` (SPlus), else ``"raw"``."""
-    return getattr(optimizer, "eval_weights", "raw")
-
-
-class Run:
+class Run(RunCheckpoints):
     """State of one training run; ``run()`` executes it (see ``run_training``)."""
 
     def __init__(self, model_cfg: ModelConfig, cfg: TrainConfig, corpus: Corpus,
@@ -281,137 +116,6 @@ class Run:
         return {"model": self.model_cfg.to_dict(), "train": {k: getattr(self.cfg, k) for k in keys},
                 "optimizer": self.meta.get("optimizer"), "hparams": self.meta.get("hparams"),
                 "corpus": self.corpus.name, "world": self.env.world}
-
-    # ----- checkpointing ------------------------------------------------------------------
-    def _extra_state(self) -> dict:
-        return {"step": self.step, "scheduler": self.scheduler.state_dict(), "rng": _rng_state(),
-                "train_losses": self.train_losses, "evals": self.evals, "acc": self.acc,
-                "timing": [self.train_time, self.opt_time, self.opt_steps_timed, self.train_cpu],
-                "diverged": self.diverged, "fingerprint": self.fingerprint()}
-
-    def save_checkpoint(self) -> None:
-        if self.out is None:
-            return
-        if self.env.mode == "fsdp":
-            return self._save_dcp()
-        if self.env.rank == 0:
-            state = self._extra_state()
-            state["model"] = self.inner.state_dict()
-            state["optimizer"] = self.optimizer.state_dict()
-            path = self.out / CKPT_FILE
-            tmp = path.with_name(path.name + ".tmp")
-            torch.save(state, tmp)
-            _fsync_file(tmp)
-            os.replace(tmp, path)
-        self.env.barrier()
-
-    def _save_dcp(self) -> None:
-        """Writes into ``checkpoint_dcp.tmp``, marks it complete, then renames it into place.
-
-        A loader takes only a folder holding the ``COMPLETE`` marker (written by rank 0 after
-        every rank's shards and the metadata are on disk), so a save killed at any point leaves
-        the previous checkpoint as the one that loads.
-        """
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-        final, tmp, old = (self.out / CKPT_DIR, self.out / (CKPT_DIR + ".tmp"), self.out / (CKPT_DIR + ".old"))
-        if self.env.rank == 0 and tmp.exists():
-            shutil.rmtree(tmp)
-        self.env.barrier()
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp))
-        extras = [None] * self.env.world
-        dist.all_gather_object(extras, self._extra_state())
-        self._saves += 1
-        _fault("save", self._saves, self.env.rank)
-        if self.env.rank == 0:
-            torch.save(extras, tmp / "extra.pt")
-            _fsync_file(tmp / "extra.pt")
-            (tmp / COMPLETE).write_text(str(self.step))
-            _fsync_file(tmp / COMPLETE)
-            if final.exists():
-                os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        self.env.barrier()
-
-    def _dcp_folder(self) -> Path | None:
-        for folder in (self.out / CKPT_DIR, self.out / (CKPT_DIR + ".old")):
-            if (folder / COMPLETE).exists():
-                return folder
-        return None
-
-    def _checkpoint_exists(self) -> bool:
-        if self.out is None:
-            return False
-        if self.env.mode == "fsdp":
-            if self._dcp_folder() is not None:
-                return True
-            # checkpoint_dcp (or .old) without COMPLETE was never a whole checkpoint; restarting at
-            # step 0 in silence would discard the run's progress without a word. (A .tmp folder
-            # without it is an interrupted save, expected: the previous checkpoint is the one used.)
-            torn = [f for f in (self.out / CKPT_DIR, self.out / (CKPT_DIR + ".old")) if f.exists()]
-            if torn:
-                raise ValueError(f"cannot resume from {torn[0]}: it has no {COMPLETE} marker (its save "
-                                 "did not finish, or it was copied in part); delete it to start the run "
-                                 "over, or rerun with --no-resume or another --out")
-            return False
-        return (self.out / CKPT_FILE).exists()
-
-    def _materialize_optimizer_state(self) -> None:
-        """Gives every parameter its optimizer state, as DCP's loader needs a complete template.
-
-        ``get_state_dict`` initializes state with a zero-gradient, lr=0 step only when the state
-        is entirely empty; an optimizer that creates some state eagerly (Dobb: its matrices) would
-        leave the AdamW-group parameters without a template, and ``set_state_dict`` then fails.
-        We run the same lr=0 step whenever any parameter lacks state; everything it touches is
-        overwritten by the checkpoint right after.
-        """
-        params = [p for g in self.optimizer.param_groups for p in g["params"] if p.requires_grad]
-        if all(p in self.optimizer.state and self.optimizer.state[p] for p in params):
-            return
-        lrs = [g["lr"] for g in self.optimizer.param_groups]
-        for g in self.optimizer.param_groups:
-            g["lr"] = 0.0
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        self.optimizer.step()
-        for g, lr in zip(self.optimizer.param_groups, lrs):
-            g["lr"] = lr
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def load_checkpoint(self) -> None:
-        if self.env.mode == "fsdp":
-            import torch.distributed.checkpoint as dcp
-            from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict
-            folder = self._dcp_folder()
-            check_dcp_metadata(folder)
-            extras = safe_load(folder / "extra.pt")
-            self._materialize_optimizer_state()
-            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-            sd = {"model": model_sd, "optimizer": optim_sd}
-            dcp.load(sd, checkpoint_id=str(folder))
-            set_model_state_dict(self.model, sd["model"])
-            self.optimizer.load_state_dict(_fqn_to_index(sd["optimizer"]))
-            if len(extras) != self.env.world:
-                raise ValueError(f"checkpoint in {self.out} was written by {len(extras)} processes, "
-                                 f"not {self.env.world}")
-            state = extras[self.env.rank]
-        else:
-            state = safe_load(self.out / CKPT_FILE, map_location=self.env.device)
-        if state["fingerprint"] != self.fingerprint():
-            diff = [k for k in state["fingerprint"] if state["fingerprint"][k] != self.fingerprint().get(k)]
-            raise ValueError(f"checkpoint in {self.out} comes from a different configuration "
-                             f"({', '.join(diff)} differ); use another --out or --no-resume")
-        if self.env.mode != "fsdp":
-            self.inner.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.step = state["step"]
-        self.train_losses, self.evals, self.acc = state["train_losses"], state["evals"], state["acc"]
-        self.train_time, self.opt_time, self.opt_steps_timed, self.train_cpu = state["timing"]
-        self.diverged = state["diverged"]
-        _set_rng_state(state["rng"])
 
     # ----- the loop -----------------------------------------------------------------------
     def _train_step(self) -> float:
