@@ -1,10 +1,12 @@
 """The CLI as a careless user meets it (issue 20, deliverable 4): every mistake is one line with
 exit code 2 (Ctrl-C: one line, exit 130), from every entry point, and no finished result is lost.
 
-The behaviour under test is what a shell sees, so most tests run the real entry points
-(``python -m dobb_bench.cli``, the ``dobb-bench`` script, ``torchrun``) in a subprocess and check
-the exit code, stderr and the files left in ``--out``. Runs use a 1-layer width-32 model and a few
-steps so each test costs seconds (mostly torch's import).
+The behaviour under test is what a shell sees: the exit code, stderr and the files left in
+``--out``. The entry points themselves (``python -m dobb_bench.cli``, the ``dobb-bench`` script,
+``torchrun``), signals and killed processes are tested in subprocesses (``cli``); the other error
+paths call ``main`` in this process (``run``), which is what both entry points run after start-up,
+since a subprocess costs seconds of ``import torch`` each. Runs use a 1-layer width-32 model and a
+few steps.
 """
 from __future__ import annotations
 
@@ -29,6 +31,22 @@ def cli(args, *, entry="module", timeout=180, env=None) -> subprocess.CompletedP
     e = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     e.pop("RANK", None), e.pop("WORLD_SIZE", None)
     return subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True, timeout=timeout, env=e)
+
+
+def run(args) -> subprocess.CompletedProcess:
+    """``dobb_bench.cli.main`` in this process, seen as a shell sees a run: exit code and stderr."""
+    import contextlib
+    import io
+
+    from dobb_bench.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as exc:  # argparse's own errors
+            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def one_line_error(proc, *phrases, code=2) -> str:
@@ -78,7 +96,7 @@ def test_non_positive_model_sizes_are_refused(flag, tmp_path, data):
     """``--layers 0`` used to fall through to the preset's value (0 is falsy) and train 2 layers."""
     args = ["train", "--optimizer", "adamw", *data, *SMALL, "--out", tmp_path / "o"]
     args[args.index(flag) + 1] = "0"
-    one_line_error(cli(args), f"{flag} must be a positive integer, got 0")
+    one_line_error(run(args), f"{flag} must be a positive integer, got 0")
     assert not (tmp_path / "o").exists()
 
 
@@ -89,11 +107,11 @@ def test_blocks_are_validated_on_the_real_model(tmp_path, data):
               "--eval-every", "1"]
     wide = common[:]
     wide[wide.index("--width") + 1] = "128"
-    proc = cli(wide + ["--out", tmp_path / "wide"])
+    proc = run(wide + ["--out", tmp_path / "wide"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     final = json.loads((tmp_path / "wide" / "metrics.jsonl").read_text().splitlines()[-1])
     assert final["type"] == "final" and final["hparams"] == {"blocks": "64"} and final["model"]["width"] == 128
-    one_line_error(cli(common + ["--out", tmp_path / "narrow"]), "blocks=64 is larger than the axis length 32")
+    one_line_error(run(common + ["--out", tmp_path / "narrow"]), "blocks=64 is larger than the axis length 32")
 
 
 # ----- finished results are never replaced by another configuration ------------------------------------
@@ -112,17 +130,17 @@ def test_finished_compare_is_not_replaced_by_other_settings(tmp_path, data):
     before = _snapshot(out)
     assert "results.md" in before and "runs/Other/metrics.jsonl" in before
     steps4 = [x if x != "3" else "4" for x in base]  # --steps 4 --eval-every 4: one setting changed
-    err = one_line_error(cli(steps4), "holds a finished run with other settings", "train.steps: 3 there, 4 now",
+    err = one_line_error(run(steps4), "holds a finished run with other settings", "train.steps: 3 there, 4 now",
                          "--out <new folder>", "--no-resume")
     assert str(out / "runs") in err
     # a command that drops a finished row would rewrite results.md without it
-    one_line_error(cli(base[:2] + ["adamw"] + base[3:]), "holds finished results for Other (lr 0.00354)")
+    one_line_error(run(base[:2] + ["adamw"] + base[3:]), "holds finished results for Other (lr 0.00354)")
     # train into the compare folder would replace its results.md
-    one_line_error(cli(["train", "--optimizer", "adamw", *data, *SMALL, "--out", out]),
+    one_line_error(run(["train", "--optimizer", "adamw", *data, *SMALL, "--out", out]),
                    "is a compare/sweep output folder", "use another --out")
     assert _snapshot(out) == before
     # the way out the message names: --no-resume retrains and replaces, on request
-    proc = cli(steps4 + ["--no-resume"])
+    proc = run(steps4 + ["--no-resume"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     finals = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
     assert [f["steps"] for f in finals if f["type"] == "final"] == [4, 4]
@@ -140,8 +158,8 @@ def test_finished_train_run_is_not_replaced_by_other_settings(tmp_path, data):
     # with the new evaluation set and its record replaced
     seqs = base[:]
     seqs[seqs.index("--eval-seqs") + 1] = "8"
-    one_line_error(cli(seqs), "holds a finished run with other settings", "train.eval_seqs: 4 there, 8 now")
-    one_line_error(cli(["compare", "--optimizers", "adamw", "--no-isolate", *data, *SMALL, "--out", out]),
+    one_line_error(run(seqs), "holds a finished run with other settings", "train.eval_seqs: 4 there, 8 now")
+    one_line_error(run(["compare", "--optimizers", "adamw", "--no-isolate", *data, *SMALL, "--out", out]),
                    "holds a train run", "use another --out")
     assert _snapshot(out) == before
 
@@ -149,10 +167,10 @@ def test_finished_train_run_is_not_replaced_by_other_settings(tmp_path, data):
 def test_out_that_cannot_be_a_folder_is_one_line(tmp_path, data):
     (tmp_path / "file").write_text("x")
     common = ["train", "--optimizer", "adamw", *data, *SMALL]
-    one_line_error(cli(common + ["--out", tmp_path / "file" / "sub"]), "is a file, not a folder",
+    one_line_error(run(common + ["--out", tmp_path / "file" / "sub"]), "is a file, not a folder",
                    str(tmp_path / "file" / "sub"), "choose another --out")
     # /sys refuses new folders even to root (the tests may run as root, for whom chmod is no barrier)
-    one_line_error(cli(common + ["--out", "/sys/dobb-bench-test"]), "/sys/dobb-bench-test", "choose another --out")
+    one_line_error(run(common + ["--out", "/sys/dobb-bench-test"]), "/sys/dobb-bench-test", "choose another --out")
 
 
 # ----- checkpoints that cannot be read ----------------------------------------------------------------
@@ -167,9 +185,9 @@ def test_unreadable_checkpoint_is_one_line_naming_the_file(damage, tmp_path, dat
     ckpt = out / "checkpoint.pt"
     whole = ckpt.read_bytes()
     ckpt.write_bytes({"empty": b"", "truncated": whole[: len(whole) // 2], "random": os.urandom(len(whole))}[damage])
-    err = one_line_error(cli(args), f"cannot resume from {ckpt}", "delete it to start the run over", "--no-resume")
+    err = one_line_error(run(args), f"cannot resume from {ckpt}", "delete it to start the run over", "--no-resume")
     assert "could run code" not in err
-    proc = cli(args + ["--no-resume"])  # the way out the message names
+    proc = run(args + ["--no-resume"])  # the way out the message names
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
@@ -331,9 +349,13 @@ def _rec(run, loss, seed, **kw):
             "provenance": {"git_rev": "abc1234", "git_dirty": False, "machine": {}}, **kw}
 
 
-def test_report_checks_every_record_before_writing_and_writes_only_its_docs_folder(tmp_path):
+def test_report_checks_every_record_before_writing_and_writes_only_its_docs_folder(tmp_path, monkeypatch):
     """a.md sorts before z.md: a bad record behind z.md's table used to surface (as a traceback) only
     after a.md had been rewritten; and report had no way to leave the checkout's docs/ alone."""
+    from dobb_bench.reports import records as R
+
+    monkeypatch.setattr(R, "DOCS", R.DOCS)  # report --docs moves them; restored after the test
+    monkeypatch.setattr(R, "RECORDS", R.RECORDS)
     docs = tmp_path / "docs"
     (docs / "results" / "records").mkdir(parents=True)
     stale = {"a.md": "# A\n<!-- table:main-job -->\nstale\n<!-- /table -->\n",
@@ -348,14 +370,14 @@ def test_report_checks_every_record_before_writing_and_writes_only_its_docs_fold
     bad = _rec("Muon", 1.6, 1)
     del bad["lr"]
     records("muon-fp32", [_rec("Muon", 1.5, 0), bad])
-    one_line_error(cli(["report", "--docs", docs]), f"{docs / 'results' / 'records' / 'muon-fp32.jsonl'}:2",
+    one_line_error(run(["report", "--docs", docs]), f"{docs / 'results' / 'records' / 'muon-fp32.jsonl'}:2",
                    "has no 'lr'", "fix or remove that line")
     assert {n: (docs / n).read_text() for n in stale} == stale  # nothing written
     records("muon-fp32", [_rec("Muon", 1.5, 0), _rec("Muon", 1.6, 1)])
-    proc = cli(["report", "--docs", docs])
+    proc = run(["report", "--docs", docs])
     assert proc.returncode == 0, proc.stderr[-3000:]
     for name in stale:
         text = (docs / name).read_text()
         assert "stale" not in text and "| optimizer" in text, text
     assert "| Muon | 0.001 | — | 0,1 | 1.550 ± 0.071 |" in (docs / "z.md").read_text()  # mean, std of 1.5, 1.6
-    one_line_error(cli(["report", "--docs", tmp_path / "nope"]), "--docs", "no such folder")
+    one_line_error(run(["report", "--docs", tmp_path / "nope"]), "--docs", "no such folder")

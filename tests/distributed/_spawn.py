@@ -162,6 +162,21 @@ def spawn(fn, world: int, *args, timeout_s: float = 240, collective_timeout_s: f
         raise
 
 
+_ONCE: dict[tuple, list] = {}
+
+
+def spawn_once(fn, world: int, *args, **kwargs) -> list:
+    """``spawn``, remembered for this pytest process per ``(fn, world, args)``.
+
+    For module fixtures parametrized by world size: pytest sets such a fixture up again when
+    parametrized tests interleave its parameters, and each set-up would run every check again.
+    """
+    key = (fn.__module__, fn.__qualname__, world, repr(args))
+    if key not in _ONCE:
+        _ONCE[key] = spawn(fn, world, *args, **kwargs)
+    return _ONCE[key]
+
+
 @atexit.register
 def shutdown() -> None:
     while _POOLS:

@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from _common import Net, checker, data, full_params, make_opt, max_diff, per_rank, train
-from _spawn import spawn
+from _spawn import spawn_once
 from test_fsdp import fsdp
 
 pytestmark = pytest.mark.slow
@@ -81,7 +81,7 @@ def worker(rank, world):
 
 @pytest.fixture(scope="module", params=[2, 4])
 def ranks(request):
-    return spawn(worker, request.param)
+    return spawn_once(worker, request.param)
 
 
 def test_full_rank_output_gradient_statistic_sharded_equals_single_process(ranks):

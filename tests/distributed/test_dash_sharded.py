@@ -14,7 +14,7 @@ import torch
 from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
 from _common import max_diff, same_on_all_ranks, state_keys
-from _spawn import spawn
+from _spawn import spawn_once
 from dobb.baselines.dash import Dash
 from dobb.meter import PayloadMeter
 
@@ -91,7 +91,7 @@ def worker(rank, world):
 
 @pytest.fixture(scope="module", params=[2, 4])
 def ranks(request):
-    return spawn(worker, request.param)
+    return spawn_once(worker, request.param)
 
 
 def test_sharded_dash_is_local_and_matches_single_process(ranks):

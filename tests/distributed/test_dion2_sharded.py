@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from _baseline_refs import dion2_shard_reference
 import _common as C
 from _common import Net, checker, data, full_params, groups, max_diff, per_rank
-from _spawn import spawn
+from _spawn import spawn_once
 from dobb.baselines import Dion2
 from dobb.functional import block_sizes
 from dobb.meter import PayloadMeter
@@ -71,7 +71,7 @@ def worker(rank, world):
 
 @pytest.fixture(scope="module", params=[2, 4])
 def run(request):
-    return request.param, spawn(worker, request.param)
+    return request.param, spawn_once(worker, request.param)
 
 
 def synthetic_reference(world, dim):

@@ -16,7 +16,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard
 
 from _common import checker, max_diff, per_rank, same_on_all_ranks
-from _spawn import spawn
+from _spawn import spawn_once
 from dobb import Dobb
 
 pytestmark = pytest.mark.slow
@@ -155,7 +155,7 @@ def worker(rank, world):
 
 @pytest.fixture(scope="module", params=[2, 4])
 def ranks(request):
-    return request.param, spawn(worker, request.param)
+    return request.param, spawn_once(worker, request.param)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

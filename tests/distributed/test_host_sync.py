@@ -18,7 +18,7 @@ from torch.distributed.fsdp import fully_shard
 
 from _common import (Net, checker, data, full_params, make_opt, max_diff, per_rank, reference, reference_stats,
                      same_on_all_ranks, stats, train)
-from _spawn import spawn
+from _spawn import spawn_once
 from dobb import Dobb
 from _hostsync import HostReads
 from test_experts_sharded import MoE
@@ -157,7 +157,7 @@ def worker(rank, world):
 
 @pytest.fixture(scope="module", params=[2, 4])
 def ranks(request):
-    return spawn(worker, request.param)
+    return spawn_once(worker, request.param)
 
 
 def test_refresh_after_the_first_reads_nothing_on_the_host(ranks):

@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from _baseline_refs import muonbp_reference
 import _common as C
 from _common import Net, checker, data, full_params, groups, max_diff, per_rank
-from _spawn import spawn
+from _spawn import spawn_once
 from dobb.baselines import MuonBP
 from dobb.functional import block_sizes
 from dobb.meter import PayloadMeter
@@ -109,7 +109,7 @@ def model_reference(world, axes):
 
 @pytest.fixture(scope="module", params=[2, 4])
 def run(request):
-    return request.param, spawn(worker, request.param)
+    return request.param, spawn_once(worker, request.param)
 
 
 # ----------------------------------------------------------------------------- tests

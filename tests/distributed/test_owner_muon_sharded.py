@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import _common as C
 from _common import Net, data, full_params, groups, max_diff, per_rank, train
-from _spawn import spawn
+from _spawn import spawn_once
 from dobb.baselines import Muon
 from dobb.baselines.owner_muon import OwnerMuon
 from dobb.meter import PayloadMeter
@@ -136,7 +136,7 @@ def reference_model():
 
 @pytest.fixture(scope="module", params=[2, 4])
 def run(request):
-    return request.param, spawn(worker, request.param)
+    return request.param, spawn_once(worker, request.param)
 
 
 # ----------------------------------------------------------------------------- tests

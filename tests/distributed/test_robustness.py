@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from _common import (D, Net, checker, data, full_params, make_opt, max_diff, per_rank, reference,
                      same_on_all_ranks, stats, train)
 from _compare import full
-from _spawn import free_port, spawn
+from _spawn import free_port, spawn, spawn_once
 from dobb.meter import PayloadMeter
 
 pytestmark = pytest.mark.slow
@@ -195,7 +195,7 @@ def _recreate_group(rank, world, port):
     return {"first": first, "second": run()}
 
 
-def worker(rank, world, port):
+def worker(rank, world):
     results = {}
     check = checker(results)
     check("no_guess", _no_guess, rank, world)
@@ -206,13 +206,23 @@ def worker(rank, world, port):
         check(("skip", v), _skipped_layer, rank, world, v, False)
     check(("skip", "paused"), _skipped_layer, rank, world, "dobb", True)
     check("grad_on_one_rank", _grad_on_one_rank, rank, world)
-    check("recreate", _recreate_group, rank, world, port)  # last: it replaces the process group
+    return results
+
+
+def recreate_worker(rank, world, port):
+    results = {}
+    checker(results)("recreate", _recreate_group, rank, world, port)
     return results
 
 
 @pytest.fixture(scope="module", params=[2, 4])
 def ranks(request):
-    return spawn(worker, request.param, free_port(), fresh=True)  # it replaces the process group
+    return spawn_once(worker, request.param)
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def recreated(request):  # on processes of its own: it replaces their process group
+    return spawn(recreate_worker, request.param, free_port(), fresh=True)
 
 
 def test_plain_parameters_need_a_named_group(ranks):
@@ -254,8 +264,8 @@ def test_refresh_without_any_token_keeps_statistic_and_basis(ranks):
         assert r["stat_diff"] < 1e-12 and r["diff"] < 1e-12
 
 
-def test_process_group_destroyed_and_recreated(ranks):
-    for r in per_rank(ranks, "recreate"):
+def test_process_group_destroyed_and_recreated(recreated):
+    for r in per_rank(recreated, "recreate"):
         assert r["first"] < 1e-12 and r["second"] < 1e-12
 
 

@@ -10,7 +10,7 @@ import pytest
 from torch.distributed.device_mesh import init_device_mesh
 
 from _common import Net, checker, data, full_params, make_opt, max_diff, per_rank, reference, same_on_all_ranks, train
-from _spawn import spawn
+from _spawn import spawn_once
 from test_fsdp import fsdp
 
 pytestmark = pytest.mark.slow
@@ -51,7 +51,7 @@ def worker(rank, world):
 
 @pytest.fixture(scope="module", params=[2, 4])
 def ranks(request):
-    return spawn(worker, request.param)
+    return spawn_once(worker, request.param)
 
 
 @pytest.mark.parametrize("stagger", [False, True])

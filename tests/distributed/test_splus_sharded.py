@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
-from _spawn import spawn
+from _spawn import spawn_once
 from dobb.baselines.splus import SPlus
 from dobb.meter import PayloadMeter
 
@@ -44,7 +44,7 @@ def worker(rank, world):
 
 @pytest.fixture(scope="module", params=[2, 4])
 def ranks(request):
-    return spawn(worker, request.param)
+    return spawn_once(worker, request.param)
 
 
 def test_sharded_splus_matches_single_process_and_steps_without_collectives(ranks):
