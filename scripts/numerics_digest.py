@@ -2,7 +2,9 @@
 
 For every optimizer of ``dobb.registry`` (default options) and a set of Dobb variants, a fixed
 seeded small model is trained on CPU in fp32 for ``--steps`` steps (refreshes included) and the
-sha256 of the final weights and of every state tensor (and Python value) is recorded. Two runs of
+sha256 of the final weights and of every state tensor (and Python value) is recorded. Dobb's
+capture counts are digested as one flat list of ints, so a change of their nesting alone (one
+count, a list per expert, per side) is not a change of numbers. Two runs of
 this script on two revisions, on the same machine and torch, compare with ``--compare a.json b.json``:
 equal digests mean the two revisions compute the same numbers, bit for bit.
 
@@ -113,6 +115,13 @@ def variants() -> list[tuple[str, str, dict, bool]]:
     return out
 
 
+def flat(value) -> list:
+    """Nested lists of ints as one flat list: a capture count's value, whatever the nesting of its form."""
+    if isinstance(value, (list, tuple)):
+        return [x for v in value for x in flat(v)]
+    return [int(value)]
+
+
 def digest(value) -> str:
     h = hashlib.sha256()
     if isinstance(value, torch.Tensor):
@@ -148,7 +157,8 @@ def run(name: str, hparams: dict, experts: bool, steps: int) -> dict:
     names = {p: n for n, p in model.named_parameters()}
     out = {"weights": {n: digest(p) for n, p in model.named_parameters()}, "state": {}}
     for p, st in opt.state.items():
-        out["state"][names.get(p, "?")] = {k: digest(v) for k, v in sorted(st.items())}
+        out["state"][names.get(p, "?")] = {k: digest(flat(v) if k == "captures" else v)
+                                           for k, v in sorted(st.items())}
     out["loss"] = float(loss)
     return out
 
