@@ -5,7 +5,8 @@ The rules, once for every matrix: a matrix of the captured span counts a capture
 (``_schedule.due``) and some rank saw a row for it; each such local matrix folds the new statistic
 (a copy on its first capture, else the EMA) and refreshes its bases, exactly (``eigh``) with
 ``basis="eigh"`` or on a first capture with ``init_basis="eigh"``, else by warm-started orthogonal
-iteration. Which matrices are due is ``_schedule.due``. The solve itself is ``functional.refresh_bases``, one call for the whole param group.
+iteration. The solve itself is
+``functional.refresh_bases``, one call for the whole param group.
 """
 from __future__ import annotations
 

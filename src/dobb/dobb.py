@@ -1,7 +1,10 @@
 """The Dobb optimizer: state, schedule and capture hooks, orchestrating the step's components.
 
-The class owns the state and the schedule (``_due``) and calls, in order: ``_agreement.agree``
-(what the ranks decide together: statistics, finiteness), ``_refresh.fold_side`` and
+The class owns the state (everything a checkpoint needs) and one ``_schedule.Plan`` per matrix
+(its sides' layouts and state keys, refresh period and offset: a cache built from the param groups,
+rebuilt after a load or a copy). Which matrices refresh is ``_schedule.due``, read both by the
+capture hooks' arming and by the fold. A step calls, in order: ``_agreement.agree`` (what the ranks
+decide together: statistics, finiteness), ``_refresh.fold_side`` and ``_refresh_split.solve`` over
 ``functional.refresh_bases`` (the statistic fold and the batched basis solve), ``_apply`` (the
 direction via ``functional.add_directions_`` or ``_two_sided.two_sided_update_``, and the update).
 The math on plain tensors is in ``functional``; placement in ``layout``/``sharding``/``experts``
