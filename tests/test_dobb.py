@@ -335,3 +335,24 @@ def test_checkpoint_with_an_older_capture_form_resumes_exactly(case):
     assert torch.equal(w, w2)
     for k, v in opt.state[w].items():
         assert torch.equal(v, opt2.state[w2][k]) if isinstance(v, torch.Tensor) else v == opt2.state[w2][k], k
+
+
+def test_plans_are_rebuilt_never_copied_or_saved():
+    """The per-matrix plans are a cache of the param groups: a deepcopy or pickle of the optimizer
+    and a load_state_dict rebuild them (new objects, keyed by the copy's parameters, equal periods
+    and offsets), and nothing of them is pickled or saved."""
+    import pickle
+
+    model = nn.Sequential(nn.Linear(8, 6), nn.Linear(6, 6))
+    opt = dobb.Dobb([m.weight for m in model], lr=0.01, source="grad_gram", blocks=2, refresh_every=3)
+    assert b"_plans" not in pickle.dumps(opt) and "_plans" not in str(opt.state_dict())
+    twin_model, twin = copy.deepcopy((model, opt))
+    for m, t in zip(model, twin_model):
+        mine, theirs = opt._plans[m.weight], twin._plans[t.weight]
+        assert theirs is not mine and theirs.layout is not mine.layout
+        assert (theirs.period, theirs.offset, theirs.layout.local_sizes) == (mine.period, mine.offset,
+                                                                             mine.layout.local_sizes)
+    assert set(map(id, twin._plans)) == {id(t.weight) for t in twin_model}
+    before = dict(opt._plans)
+    opt.load_state_dict(opt.state_dict())
+    assert all(opt._plans[p] is not plan for p, plan in before.items())
