@@ -274,19 +274,22 @@ def test_integer_state_saved_as_tensors_loads_as_ints():
     opt = build("dobb", model, refresh_every=2)
     train(model, opt, 3)
     sd = copy.deepcopy(opt.state_dict())
-    # the matrices' counters (the AdamW part keeps torch's tensor step)
-    ints = {i: {k: v for k, v in st.items() if k in ("step", "captures") and type(v) is int}
-            for i, st in sd["state"].items()}
-    assert sum(len(st) for st in ints.values()) == 2 * len(list(opt.iter_matrix_params()))
-    for i, st in ints.items():
-        sd["state"][i].update({k: torch.tensor(v) for k, v in st.items()})
+    # the matrices' counters (the AdamW part keeps torch's tensor step): the step and a 2-D matrix's
+    # capture count are saved as ints (the state's [[c]]: one side, one matrix)
+    matrices = [i for i, st in sd["state"].items() if "captures" in st]
+    assert len(matrices) == len(list(opt.iter_matrix_params()))
+    for i in matrices:
+        st = sd["state"][i]
+        assert type(st["step"]) is int and type(st["captures"]) is int
+        st["step"], st["captures"] = torch.tensor(st["step"]), torch.tensor(st["captures"])
     twin = Net()
     twin.load_state_dict(model.state_dict())
     fresh = build("dobb", twin, refresh_every=2)
     fresh.load_state_dict(sd)
     for p, q in zip(opt.iter_matrix_params(), fresh.iter_matrix_params()):
-        for k in ("step", "captures"):
-            assert type(fresh.state[q][k]) is int and fresh.state[q][k] == opt.state[p][k]
+        assert type(fresh.state[q]["step"]) is int and fresh.state[q]["step"] == opt.state[p]["step"]
+        caps = fresh.state[q]["captures"]
+        assert [[type(c) for c in side] for side in caps] == [[int]] and caps == opt.state[p]["captures"]
     train(model, opt, 3, start=3)
     train(twin, fresh, 3, start=3)
     for (n, p), q in zip(model.named_parameters(), twin.parameters()):

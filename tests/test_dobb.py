@@ -1,5 +1,6 @@
 """dobb.Dobb against a float64 dense reference, plus schedule, state and error handling
 (capture hooks: test_capture.py; param group rule: test_groups.py)."""
+import copy
 import io
 import math
 
@@ -72,7 +73,7 @@ def test_refresh_schedule_ema_and_orthogonal_iteration():
         torch.testing.assert_close(st["stat"], expected_stat, atol=1e-12, rtol=0)
         torch.testing.assert_close(st["basis"], expected_q, atol=1e-10, rtol=0)
         stats.append(st["captures"])
-    assert stats == [1, 1, 1, 2, 2, 2, 3]
+    assert stats == [[[c]] for c in (1, 1, 1, 2, 2, 2, 3)]
 
 
 def test_basis_dtype_bf16_stores_6n2_over_B_bytes():
@@ -239,7 +240,7 @@ def test_stagger_spreads_refresh_work_with_same_period():
         model(torch.randn(4, 8)).sum().backward()
         opt.step()
         opt.zero_grad()
-        per_step.append(sum(opt.state[m.weight]["captures"] - before[m] for m in model))
+        per_step.append(sum(opt.state[m.weight]["captures"][0][0] - before[m][0][0] for m in model))
     assert per_step[0] == 6  # every matrix gets its first basis on step 0
     assert per_step[1:] == [2] * 6  # then a third of them per step, each every 3 steps
 
@@ -291,3 +292,67 @@ def test_loading_dion_state_of_another_rank_is_a_value_error():
     other = dobb.Dion([layer.weight], lr=0.1, rank_fraction=0.5)
     with pytest.raises(ValueError, match=r"saved state 'Q' has shape \(16, 3\).*needs \(16, 6\)"):
         other.load_state_dict(opt.state_dict())
+
+
+_OLD_FORMS = {  # what earlier releases saved as a matrix's "captures", from today's [[...] per side]
+    "matrix": (dict(), lambda c: c[0][0]),
+    "stack": (dict(), lambda c: list(c[0])),
+    "both": (dict(side="both", out_blocks=2), lambda c: [c[0][0], c[1][0]]),
+}
+
+
+@pytest.mark.parametrize("case", list(_OLD_FORMS))
+def test_checkpoint_with_an_older_capture_form_resumes_exactly(case):
+    """An optimizer state saved with the capture counts in an older form (an int for a matrix, a
+    list per expert, ``[input, output]`` for side="both") loads into the one form and the run
+    continues bitwise as the uninterrupted one."""
+    kwargs, old_form = _OLD_FORMS[case]
+    shape = (3, 6, 8) if case == "stack" else (6, 8)
+    w0 = torch.randn(shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    grads = [torch.randn(shape, generator=torch.Generator().manual_seed(1 + t), dtype=torch.float64) for t in range(7)]
+
+    def run(w, opt, steps):
+        for g in steps:
+            w.grad = g.clone()
+            opt.step()
+
+    def make():
+        w = nn.Parameter(w0.clone())
+        return w, dobb.Dobb([w], lr=0.02, source="grad_gram", blocks=2, refresh_every=2, **kwargs, **F64)
+
+    w, opt = make()
+    run(w, opt, grads[:3])
+    sd = copy.deepcopy(opt.state_dict())
+    st = sd["state"][0]
+    st["captures"] = old_form(opt.state[w]["captures"])
+    w2, opt2 = make()
+    with torch.no_grad():
+        w2.copy_(w)
+    opt2.load_state_dict(sd)
+    assert opt2.state[w2]["captures"] == opt.state[w]["captures"]
+    run(w, opt, grads[3:])
+    run(w2, opt2, grads[3:])
+    assert torch.equal(w, w2)
+    for k, v in opt.state[w].items():
+        assert torch.equal(v, opt2.state[w2][k]) if isinstance(v, torch.Tensor) else v == opt2.state[w2][k], k
+
+
+def test_plans_are_rebuilt_never_copied_or_saved():
+    """The per-matrix plans are a cache of the param groups: a deepcopy or pickle of the optimizer
+    and a load_state_dict rebuild them (new objects, keyed by the copy's parameters, equal periods
+    and offsets), and nothing of them is pickled or saved."""
+    import pickle
+
+    model = nn.Sequential(nn.Linear(8, 6), nn.Linear(6, 6))
+    opt = dobb.Dobb([m.weight for m in model], lr=0.01, source="grad_gram", blocks=2, refresh_every=3)
+    assert b"_plans" not in pickle.dumps(opt) and "_plans" not in str(opt.state_dict())
+    twin_model, twin = copy.deepcopy((model, opt))
+    for m, t in zip(model, twin_model):
+        mine, theirs = opt._plans[m.weight], twin._plans[t.weight]
+        assert theirs is not mine and theirs.layout is not mine.layout
+        assert (theirs.period, theirs.offset, theirs.layout.local_sizes) == (mine.period, mine.offset,
+                                                                             mine.layout.local_sizes)
+    assert set(map(id, twin._plans)) == {id(t.weight) for t in twin_model}
+    before = dict(opt._plans)
+    opt.load_state_dict(opt.state_dict())
+    assert all(opt._plans[p] is not plan for p, plan in before.items())

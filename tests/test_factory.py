@@ -217,7 +217,7 @@ def test_experts_names_stacks_for_param_groups():
             m(x).square().mean().backward()
             o.step()
             o.zero_grad()
-    assert opt.state[model.w]["captures"] == [2, 2, 2]
+    assert opt.state[model.w]["captures"] == [[2, 2, 2]]
     torch.testing.assert_close(model.w.detach(), torch.stack([w.detach() for w in ref.w]), atol=1e-12, rtol=0)
     muon = dobb.build_optimizer("muon", model, lr=0.05, experts=["w"])
     assert [g["algorithm"] for g in muon.param_groups] == ["adamw"]

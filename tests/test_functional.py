@@ -272,8 +272,8 @@ def test_add_directions_equals_the_float64_reference(monkeypatch, kernel, E, nor
     factor, beta = -0.3, (0.9 if kernel == "fused" else None)
     for run in F.block_runs(sizes):
         cols = slice(run.start, run.stop)
-        F.add_directions_([(w[:, :, cols], u[:, :, cols], F.stack_block_view(stacked, run), factor, beta)], norm,
-                          torch.float64)
+        F.add_directions_([F.Blocks(w[:, :, cols], u[:, :, cols], F.stack_block_view(stacked, run), factor, beta)],
+                          norm=norm, dtype=torch.float64)
     for e in range(E):
         ref = dense_direction(u[e], sizes, bases[e], norm) * (math.sqrt(m) if norm == "sign" else 1.0)
         torch.testing.assert_close(w[e], (beta or 1.0) * w0[e] + factor * ref, atol=1e-12, rtol=0)
@@ -288,9 +288,9 @@ def test_add_directions_batches_several_stacks_in_one_call():
         w = torch.zeros(E, m, sum(sizes), dtype=torch.float64)
         ws.append(w)
         run = F.block_runs(sizes)[0]
-        items.append((w, u, F.stack_block_view(stacked, run), -0.5, None))
-    F.add_directions_(items, "l2", torch.float64)
+        items.append(F.Blocks(w, u, F.stack_block_view(stacked, run), -0.5))
+    F.add_directions_(items, norm="l2", dtype=torch.float64)
     for w, (_, u, q, factor, _) in zip(ws, items):
         single = torch.zeros_like(w)
-        F.add_directions_([(single, u, q, factor, None)], "l2", torch.float64)
+        F.add_directions_([F.Blocks(single, u, q, factor)], norm="l2", dtype=torch.float64)
         torch.testing.assert_close(w, single, atol=1e-14, rtol=0)

@@ -39,8 +39,8 @@ def test_block_state_is_row_stacked_identity_or_zeros():
 
 
 def test_a_matrix_is_a_stack_of_one_and_an_expert_stack_one_of_E():
-    """The stack view Dobb's step works on: leading stack dim, one capture count per matrix (the
-    state keeps an int for a matrix, a list for a stack), means in the same typed form."""
+    """The stack view Dobb's step works on: leading stack dim, one capture per matrix of the span,
+    means in the same typed form."""
     from dobb.experts import expert_layout
 
     w2, w3 = torch.randn(4, 6), torch.randn(3, 4, 6)
@@ -49,8 +49,6 @@ def test_a_matrix_is_a_stack_of_one_and_an_expert_stack_one_of_E():
     assert lay3.stacked(w3) is w3
     assert (lay2.stack_size, lay2.stack_local, lay2.stack_span, lay2.stack_offset) == (1, 1, 1, 0)
     assert (lay3.stack_size, lay3.stack_local, lay3.stack_span, lay3.stack_offset) == (3, 3, 3, 0)
-    assert lay2.counts(5) == [5] and lay2.counts_value([6]) == 6
-    assert lay3.counts([1, 0, 2]) == [1, 0, 2] and lay3.counts_value([2, 1, 3]) == [2, 1, 3]
     sums = torch.arange(18.0).view(6, 3)
     r2 = lay2.mean(sums, [3])
     assert torch.equal(r2.mean, (sums / 3)[None]) and r2.seen == [True] and r2.keep is None

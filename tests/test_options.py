@@ -44,9 +44,10 @@ def test_each_refusal_names_the_option_and_what_is_valid(over, message):
 
 
 def test_stacks_and_hooks_are_refused_where_they_cannot_work():
-    stack = _group(params=[torch.zeros(2, 4, 4)], side="both")
-    with pytest.raises(ValueError, match=r"^param 0 is an expert stack \(E, out, in\): side='both' is not implemented"):
+    stack = _group(params=[torch.zeros(2, 4, 4)], side="both")  # hooks would read routed output gradients
+    with pytest.raises(ValueError, match=r"^param 0 is an expert stack .* use source='grad_gram' for side='both'"):
         _check(stack)
+    _check(_group(params=[torch.zeros(2, 4, 4)], side="both", source="grad_gram"))  # two-sided stacks: grad_gram
     routed = _group(params=[torch.zeros(2, 4, 4)], side="output", source="output_grad")
     with pytest.raises(ValueError, match=r"^param 0 is an expert stack .* use source='grad_gram' for side='output'"):
         _check(routed)

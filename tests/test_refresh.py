@@ -11,12 +11,17 @@ from dobb.experts import expert_layout
 from dobb.layout import ReducedStat, plain_layout
 
 F64 = torch.float64
-GROUP = dict(stat_decay=0.9, basis="orthogonal_iteration", init_basis="eigh")
+GROUP = dict(stat_decay=0.9, eigh=False, init_eigh=True)  # basis="orthogonal_iteration", init_basis="eigh"
 
 
 def _state(layout, like):
     return {"stat": layout.new_block_state(F64, identity=False, like=like),
             "basis": layout.new_block_state(F64, identity=True, like=like)}
+
+
+def _fold(state, lay, counts, due, new, requests):
+    fold_side(new, layout=lay, stat=state["stat"], basis=state["basis"], counts=counts, due=due, requests=requests,
+              **GROUP)
 
 
 def _solve(requests):
@@ -31,7 +36,7 @@ def test_a_matrix_counts_folds_and_takes_an_exact_first_basis():
     g = torch.Generator().manual_seed(0)
     new = [F.second_moment_blocks(torch.randn(8, 6, generator=g, dtype=F64), [3, 3], F64)[0] for _ in range(2)]
     counts, requests = [0], []
-    fold_side(GROUP, state, lay, "", counts, [True], ReducedStat(new[0][None], [True]), requests)
+    _fold(state, lay, counts, [True], ReducedStat(new[0][None], [True]), requests)
     assert counts == [1] and torch.equal(state["stat"], new[0])  # first capture: a copy
     assert [r[2] for r in requests] == [True]  # exact eigh, both blocks in one batch
     _solve(requests)
@@ -39,12 +44,12 @@ def test_a_matrix_counts_folds_and_takes_an_exact_first_basis():
         a, q = new[0][3 * b : 3 * b + 3], state["basis"][3 * b : 3 * b + 3]
         assert (q.T @ a @ q - torch.diag((q.T @ a @ q).diagonal())).abs().max() < 1e-10
     requests = []
-    fold_side(GROUP, state, lay, "", counts, [True], ReducedStat(new[1][None], [True]), requests)
+    _fold(state, lay, counts, [True], ReducedStat(new[1][None], [True]), requests)
     assert counts == [2] and [r[2] for r in requests] == [False]
     torch.testing.assert_close(state["stat"], 0.9 * new[0] + 0.1 * new[1], atol=1e-15, rtol=0)
     requests = []  # no rank saw a row: no count, statistic and basis kept
     before = {k: v.clone() for k, v in state.items()}
-    fold_side(GROUP, state, lay, "", counts, [True], ReducedStat(new[0][None], [False]), requests)
+    _fold(state, lay, counts, [True], ReducedStat(new[0][None], [False]), requests)
     assert counts == [2] and not requests and all(torch.equal(state[k], before[k]) for k in state)
 
 
@@ -59,7 +64,7 @@ def test_a_stack_applies_the_rule_per_expert():
     state["stat"].copy_(old)
     new = torch.randn(4, 6, 3, generator=g, dtype=F64)
     counts, requests = [3, 3, 0, 3], []
-    fold_side(GROUP, state, lay, "", counts, [True, False, True, True], ReducedStat(new, [True, True, True, False]),
+    _fold(state, lay, counts, [True, False, True, True], ReducedStat(new, [True, True, True, False]),
               requests)
     assert counts == [4, 3, 1, 3]
     expected = torch.stack([0.9 * old[0] + 0.1 * new[0], old[1], new[2], old[3]])
@@ -79,7 +84,7 @@ def test_device_keep_flags_keep_statistic_and_basis_without_a_host_read():
     state["stat"].copy_(old)
     new = torch.randn(2, 6, 6, dtype=F64)
     counts, requests = [2, 2], []
-    fold_side(GROUP, state, lay, "", counts, [True, True], ReducedStat(new, [True, True], torch.tensor([False, True])),
+    _fold(state, lay, counts, [True, True], ReducedStat(new, [True, True], torch.tensor([False, True])),
               requests)
     assert counts == [3, 3]  # counted: the host did not look
     _solve(requests)

@@ -32,7 +32,7 @@ def test_plan_balances_within_the_largest_unit():
 def test_single_process_layouts_share_nothing():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False))
     opt = Dobb(model.parameters(), model, lr=0.01, blocks=2)
-    assert shared_group(opt._layouts[model[0].weight]) is None
+    assert shared_group(opt._plans[model[0].weight].layout) is None
 
 
 @pytest.mark.parametrize("size", SIZES)

@@ -128,7 +128,7 @@ def test_each_matrix_refreshes_on_its_hand_computed_period(blocks, width, period
     steps = 25
     seen = _refresh_steps(model, opt, steps)
     params = [model.a, model.b, model.e, model.c]
-    offsets = [opt._offsets.get(p, 0) for p in params]
+    offsets = [opt._plans[p].offset for p in params]
     if not stagger:
         assert offsets == [0, 0, 0, 0]
     for got, period, off in zip(seen, periods, offsets):
@@ -140,7 +140,7 @@ def test_each_matrix_refreshes_on_its_hand_computed_period(blocks, width, period
 def test_two_sided_period_reads_the_widest_side():
     w = nn.Parameter(torch.randn(48, 16, dtype=torch.float64))  # output side 48 wide, input 16
     opt = dobb.Dobb([w], lr=0.01, source="grad_gram", side="both", refresh_every=2, refresh_width=16, stagger=False, **F64)
-    assert opt._periods[w] == 6
+    assert opt._plans[w].period == 6
 
 
 def _train(model, opt, steps, seed=1):
@@ -179,3 +179,63 @@ def test_longer_periods_equal_groups_with_those_periods():
     want = _train(ref_model, ref, 26)
     for x, y in zip(got, want):
         torch.testing.assert_close(x, y, atol=1e-12, rtol=0)
+
+
+# ----------------------------------------------------------------------------- the plan, the due rule, captures
+def _plan(spans, period, offset):
+    sides = tuple(S.Side(type("L", (), {"stack_span": n})()) for n in spans)
+    return S.Plan(sides, period, offset)
+
+
+def test_due_against_a_hand_written_schedule():
+    """Period 3, offset 1: steps 0, 1, 4, 7, 10 refresh; a matrix (or a side) without a statistic
+    yet is due every step; per member of a stack, any side's missing statistic makes it due."""
+    plan = _plan([1], 3, 1)
+    seen = [[2]]
+    assert [t for t in range(12) if S.due(t, seen, plan) == [True]] == [0, 1, 4, 7, 10]
+    assert all(S.due(t, [[0]], plan) == [True] for t in range(12))
+    stack = _plan([3], 3, 1)
+    assert S.due(2, [[1, 0, 4]], stack) == [False, True, False]
+    assert S.due(4, [[1, 0, 4]], stack) == [True, True, True]
+    both = _plan([2, 2], 2, 0)
+    assert S.due(3, [[1, 1], [1, 0]], both) == [False, True]
+    assert S.due(4, [[1, 1], [1, 1]], both) == [True, True]
+
+
+def test_hooks_are_armed_exactly_when_the_fold_counts():
+    """The capture hooks' arming and the statistic fold read the one rule: over a staggered run with
+    a layer that skips some forward passes, a matrix counts a capture on a step iff its hooks were
+    armed for it and it ran, and it is armed iff ``due`` says so."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(6, 6, dtype=torch.float64) for _ in range(3)])
+    opt = dobb.Dobb([m.weight for m in model], model, lr=0.01, refresh_every=3, stagger=True, **F64)
+    for t in range(12):
+        skip = 1 if t in (0, 4) else None  # layer 1 unused on steps 0 and 4: stays due / counts nothing
+        armed = {id(p) for p in opt._hooks.armed}
+        for m in model:
+            st = opt.state[m.weight]
+            assert (id(m.weight) in armed) == any(S.due(st["step"], st["captures"], opt._plans[m.weight]))
+        before = [opt.state[m.weight]["captures"][0][0] for m in model]
+        x = torch.randn(5, 6, dtype=torch.float64)
+        for i, m in enumerate(model):
+            if i != skip:
+                x = m(x)
+        x.square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        for i, m in enumerate(model):
+            counted = opt.state[m.weight]["captures"][0][0] - before[i]
+            assert counted == (id(m.weight) in armed and i != skip), (t, i)
+
+
+def test_captures_from_every_saved_form():
+    one, stack, both = _plan([1], 3, 0), _plan([3], 3, 0), _plan([1, 1], 3, 0)
+    assert S.captures(4, one) == [[4]] and S.captures(torch.tensor(4), one) == [[4]]
+    assert S.captures([[4]], one) == [[4]]
+    assert S.captures([1, 0, 2], stack) == [[1, 0, 2]] and S.captures([[1, torch.tensor(0), 2]], stack) == [[1, 0, 2]]
+    assert S.captures([3, 2], both) == [[3], [2]] and S.captures([[3], [2]], both) == [[3], [2]]
+    got = S.captures([torch.tensor(3), torch.tensor(2)], both)
+    assert got == [[3], [2]] and all(type(c) is int for side in got for c in side)
+    for bad, plan in (([1, 2], one), (5, stack), ([1, 2, 3], both)):
+        with pytest.raises(ValueError, match="saved capture counts"):
+            S.captures(bad, plan)

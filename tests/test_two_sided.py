@@ -144,7 +144,7 @@ def test_steps_equal_dense_reference(norm, source, blocks, out_blocks):
         torch.testing.assert_close(layer.weight.detach(), w_ref, atol=1e-11, rtol=0)
         torch.testing.assert_close(st["stat"], _stacked(a_in, si), atol=1e-12, rtol=0)
         torch.testing.assert_close(st["out_stat"], _stacked(a_out, so), atol=1e-12, rtol=0)
-    assert st["captures"] == [3, 3]
+    assert st["captures"] == [[3], [3]]
 
 
 def test_sign_update_norm_follows_shared_protocol():
@@ -242,7 +242,7 @@ def test_resume_mid_cycle_is_exact_and_keeps_state_dtypes(dtype, kwargs):
     st = opt2.state[resumed[0].weight]
     assert st["out_basis"].dtype == torch.bfloat16 and st["out_stat"].dtype == torch.float32
     caps = st["captures"]
-    assert caps == opt_full.state[full[0].weight]["captures"] and caps[0] == caps[1] >= 3
+    assert caps == opt_full.state[full[0].weight]["captures"] and caps[0] == caps[1] and caps[0][0] >= 3
     if kwargs["norm"] == "adam":
         assert st["second_moment"].dtype == torch.float32
 
@@ -279,14 +279,16 @@ def test_bad_arguments_raise_value_error_naming_them(kwargs, match):
         dobb.Dobb([layer.weight], layer, lr=0.01, **kwargs)
 
 
-def test_expert_stack_is_refused_for_both_sides():
+def test_expert_stack_with_hooked_output_side_is_refused():
+    """A stack's output gradients are routed: side='both' takes source='grad_gram' for it (the steps
+    against separate matrices: tests/test_experts.py)."""
     w = nn.Parameter(torch.randn(2, 4, 6))
-    with pytest.raises(ValueError, match=r"w1.*expert stack.*side='both' is not implemented"):
-        dobb.Dobb([("w1", w)], lr=0.01, side="both", source="grad_gram")
+    with pytest.raises(ValueError, match=r"w1.*expert stack.*routed.*source='grad_gram' for side='both'"):
+        dobb.Dobb([("w1", w)], nn.Linear(1, 1), lr=0.01, side="both", source="activation")
 
 
 def test_output_gradient_statistic_is_captured_only_on_refresh_steps():
-    """source='activation': the output side reads dL/dY on refresh steps only (captures [k, k])."""
+    """source='activation': the output side reads dL/dY on refresh steps only (captures [[k], [k]])."""
     torch.manual_seed(0)
     layer = nn.Linear(8, 4, bias=False).double()
     opt = dobb.Dobb([layer.weight], layer, lr=0.01, side="both", refresh_every=3, stagger=False, **F64)
@@ -300,7 +302,7 @@ def test_output_gradient_statistic_is_captured_only_on_refresh_steps():
         if step % 3 == 0:
             dys.append(dy.T @ dy / 5)
     st = opt.state[layer.weight]
-    assert st["captures"] == [2, 2]
+    assert st["captures"] == [[2], [2]]
     torch.testing.assert_close(st["out_stat"], 0.9 * dys[0] + 0.1 * dys[1], atol=1e-12, rtol=0)
     assert not opt._hooks.pending_out  # cleared after each step
 

@@ -55,7 +55,8 @@ def agree(due: list[DueStat], params: list[torch.Tensor], step_group, check_fini
         lay = d.layout
         device = lay.local(d.param).device
         if d.pending is not None:
-            sums, n = d.pending.sums, lay.counts(d.pending.count)
+            count = d.pending.count  # rows: an int for a matrix, a list per expert for a stack
+            sums, n = d.pending.sums, count if isinstance(count, list) else [count]
         else:
             sums, n = torch.zeros(lay.capture_shape, dtype=d.dtype, device=device), [0] * lay.stack_span
         key = (id(lay.stat_group), d.dtype, device)

@@ -297,7 +297,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
     # them, as torch's copy keeps its state: copied with the parameters (a deepcopy of the
     # optimizer copies its parameters too, as torch's does; deepcopy((model, opt)) keeps them the
     # model's). Left out, as torch leaves them out: its hook registries; rebuilt: _views (views of
-    # the weights, which a copy of a view would not share). An optimizer that holds a model (hooks
+    # the weights, which a copy of a view would not share) and the subclass' caches (``_derived``,
+    # rebuilt by ``_rebuild`` from the copy's param groups). An optimizer that holds a model (hooks
     # on its layers) or a process group is refused with a TypeError naming state_dict(): a copy
     # could not keep capturing for the original model, nor carry a process group.
     def __getstate__(self) -> dict[str, Any]:
@@ -316,7 +317,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
         by_id.update((id(p), (p, None)) for g in self.param_groups for p in g["params"])
         own = {}
         for key, value in vars(self).items():
-            if key in state or key.startswith("_optimizer_"):
+            if key in state or key.startswith("_optimizer_") or key in self._derived:
                 continue
             own[key] = views if key == "_views" else portable(value, by_id, type(self))
         state[_OWN_ATTRIBUTES] = own
@@ -328,6 +329,13 @@ class MatrixOptimizer(torch.optim.Optimizer):
         super().__setstate__(state)
         if own is not None:
             self.__dict__.update(own)
+            self._rebuild()
+
+    # Attributes that are caches derived from the param groups (never copied: ``_rebuild`` makes them).
+    _derived: tuple[str, ...] = ()
+
+    def _rebuild(self) -> None:
+        """Rebuild the ``_derived`` caches from the param groups (in a copy; Dobb also after a load)."""
 
     def _copy_refusal(self) -> str | None:
         """Why this optimizer cannot be copied (``None``: it can): what it holds that a copy cannot
@@ -374,10 +382,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
         for p in self.iter_matrix_params():
             st = self.state[p]
             for key in _INT_STATE_KEYS:
-                if isinstance(st.get(key), (list, tuple)):  # per expert of a stack
-                    st[key] = [int(v) for v in st[key]]
-                elif key in st:
-                    st[key] = int(st[key])
+                if key in st:
+                    st[key] = _ints(st[key])
         self._after_load()
 
     def _check_saved_shapes(self, state_dict: dict) -> None:
@@ -415,6 +421,13 @@ def saved_state_by_param(opt: torch.optim.Optimizer, state_dict: dict, key: str)
         if isinstance(value, torch.Tensor):
             out[p] = value
     return out
+
+
+def _ints(value):
+    """``value`` with every number (a tensor from a distributed checkpoint) an int, nested lists kept."""
+    if isinstance(value, (list, tuple)):
+        return [_ints(v) for v in value]
+    return int(value)
 
 
 def _rename_legacy_keys(state_dict: dict) -> dict:

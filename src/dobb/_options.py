@@ -93,16 +93,11 @@ def check_params(group: dict[str, Any], name_of: Callable[[torch.Tensor, int], s
     ``name_of(p, i)`` names parameter ``i`` in messages; ``has_model``: whether the optimizer was
     given the model its hooks need."""
     for i, p in enumerate(group["params"]):
-        if p.dim() == 3 and group["side"] == "both":
-            raise ValueError(
-                f"{name_of(p, i)} is an expert stack (E, out, in): side='both' is not "
-                f"implemented for stacks; use side='input' for it (its own param group), or store each expert "
-                f"as a 2-D parameter"
-            )
-        if p.dim() == 3 and group["source"] == "output_grad":
+        output_side = group["source"] == "output_grad" or (group["side"] == "both" and group["source"] == "activation")
+        if p.dim() == 3 and output_side:
             raise ValueError(
                 f"{name_of(p, i)} is an expert stack (E, out, in): its output gradients are "
-                f"routed, which hooks cannot see; use source='grad_gram' for side='output'"
+                f"routed, which hooks cannot see; use source='grad_gram' for side={group['side']!r}"
             )
     if group["source"] in HOOK_SOURCES and not has_model:
         raise ValueError(

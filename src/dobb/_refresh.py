@@ -2,10 +2,11 @@
 which matrices count a capture, the statistic fold and the queue of blocks for the basis solve.
 
 The rules, once for every matrix: a matrix of the captured span counts a capture when it is due
-(``Dobb._due``) and some rank saw a row for it; each such local matrix folds the new statistic
+(``_schedule.due``) and some rank saw a row for it; each such local matrix folds the new statistic
 (a copy on its first capture, else the EMA) and refreshes its bases, exactly (``eigh``) with
 ``basis="eigh"`` or on a first capture with ``init_basis="eigh"``, else by warm-started orthogonal
-iteration. The solve itself is ``functional.refresh_bases``, one call for the whole param group.
+iteration. The solve itself is
+``functional.refresh_bases``, one call for the whole param group.
 """
 from __future__ import annotations
 
@@ -17,14 +18,16 @@ from .layout import MatrixLayout, ReducedStat
 __all__ = ["fold_side"]
 
 
-def fold_side(group: dict, state: dict, layout: MatrixLayout, key: str, counts: list[int], due: list[bool],
-              new: ReducedStat, requests: list) -> None:
-    """One side (state keys ``key + "stat"``, ``key + "basis"``) of one stack: the matrices of the captured span that are ``due`` and ``seen`` count
-    a capture (``counts``, in place); the local ones among them fold ``new`` into their statistic
-    (``functional.fold_statistic_``: a copy on the first capture, else the EMA) and queue their
-    blocks for the basis refresh (exact ``eigh`` with ``basis="eigh"`` or on a first capture with
-    ``init_basis="eigh"``) as ``(A, Q0, exact, put)`` on ``requests``; the others keep statistic and
-    basis."""
+def fold_side(new: ReducedStat, *, layout: MatrixLayout, stat: torch.Tensor, basis: torch.Tensor,
+              counts: list[int], due: list[bool], stat_decay: float, eigh: bool, init_eigh: bool,
+              requests: list) -> None:
+    """One side of one stack (its ``stat`` and ``basis`` state tensors): the matrices of the captured
+    span that are ``due`` and have seen a row (``new.seen``) count a capture (``counts``, in place);
+    the local ones among them fold ``new`` into their statistic (``functional.fold_statistic_``: a
+    copy on the first capture, else the EMA with ``stat_decay``) and queue their blocks for the basis
+    refresh as ``(A, Q0, exact, put)`` on ``requests``: exact (``eigh``) with ``eigh``, or on a
+    first capture with ``init_eigh``, else warm-started orthogonal iteration. The others keep
+    statistic and basis."""
     lo, E = layout.stack_offset, layout.stack_local
     first = [counts[lo + i] == 0 for i in range(E)]
     chosen = [i for i in range(E) if due[lo + i] and new.seen[lo + i]]
@@ -33,10 +36,10 @@ def fold_side(group: dict, state: dict, layout: MatrixLayout, key: str, counts: 
             counts[j] += 1
     if not chosen:
         return
-    stat, basis = layout.stacked(state[key + "stat"]), layout.stacked(state[key + "basis"])
+    stat, basis = layout.stacked(stat), layout.stacked(basis)
     keep = None if new.keep is None else new.keep[lo : lo + E]
-    F.fold_statistic_(stat, new.mean, [first[i] for i in range(E)], chosen, group["stat_decay"], keep)
-    exact_of = {i: group["basis"] == "eigh" or (first[i] and group["init_basis"] == "eigh") for i in chosen}
+    F.fold_statistic_(stat, new.mean, [first[i] for i in range(E)], chosen, stat_decay, keep)
+    exact_of = {i: eigh or (first[i] and init_eigh) for i in chosen}
     for exact in (True, False):
         # truth tests, not ``== exact``: under torch.compile a count, and so ``first``, is symbolic
         sel = [i for i in chosen if (exact_of[i] if exact else not exact_of[i])]

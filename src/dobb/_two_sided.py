@@ -34,17 +34,25 @@ over two mesh dims, a block count that does not divide the non-empty shards) is 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from . import functional as F
 
-__all__ = ["blockwise", "rotate", "unrotate", "adam_direction", "block_pair_rms_",
+__all__ = ["BlockBasis", "blockwise", "rotate", "unrotate", "adam_direction", "block_pair_rms_",
            "two_sided_layouts", "two_sided_update_"]
 
 
 # ----------------------------------------------------------------------------- pure math
+class BlockBasis(NamedTuple):
+    """The block-diagonal basis of one axis: row-stacked blocks ``(k, s_max)`` (``functional``) and their sizes."""
+
+    basis: Tensor
+    sizes: Sequence[int]
+
+
 def blockwise(x: Tensor, basis: Tensor, sizes: Sequence[int], transpose: bool = False) -> Tensor:
     """``x @ blockdiag(Q_c)`` (or ``Q_c^T``) over the last axis of ``x`` (``(..., r, k)``), one
     batched product per run of equal blocks. ``basis`` is row-stacked ``(k, s_max)`` (``functional``)."""
@@ -58,20 +66,20 @@ def blockwise(x: Tensor, basis: Tensor, sizes: Sequence[int], transpose: bool = 
     return out
 
 
-def rotate(u: Tensor, rows: tuple[Tensor, Sequence[int]], cols: tuple[Tensor, Sequence[int]]) -> Tensor:
-    """``C = Q_rows^T U Q_cols`` for block-diagonal bases given as ``(row-stacked basis, sizes)``;
+def rotate(u: Tensor, rows: BlockBasis, cols: BlockBasis) -> Tensor:
+    """``C = Q_rows^T U Q_cols`` for block-diagonal bases;
     ``u`` may carry leading batch dims (``(..., r, k)``)."""
     y = blockwise(u, *cols)
     return blockwise(y.transpose(-1, -2), *rows).transpose(-1, -2)
 
 
-def unrotate(d: Tensor, rows: tuple[Tensor, Sequence[int]], cols: tuple[Tensor, Sequence[int]]) -> Tensor:
+def unrotate(d: Tensor, rows: BlockBasis, cols: BlockBasis) -> Tensor:
     """``O = Q_rows D Q_cols^T`` (the inverse of ``rotate``)."""
     z = blockwise(d, *cols, transpose=True)
     return blockwise(z.transpose(-1, -2), *rows, transpose=True).transpose(-1, -2)
 
 
-def adam_direction(c: Tensor, v: Tensor, step: int, momentum: float, beta2: float, eps: float) -> Tensor:
+def adam_direction(c: Tensor, v: Tensor, *, step: int, momentum: float, beta2: float, eps: float) -> Tensor:
     """SOAP's element-wise rule on rotated coefficients: ``(c / (1 - mu^t)) / (sqrt(v / (1 - b2^t)) + eps)``
     (``c``: the rotated EMA momentum, ``v``: the EMA of the squared rotated gradient, ``t = step``)."""
     denom = (v / (1.0 - beta2**step)).sqrt_().add_(eps)
@@ -96,8 +104,9 @@ _WAY_OUT = ("side='both' blocks both axes, so each must be cut at its own shard 
 
 
 def two_sided_layouts(p: Tensor, group: dict, stat_group, transposed: bool, layout_for):
-    """``(input-side layout, output-side layout)`` of a matrix; a ``ValueError`` with the way out when
-    either axis cannot be blocked locally. ``layout_for`` is passed in so tests can fix partitions."""
+    """``(input-side layout, output-side layout)`` of a matrix or expert stack; a ``ValueError`` with
+    the way out when either axis cannot be blocked locally. ``layout_for(p, side, blocks,
+    stat_group)`` makes one side's layout (``placement.layout_for``, ``experts.expert_layout``)."""
     in_side, out_side = ("output", "input") if transposed else ("input", "output")
     try:
         lin = layout_for(p, in_side, group["blocks"], stat_group)
@@ -111,10 +120,9 @@ def two_sided_layouts(p: Tensor, group: dict, stat_group, transposed: bool, layo
 
 
 # ----------------------------------------------------------------------------- the step
-def two_sided_update_(w: Tensor, u: Tensor, g: Tensor, rows: tuple[Tensor, Sequence[int]],
-                      cols: tuple[Tensor, Sequence[int]], factor: float, dtype: torch.dtype, norm: str = "sign",
-                      v: Tensor | None = None, step: int = 1, momentum: float = 0.0, beta2: float = 0.95,
-                      eps: float = 1e-8) -> None:
+def two_sided_update_(*, w: Tensor, u: Tensor, g: Tensor, rows: BlockBasis, cols: BlockBasis, factor: float,
+                      dtype: torch.dtype, norm: str = "sign", v: Tensor | None = None, step: int = 1,
+                      momentum: float = 0.0, beta2: float = 0.95, eps: float = 1e-8) -> None:
     """``W += factor * Q_rows D Q_cols^T`` for one matrix (``w``, ``u`` the momentum, ``g`` the gradient,
     all oriented ``(rows axis, cols axis)``), products in ``dtype``. ``norm="adam"`` also updates
     ``v`` (the EMA of the squared rotated gradient, in its own dtype, fp32 at least) in place and
@@ -125,8 +133,8 @@ def two_sided_update_(w: Tensor, u: Tensor, g: Tensor, rows: tuple[Tensor, Seque
         c, gr = rotate(torch.stack([u, g]).to(dtype), rows, cols).unbind(0)
         gr = gr.to(v.dtype)
         v.mul_(beta2).addcmul_(gr, gr, value=1.0 - beta2)
-        d = adam_direction(c.to(v.dtype), v, step, momentum, beta2, eps)
-        d = block_pair_rms_(d, rows[1], cols[1]).to(dtype)
+        d = adam_direction(c.to(v.dtype), v, step=step, momentum=momentum, beta2=beta2, eps=eps)
+        d = block_pair_rms_(d, rows.sizes, cols.sizes).to(dtype)
     o = unrotate(d, rows, cols)
     o.mul_(factor)
     w.add_(o.to(w.dtype))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -46,8 +47,8 @@ class PendingStat:
 class CaptureHooks:
     """Owns the hooks on ``model`` and the pending statistics of the armed parameters."""
 
-    def __init__(self, model: nn.Module, params: dict[torch.Tensor, dict], layouts: dict[torch.Tensor, MatrixLayout],
-                 out_layouts: dict[torch.Tensor, MatrixLayout] | None = None):
+    def __init__(self, model: nn.Module, params: dict[torch.Tensor, dict],
+                 sides: Mapping[torch.Tensor, Sequence[MatrixLayout]]):
         owner: dict[int, nn.Module] = {}
         for module in model.modules():
             for p in module.parameters(recurse=False):
@@ -62,10 +63,10 @@ class CaptureHooks:
                 )
             self._module_params.setdefault(module, []).append(p)
         self.groups = params  # param -> its param group (reads source/capture/stat_dtype live)
-        self.layouts = layouts
-        # side="both" with source="activation": the output side's layout; its output-gradient sums
-        # go to ``pending_out`` (the input side's activation sums to ``pending``)
-        self.out_layouts = out_layouts or {}
+        # param -> the layout of each side: one, or (input, output) for side="both" with
+        # source="activation", whose output-gradient sums go to ``pending_out`` (the input side's
+        # activation sums to ``pending``)
+        self.sides = sides
         self.armed: set[torch.Tensor] = set()
         self.paused = 0  # > 0 inside Dobb.capture_paused()
         self.pending: dict[torch.Tensor, PendingStat] = {}
@@ -85,14 +86,14 @@ class CaptureHooks:
         if not self.armed or self.paused or not module.training or not torch.is_grad_enabled() or in_backward():
             return
         for p in self._module_params[module]:
-            if p not in self.armed or self.layouts[p].routed:
+            if p not in self.armed or self.sides[p][0].routed:
                 continue  # an expert stack's rows are routed: only Dobb.capture knows them
             group = self.groups[p]
             if group["capture"] == "first":
                 self.armed.discard(p)
             if group["source"] == "activation":
                 self._accumulate(p, args[0].detach(), group)
-            out_side = group["source"] == "activation" and p in self.out_layouts
+            out_side = group["source"] == "activation" and len(self.sides[p]) == 2
             if (group["source"] == "output_grad" or out_side) and isinstance(output, torch.Tensor) \
                     and output.requires_grad:
                 output.register_hook(functools.partial(self._grad_hook, p, out_side))
@@ -113,7 +114,7 @@ class CaptureHooks:
         non-empty rows after a step. Experts outside this rank's captured span are skipped."""
         if p not in self.armed or self.paused or not torch.is_grad_enabled() or in_backward():
             return False
-        group, layout = self.groups[p], self.layouts[p]
+        group, layout = self.groups[p], self.sides[p][0]
         dtype = torch.promote_types(group["stat_dtype"], torch.float32)
         pending = self.pending.get(p)
         if pending is None:
@@ -141,14 +142,14 @@ class CaptureHooks:
         # how many ranks share the batch, so a checkpoint resumed at another world size continues
         # the same EMA (the basis itself is scale-invariant).
         grad = grad.detach()
-        layout = (self.out_layouts if out_side else self.layouts)[p]
+        layout = self.sides[p][1 if out_side else 0]
         group = layout.stat_group
         if group is not None and dist.get_world_size(group) > 1:
             grad = grad / dist.get_world_size(group)
         self._accumulate(p, grad, self.groups[p], out_side)
 
     def _accumulate(self, p: torch.Tensor, feats: torch.Tensor, group: dict, out_side: bool = False) -> None:
-        layout = (self.out_layouts if out_side else self.layouts)[p]
+        layout = self.sides[p][1 if out_side else 0]
         pending = self.pending_out if out_side else self.pending
         # The span is the local blocks, or the whole axis when its shards are spread over the
         # data-parallel ranks (see MatrixLayout.span_sizes); stat_to_state() cuts it to the local rows.

@@ -1,7 +1,10 @@
 """The Dobb optimizer: state, schedule and capture hooks, orchestrating the step's components.
 
-The class owns the state and the schedule (``_due``) and calls, in order: ``_agreement.agree``
-(what the ranks decide together: statistics, finiteness), ``_refresh.fold_side`` and
+The class owns the state (everything a checkpoint needs) and one ``_schedule.Plan`` per matrix
+(its sides' layouts and state keys, refresh period and offset: a cache built from the param groups,
+rebuilt after a load or a copy). Which matrices refresh is ``_schedule.due``, read both by the
+capture hooks' arming and by the fold. A step calls, in order: ``_agreement.agree`` (what the ranks
+decide together: statistics, finiteness), ``_refresh.fold_side`` and ``_refresh_split.solve`` over
 ``functional.refresh_bases`` (the statistic fold and the batched basis solve), ``_apply`` (the
 direction via ``functional.add_directions_`` or ``_two_sided.two_sided_update_``, and the update).
 The math on plain tensors is in ``functional``; placement in ``layout``/``sharding``/``experts``
@@ -28,18 +31,18 @@ from torch import nn
 
 from . import _refresh_split
 from ._agreement import DueStat, agree
-from ._apply import apply_directions, apply_two_sided, decay_in_update
+from ._apply import OneSided, TwoSided, apply_directions, apply_two_sided, decay_in_update
 from ._base import MatrixOptimizer, _name_of
 from ._options import HOOK_SOURCES as _HOOK_SOURCES
 from ._options import DobbOptions, check_params
 from ._dtensor import is_dtensor
 from ._refresh import fold_side
-from ._schedule import cycle, refresh_period, stagger_offsets
+from ._schedule import Plan, Side, captures, cycle, due, refresh_period, saved_captures, stagger_offsets
 from ._two_sided import two_sided_layouts
 from .capture import CaptureHooks, gram_statistic
 from .collectives import common_group, group_ranks, plain_stat_group
 from .experts import expert_layout, expert_parts
-from .layout import MatrixLayout, ReducedStat
+from .layout import ReducedStat
 from .placement import layout_for
 
 _FLIP = {"input": "output", "output": "input"}
@@ -128,10 +131,9 @@ class Dobb(MatrixOptimizer):
         self.check_finite = check_finite
         self.split_refresh = split_refresh
         self._stat_group = stat_group
-        self._layouts: dict[torch.Tensor, MatrixLayout] = {}
-        self._out_layouts: dict[torch.Tensor, MatrixLayout] = {}  # side="both": the output side's
-        self._offsets: dict[torch.Tensor, int] = {}
-        self._periods: dict[torch.Tensor, int] = {}  # refresh period per matrix (_schedule.refresh_period)
+        # one plan per matrix (sides, layouts, period, offset): a cache derived from the param groups,
+        # rebuilt after load_state_dict and copies (_rebuild), never saved or copied
+        self._plans: dict[torch.Tensor, Plan] = {}
         self._hooks: CaptureHooks | None = None
         self._plain_group = _UNRESOLVED
         # the statistics agreed on by _prepare_step: [side][param] (side 1: the output side of side="both")
@@ -148,6 +150,13 @@ class Dobb(MatrixOptimizer):
         check_params(group, lambda p, i: _name_of(p, self._param_names, i), has_model=self.model is not None)
 
     def _init_matrix_state(self, group: dict[str, Any]) -> None:
+        for p, plan in zip(group["params"], self._group_plans(group)):
+            self._plans[p] = plan
+            self.state[p] = self._new_state(p, group, plan)
+
+    def _group_plans(self, group: dict[str, Any]) -> list[Plan]:
+        """The plan of every matrix of ``group``, from the group and the parameters alone."""
+        sides = []
         for i, p in enumerate(group["params"]):
             try:
                 if is_dtensor(p):
@@ -156,54 +165,50 @@ class Dobb(MatrixOptimizer):
                     stat_group = self._plain_stat_group()
                 else:  # grad_gram: the gradient is already averaged, the statistic needs no group
                     stat_group = None
+                layout_of = expert_layout if p.dim() == 3 else layout_for
                 # a transposed weight, stored (in, out): its input axis is dim 0, so the "input" side
                 # blocks dim 0 (what "output" blocks on an (out, in) weight) and vice versa
                 side = _FLIP.get(group["side"], "both") if group["transposed"] else group["side"]
                 if side == "both":
-                    layout, self._out_layouts[p] = two_sided_layouts(p, group, stat_group, group["transposed"], layout_for)
-                elif p.dim() == 3:
-                    layout = expert_layout(p, side, group["blocks"], stat_group)
+                    lin, lout = two_sided_layouts(p, group, stat_group, group["transposed"], layout_of)
+                    sides.append((Side(lin), Side(lout, "out_stat", "out_basis")))
                 else:
-                    layout = layout_for(p, side, group["blocks"], stat_group)
+                    sides.append((Side(layout_of(p, side, group["blocks"], stat_group)),))
             except ValueError as exc:
                 raise ValueError(f"{_name_of(p, self._param_names, i)}: {exc}") from None
-            self._layouts[p] = layout
-            self.state[p] = self._new_state(p, group, layout)
         # global (rank-invariant) block sizes: every rank must pick the same periods and offsets
-        params = group["params"]
-        for p in params:
-            widest = max(s for lay in self._sides(p) for s in lay.global_sizes)
-            self._periods[p] = refresh_period(group["refresh_every"], group["refresh_width"], widest)
-        if group["stagger"]:
-            def work(q):  # a stack refreshes all its matrices together
-                return sum(sum(s**3 for s in lay.global_sizes) * lay.stack_size for lay in self._sides(q))
+        periods = [refresh_period(group["refresh_every"], group["refresh_width"],
+                                  max(s for side in ss for s in side.layout.global_sizes)) for ss in sides]
+        offsets = [0] * len(sides)
+        if group["stagger"]:  # a stack refreshes all its matrices together
+            works = [sum(sum(s**3 for s in side.layout.global_sizes) * side.layout.stack_size for side in ss)
+                     for ss in sides]
+            offsets = stagger_offsets(works, periods)
+        return [Plan(ss, period, offset) for ss, period, offset in zip(sides, periods, offsets)]
 
-            offsets = stagger_offsets([work(p) for p in params], [self._periods[p] for p in params])
-            self._offsets.update(zip(params, offsets))
+    _derived = ("_plans",)
 
-    def _new_state(self, p: torch.Tensor, group: dict, layout: MatrixLayout) -> dict[str, Any]:
+    def _rebuild(self) -> None:
+        """Every plan, from the param groups (after ``load_state_dict``, in a copy)."""
+        self._plans = {p: plan for g in self._dobb_groups() for p, plan in zip(g["params"], self._group_plans(g))}
+
+    def _new_state(self, p: torch.Tensor, group: dict, plan: Plan) -> dict[str, Any]:
         # Created eagerly and identically on every rank, so distributed checkpoints see one key set.
-        state = {
-            "step": 0,
-            # one count per matrix of the captured span: an int for a 2-D matrix, a list for a stack
-            "captures": layout.counts_value([0] * layout.stack_span),
-            "momentum": torch.zeros_like(p, memory_format=torch.preserve_format),
-            "stat": layout.new_block_state(group["stat_dtype"], identity=False, like=p),
-            "basis": layout.new_block_state(group["basis_dtype"], identity=True, like=p),
-        }
-        out = self._out_layouts.get(p)
-        if out is not None:  # side="both": the output side's blocks, and a count per side [input, output]
-            state.update(captures=[0, 0], out_stat=out.new_block_state(group["stat_dtype"], identity=False, like=p),
-                         out_basis=out.new_block_state(group["basis_dtype"], identity=True, like=p))
-            if group["norm"] == "adam":  # EMA of the squared rotated gradient, in the statistic dtype
-                state["second_moment"] = torch.zeros_like(p, dtype=group["stat_dtype"])
+        state: dict[str, Any] = {"step": 0, "captures": plan.new_captures(),
+                                 "momentum": torch.zeros_like(p, memory_format=torch.preserve_format)}
+        for side in plan.sides:
+            state[side.stat] = side.layout.new_block_state(group["stat_dtype"], identity=False, like=p)
+            state[side.basis] = side.layout.new_block_state(group["basis_dtype"], identity=True, like=p)
+        if group["norm"] == "adam":  # EMA of the squared rotated gradient, in the statistic dtype
+            state["second_moment"] = torch.zeros_like(p, dtype=group["stat_dtype"])
         return state
 
     def _install_hooks(self) -> None:
         hooked = {p: g for g in self._dobb_groups() for p in g["params"] if g["source"] in _HOOK_SOURCES}
         if self._hooks is not None:
             self._hooks.remove()
-        self._hooks = CaptureHooks(self.model, hooked, self._layouts, self._out_layouts) if hooked else None
+        sides = {p: tuple(side.layout for side in self._plans[p].sides) for p in hooked}
+        self._hooks = CaptureHooks(self.model, hooked, sides) if hooked else None
         self._rearm()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -282,7 +287,7 @@ class Dobb(MatrixOptimizer):
         if group["source"] != "activation":
             raise ValueError(f"capture records layer inputs: the weight's group has source={group['source']!r}, "
                              f"it needs source='activation'")
-        layout = self._layouts[weight]
+        layout = self._plans[weight].layout
         name = _name_of(weight, self._param_names, index)
         if not layout.routed:
             if expert is not None:
@@ -293,56 +298,29 @@ class Dobb(MatrixOptimizer):
         return self._hooks.capture_experts(weight, expert_parts(features, expert, layout.stack_size, n, name))
 
     # ------------------------------------------------------------------ schedule
-    def _sides(self, p: torch.Tensor) -> list[MatrixLayout]:
-        """The layouts of ``p``'s statistic/basis sides: one, or [input, output] for side="both"."""
-        return [self._layouts[p], self._out_layouts[p]] if p in self._out_layouts else [self._layouts[p]]
+    def _due(self, p: torch.Tensor) -> list[bool]:
+        """Per matrix of ``p``'s captured span: due for a refresh at the next step (``_schedule.due``)."""
+        st = self.state[p]
+        return due(st["step"], st["captures"], self._plans[p])
 
-    def _counts(self, p: torch.Tensor) -> list[list[int]]:
-        """Capture counts per side, one per matrix of the captured span (``state["captures"]``: an int
-        for a one-sided 2-D matrix, a list per expert for a stack, ``[input, output]`` for side="both")."""
-        value = self.state[p]["captures"]
-        if p in self._out_layouts:
-            return [[value[0]], [value[1]]]
-        return [self._layouts[p].counts(value)]
-
-    def _set_counts(self, p: torch.Tensor, counts: list[list[int]]) -> None:  # the inverse of _counts
-        two = p in self._out_layouts
-        self.state[p]["captures"] = [counts[0][0], counts[1][0]] if two else self._layouts[p].counts_value(counts[0])
-
-    def _on_schedule(self, p: torch.Tensor, group: dict) -> bool:
-        step = self.state[p]["step"]
-        return step == 0 or (step - self._offsets.get(p, 0)) % self._periods[p] == 0
-
-    def _due(self, p: torch.Tensor, group: dict) -> list[bool]:
-        """Per matrix of the captured span: due for a refresh. The first step and every
-        ``refresh_every``-th after the matrix's offset, and, until a first statistic exists on every
-        side, every step (a zero-lr step or a forward pass that skipped the layer must not leave the
-        identity basis in place for a whole period)."""
-        on = self._on_schedule(p, group)
-        return [on or 0 in per_matrix for per_matrix in zip(*self._counts(p))]
-
-    def _is_refresh(self, p: torch.Tensor, group: dict) -> bool:  # any(self._due(p, group)), on the hot path
-        return self._on_schedule(p, group) or self._unseen(p)
-
-    def _unseen(self, p: torch.Tensor) -> bool:  # some matrix (some side) has no statistic yet
-        value = self.state[p]["captures"]  # every count, in the state's form (see _counts)
-        return 0 in value if isinstance(value, list) else value == 0
+    def _is_refresh(self, p: torch.Tensor) -> bool:
+        return any(self._due(p))
 
     def _rearm(self) -> None:
         if self._hooks is None:
             return
         self._hooks.pending.clear()
         self._hooks.pending_out.clear()
-        self._hooks.armed = {p for p, g in self._hooks.groups.items() if self._is_refresh(p, g)}
+        self._hooks.armed = {p for p in self._hooks.groups if self._is_refresh(p)}
 
     def is_refresh_step(self) -> bool:
         """Whether the next ``step()`` refreshes any basis (for benchmarks and logging)."""
-        return any(self._is_refresh(p, g) for g in self._dobb_groups() for p in g["params"])
+        return any(self._is_refresh(p) for g in self._dobb_groups() for p in g["params"])
 
     def refresh_cycle(self) -> int:
         """Steps after which the refresh schedule repeats: the lcm of the matrices' periods
         (``refresh_every`` unless ``refresh_width`` lengthens some). For benchmarks that time whole cycles."""
-        return cycle(self._periods.values())
+        return cycle(plan.period for plan in self._plans.values())
 
     # ------------------------------------------------------------------ the step
     def _prepare_step(self) -> None:
@@ -351,24 +329,25 @@ class Dobb(MatrixOptimizer):
         finiteness of all gradients. Raising here leaves every weight and state untouched."""
         params = [p for g in self.param_groups for p in g["params"]]
         self._idle.clear()
-        due = []
+        wanted = []
         for g in self._dobb_groups():
             if g["source"] not in _HOOK_SOURCES or self._hooks is None:
                 continue
             dtype = torch.promote_types(g["stat_dtype"], torch.float32)
             for p in g["params"]:
-                if p.grad is None and self._layouts[p].stat_group is not None:
+                plan = self._plans[p]
+                if p.grad is None and plan.layout.stat_group is not None:
                     # a shared statistic is shared state: its schedule and collectives cannot depend on
                     # whether this rank got a gradient (no gradient sync, a layer unused here only)
                     self._idle.append((g, p))
                 elif p.grad is None:
                     continue
-                if not self._is_refresh(p, g):
+                if not self._is_refresh(p):
                     continue
-                unseen = self._unseen(p)
-                for side, (lay, pending) in enumerate(zip(self._sides(p), (self._hooks.pending, self._hooks.pending_out))):
-                    due.append(DueStat(p, side, lay, pending.get(p), dtype, unseen))
-        agreed = agree(due, params, self._step_group, self.check_finite)
+                unseen = any(0 in side for side in self.state[p]["captures"])
+                for i, (side, pending) in enumerate(zip(plan.sides, (self._hooks.pending, self._hooks.pending_out))):
+                    wanted.append(DueStat(p, i, side.layout, pending.get(p), dtype, unseen))
+        agreed = agree(wanted, params, self._step_group, self.check_finite)
         if agreed.nonfinite is not None:
             self._rearm()  # the next forward passes capture afresh
             index, ranks = agreed.nonfinite
@@ -393,13 +372,14 @@ class Dobb(MatrixOptimizer):
         for g in self._dobb_groups():
             if _zero_lr(g):
                 continue
-            ps = [p for p in g["params"] if (p.grad is not None or id(p) in idle) and self._is_refresh(p, g)]
+            ps = [p for p in g["params"] if (p.grad is not None or id(p) in idle) and self._is_refresh(p)]
             if not ps:
                 continue
-            grads = [None if p.grad is None else self._layouts[p].local(p.grad) for p in ps]
+            grads = [None if p.grad is None else self._plans[p].layout.local(p.grad) for p in ps]
             requests, shared = self._queue_refresh(g, ps, grads)
-            batches.append(_refresh_split.RefreshBatch(g["ortho_steps"], g["qr"], g["basis_dtype"], [r[:3] for r in requests],
-                                                       shared if self.split_refresh else [None] * len(shared)))
+            batches.append(_refresh_split.RefreshBatch(
+                ortho_steps=g["ortho_steps"], qr=g["qr"], basis_dtype=g["basis_dtype"], blocks=[r[:3] for r in requests],
+                groups=shared if self.split_refresh else [None] * len(shared)))
             puts.append([r[3] for r in requests])
         for put_list, bases in zip(puts, _refresh_split.solve(batches)):
             for put, q in zip(put_list, bases):
@@ -418,7 +398,8 @@ class Dobb(MatrixOptimizer):
         self._rearm()
 
     def _matrix_step(self, group: dict[str, Any], active: list[torch.Tensor]) -> None:
-        layouts = [self._layouts[p] for p in active]
+        plans = [self._plans[p] for p in active]
+        layouts = [plan.layout for plan in plans]
         states = [self.state[p] for p in active]
         grads = [lay.local(p.grad) for lay, p in zip(layouts, active)]
         moms = [lay.local(s["momentum"]) for lay, s in zip(layouts, states)]
@@ -432,17 +413,22 @@ class Dobb(MatrixOptimizer):
         # (this step's refreshes ran in _refresh_all)
         params = [lay.local(p) for lay, p in zip(layouts, active)]
         lr, wd = group["lr"], group["weight_decay"]
+        two_sided = group["side"] == "both"
         # Where the reconstruction runs per matrix in the weight's dtype (CPU), the decay is its
         # baddbmm's beta: one pass over W instead of a multiply pass and a strided add pass.
-        fused = [decay_in_update(pt, lay, group) for pt, lay in zip(params, layouts)]
+        fused = [not two_sided and decay_in_update(pt, lay, lr=lr, basis_dtype=group["basis_dtype"],
+                                                   product_dtype=group["product_dtype"])
+                 for pt, lay in zip(params, layouts)]
         if wd != 0 and not all(fused):
             torch._foreach_mul_([pt for pt, f in zip(params, fused) if not f], 1.0 - lr * wd)
-        if group["side"] == "both":
-            apply_two_sided(group, [(lay, self._out_layouts[p], s, ut, gt, pt)
-                                    for p, lay, s, ut, gt, pt in zip(active, layouts, states, u, grads, params)])
+        if two_sided:
+            apply_two_sided([TwoSided(plan, s, ut, gt, pt) for plan, s, ut, gt, pt in zip(plans, states, u, grads, params)],
+                            norm=group["norm"], lr=lr, tau=group["tau"], basis_dtype=group["basis_dtype"],
+                            product_dtype=group["product_dtype"], momentum=mu, beta2=group["beta2"], eps=group["eps"])
         else:
-            apply_directions(group, [(lay, lay.local(s["basis"]), ut, pt, 1.0 - lr * wd if f else None)
-                                     for lay, s, ut, pt, f in zip(layouts, states, u, params, fused)])
+            apply_directions([OneSided(lay, lay.local(s["basis"]), ut, pt, 1.0 - lr * wd if f else None)
+                              for lay, s, ut, pt, f in zip(layouts, states, u, params, fused)],
+                             norm=group["norm"], lr=lr, tau=group["tau"], product_dtype=group["product_dtype"])
         for s in states:
             s["step"] += 1
 
@@ -454,21 +440,35 @@ class Dobb(MatrixOptimizer):
         shared: list = []
         dtype = torch.promote_types(group["stat_dtype"], torch.float32)
         for p, g in zip(params, grads):
-            counts, due = self._counts(p), self._due(p, group)
-            for side, (lay, key) in enumerate(zip(self._sides(p), ("", "out_"))):
-                new = (gram_statistic(g, lay, dtype) if group["source"] == "grad_gram"
-                       else self._agreed[side].get(p))
+            st, plan = self.state[p], self._plans[p]
+            now = self._due(p)
+            # new lists, not the state's in place: a state_dict taken before keeps its counts
+            st["captures"] = [list(side) for side in st["captures"]]
+            for i, (side, counts) in enumerate(zip(plan.sides, st["captures"])):
+                new = (gram_statistic(g, side.layout, dtype) if group["source"] == "grad_gram"
+                       else self._agreed[i].get(p))
                 if new is not None:
-                    fold_side(group, self.state[p], lay, key, counts[side], due, new, requests)
-                    shared += [_refresh_split.shared_group(lay)] * (len(requests) - len(shared))
-            self._set_counts(p, counts)
+                    fold_side(new, layout=side.layout, stat=st[side.stat], basis=st[side.basis], counts=counts,
+                              due=now, stat_decay=group["stat_decay"], eigh=group["basis"] == "eigh",
+                              init_eigh=group["init_basis"] == "eigh", requests=requests)
+                    shared += [_refresh_split.shared_group(side.layout)] * (len(requests) - len(shared))
         return requests, shared
 
     # ------------------------------------------------------------------ state dict
     # statistics (fp32) and bases (bf16) keep their own precision on load
     _own_dtype_keys = ("stat", "basis", "out_stat", "out_basis", "second_moment")
 
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        # new per-parameter dicts: torch's hold the live state's values
+        sd["state"] = {k: dict(st, captures=saved_captures(st["captures"])) if "captures" in st else st
+                       for k, st in sd["state"].items()}
+        return sd
+
     def _after_load(self) -> None:
+        self._rebuild()
+        for p, plan in self._plans.items():  # older checkpoints kept other forms of the counts
+            self.state[p]["captures"] = captures(self.state[p]["captures"], plan)
         self._install_hooks()  # torch replaced the group dicts the hooks read
 
 

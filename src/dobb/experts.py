@@ -4,9 +4,10 @@ Expert ``e`` computes ``x_e @ W[e].T`` for the tokens ``x_e`` routed to it. Dobb
 2-D ``(out, in)`` parameter gets: Dobb's step treats every matrix as a stack (a 2-D parameter is a
 stack of one, see ``layout``), and ``ExpertLayout`` is the layout of a stack of ``E``. The state has
 a leading expert axis: ``momentum`` is ``(E, out, in)``, ``stat`` and ``basis`` are ``(E, k, s_max)``
-(each expert's row-stacked blocks, see ``functional``), ``captures`` is a list with one counter per
-expert. Every expert has the same block partition, so its equal-size blocks join one batched
-``bmm``/QR/``eigh`` call over all experts (``E * count`` blocks); no step loops over experts.
+(each expert's row-stacked blocks, see ``functional``), ``captures`` has one counter per
+expert (per side). Every expert has the same block partition, so its equal-size blocks join one batched
+``bmm``/QR/``eigh`` call over all experts (``E * count`` blocks); only the two-sided
+(``side="both"``) apply runs expert by expert.
 
 Statistics: from ``Dobb.capture`` (the rows routed to each expert: an expert's statistic is the
 mean over its own rows, and an expert that got no row in a refresh keeps its statistic and basis)
@@ -56,7 +57,7 @@ class ExpertLayout(MatrixLayout):
     def local(self, t: torch.Tensor) -> torch.Tensor:
         return to_local(t)
 
-    # the stack view of ``MatrixLayout``: E experts, the captured span's counts in a list
+    # the stack view of ``MatrixLayout``: E experts
     @property
     def stack_size(self) -> int:
         return self.experts
@@ -79,12 +80,6 @@ class ExpertLayout(MatrixLayout):
 
     def stacked(self, t: torch.Tensor) -> torch.Tensor:
         return self.local(t)
-
-    def counts(self, value) -> list[int]:
-        return list(value)
-
-    def counts_value(self, counts: list[int]):
-        return list(counts)
 
     @property
     def capture_shape(self) -> tuple[int, int, int]:

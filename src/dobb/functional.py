@@ -24,6 +24,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -47,6 +48,7 @@ __all__ = [
     "orthogonal_iteration",
     "eigh_basis",
     "normalize_l2",
+    "Blocks",
     "add_directions_",
     "direction_input",
     "direction",
@@ -335,10 +337,20 @@ def block_coefficients(ub: Tensor, q: Tensor, norm: str = "sign", col_sq_sum=Non
 SMALL_BLOCK = 16
 
 
-def add_directions_(items: Sequence[tuple], norm: str, dtype: torch.dtype, col_sq_sum=None) -> None:
+class Blocks(NamedTuple):
+    """One run of equal blocks of one stack of matrices, the unit of ``add_directions_``."""
+
+    w: Tensor
+    u: Tensor
+    q: Tensor
+    factor: float
+    beta: float | None = None
+
+
+def add_directions_(items: Sequence[Blocks], *, norm: str, dtype: torch.dtype, col_sq_sum=None) -> None:
     """``W_b <- beta W_b + factor * normalize(U_b Q_b) Q_b^T`` for a batch of equal blocks, in place.
 
-    ``items``: ``(w, u, q, factor, beta)`` per stack of matrices: ``w`` and ``u`` ``(E, r, c * s)``
+    ``items``: one ``Blocks`` per stack of matrices: ``w`` and ``u`` ``(E, r, c * s)``
     (the weight and the update over one run of ``c`` blocks of size ``s`` of the blocked, last,
     axis; ``w`` may be a strided view of the weight), ``q`` their bases ``(E, c, s, s)``, ``beta`` the
     decay folded into the reconstruction or None (``w`` already decayed). The products run in
@@ -352,29 +364,29 @@ def add_directions_(items: Sequence[tuple], norm: str, dtype: torch.dtype, col_s
     ``W_b <- beta W_b + factor C_b Q_b^T`` as one ``baddbmm`` into the weight's strided view (one
     pass over ``W``); otherwise one ``bmm`` pair over all blocks of all items and a strided add.
     """
-    w0, u0, q0, _, beta0 = items[0]
+    w0, u0, q0, factor0, beta0 = items[0]
     E0, r, k = u0.shape
     size = q0.shape[-1]
     if len(items) == 1 and E0 == 1 and norm == "sign" and size <= SMALL_BLOCK and beta0 is None:
-        count, factor = q0.shape[1], items[0][3]
+        count, factor = q0.shape[1], factor0
         q = q0[0].to(dtype)
         ct = torch.bmm(q.transpose(1, 2), u0[0].to(dtype).t().reshape(count, size, r)).sign_()
         w0[0].t().view(count, size, r).add_(torch.bmm(q, ct), alpha=factor)
         return
-    counts = [it[2].shape[0] * it[2].shape[1] for it in items]
-    views = [u.to(dtype).reshape(u.shape[0], r, q.shape[1], size).transpose(1, 2).reshape(n, r, size)
-             for (_, u, q, _, _), n in zip(items, counts)]
+    counts = [it.q.shape[0] * it.q.shape[1] for it in items]
+    views = [it.u.to(dtype).reshape(it.u.shape[0], r, it.q.shape[1], size).transpose(1, 2).reshape(n, r, size)
+             for it, n in zip(items, counts)]
     ub = views[0] if len(items) == 1 else torch.cat(views)
-    qs = [q.reshape(n, size, size) for (_, _, q, _, _), n in zip(items, counts)]
+    qs = [it.q.reshape(n, size, size) for it, n in zip(items, counts)]
     q = (qs[0] if len(items) == 1 else torch.cat(qs)).to(dtype)
     c = block_coefficients(ub, q, norm, col_sq_sum)
     if len(items) == 1 and E0 == 1 and beta0 is not None:  # W_b <- beta W_b + factor C_b Q_b^T, one pass
-        w0[0].view(r, counts[0], size).transpose(0, 1).baddbmm_(c, q.transpose(1, 2), beta=beta0, alpha=items[0][3])
+        w0[0].view(r, counts[0], size).transpose(0, 1).baddbmm_(c, q.transpose(1, 2), beta=beta0, alpha=factor0)
         return
     o = torch.bmm(c, q.transpose(1, 2))
-    for ob, (w, _, qi, factor, _) in zip(o.split(counts), items):
-        E, cnt = qi.shape[0], qi.shape[1]
-        w.view(E, r, cnt, size).add_(ob.view(E, cnt, r, size).transpose(1, 2), alpha=factor)
+    for ob, it in zip(o.split(counts), items):
+        E, cnt = it.q.shape[0], it.q.shape[1]
+        it.w.view(E, r, cnt, size).add_(ob.view(E, cnt, r, size).transpose(1, 2), alpha=it.factor)
 
 
 def direction_input(
@@ -397,7 +409,8 @@ def direction_input(
     u3, o3, b3 = u.unsqueeze(0), out.unsqueeze(0), basis.unsqueeze(0)
     for run in block_runs(sizes):
         cols = slice(run.start, run.stop)
-        add_directions_([(o3[:, :, cols], u3[:, :, cols], stack_block_view(b3, run), scale, None)], norm, u.dtype)
+        add_directions_([Blocks(o3[:, :, cols], u3[:, :, cols], stack_block_view(b3, run), scale)], norm=norm,
+                        dtype=u.dtype)
     return out
 
 

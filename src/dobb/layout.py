@@ -110,14 +110,6 @@ class MatrixLayout:
         """The local tensor with the leading stack dim: ``(1, ...)`` for a matrix."""
         return self.local(t).unsqueeze(0)
 
-    def counts(self, value) -> list[int]:
-        """A state's ``captures`` as one count per matrix of the span (a matrix stores an int)."""
-        return [value]
-
-    def counts_value(self, counts: list[int]):
-        """``counts`` in the state's form (the inverse of ``counts``)."""
-        return counts[0]
-
     def mean(self, sums: torch.Tensor, totals: list[float]) -> ReducedStat:
         """Reduced captured ``sums`` over ``totals`` rows (known on the host) as the local statistic."""
         total = totals[0]

@@ -133,7 +133,7 @@ def reference_stats(variant, **kw) -> list[torch.Tensor]:
 
 def partitions(opt) -> list[list[int]]:
     """The global block sizes of every matrix, in parameter order."""
-    return [list(opt._layouts[p].global_sizes) for g in opt.param_groups if g["algorithm"] != "adamw"
+    return [list(opt._plans[p].layout.global_sizes) for g in opt.param_groups if g["algorithm"] != "adamw"
             for p in g["params"]]
 
 

@@ -27,6 +27,7 @@ VARIANTS = {
     "dobb-l2": {"norm": "l2"},
     "grad_gram": {"source": "grad_gram"},
     "grad_gram-g": {"source": "grad_gram", "side": "output"},
+    "grad_gram-both": {"source": "grad_gram", "side": "both", "out_blocks": 3},  # two-sided stack
 }
 
 
@@ -168,7 +169,7 @@ def test_sharded_expert_stack_equals_single_process(ranks, variant):
         assert r["placements"] == ((Shard(0),), (Shard(0),))
     if VARIANTS[variant].get("source") != "grad_gram":
         # refreshes at steps 0, 2, 4; expert 1 got no row on step 2 on any rank
-        assert per_rank(results, variant)[0]["captures"][0] == [3, 2, 3, 3]
+        assert per_rank(results, variant)[0]["captures"][0] == [[3, 2, 3, 3]]
 
 
 def test_a_shard_that_splits_experts_is_refused_naming_the_parameter(ranks):

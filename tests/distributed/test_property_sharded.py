@@ -93,7 +93,7 @@ def run_case(case, mesh, rank, world) -> float:
     layer = ShardedLinear(distribute_tensor(w0.clone(), mesh, [Shard(case["dim"])]))
     opt = Dobb([layer.weight], layer, **kw)
     _train(layer, opt, xs, ys, slice(rank * r, (rank + 1) * r), world)
-    sizes = list(opt._layouts[layer.weight].global_sizes)
+    sizes = list(opt._plans[layer.weight].layout.global_sizes)
     got = layer.weight.full_tensor()
 
     ref = nn.Linear(n, m, bias=False, dtype=torch.float64)

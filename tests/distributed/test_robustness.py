@@ -253,14 +253,14 @@ def test_nonfinite_flag_collective_issued_by_ranks_without_gradients(ranks):
 def test_layer_skipped_on_some_ranks_gives_token_weighted_statistic(ranks, variant):
     for r in per_rank(ranks, ("skip", variant)):
         assert r["same_basis"]
-        assert r["captures"] == r["ref_captures"] == 2  # steps 0 and 2 (refresh_every=2)
+        assert r["captures"] == r["ref_captures"] == [[2]]  # steps 0 and 2 (refresh_every=2)
         assert r["stat_diff"] < 1e-12 and r["diff"] < 1e-12
 
 
 def test_refresh_without_any_token_keeps_statistic_and_basis(ranks):
     for r in per_rank(ranks, ("skip", "paused")):
         assert r["same_basis"]
-        assert r["captures"] == r["ref_captures"] == 1  # step 2 saw no token anywhere: nothing replaced
+        assert r["captures"] == r["ref_captures"] == [[1]]  # step 2 saw no token anywhere: nothing replaced
         assert r["stat_diff"] < 1e-12 and r["diff"] < 1e-12
 
 
@@ -272,6 +272,6 @@ def test_process_group_destroyed_and_recreated(recreated):
 def test_shared_statistic_of_a_matrix_with_a_gradient_on_one_rank_only(ranks):
     for rank, r in enumerate(per_rank(ranks, "grad_on_one_rank")):
         assert r["same"]
-        assert r["step"][0] == r["step"][1] and r["captures"][0] == r["captures"][1] >= 2
+        assert r["step"][0] == r["step"][1] and r["captures"][0] == r["captures"][1] and r["captures"][0][0][0] >= 2
         assert r["stat_diff"] < 1e-12 and r["basis_diff"] < 1e-12
         assert (r["moved"] > 0) == (rank == 0)  # a rank without the gradient leaves the weight alone

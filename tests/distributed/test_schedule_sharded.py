@@ -35,8 +35,8 @@ def worker(rank, world):
     def run(variant, blocks, width, stagger):
         model = fsdp(Net(), mesh, 0)
         opt = make_opt(model, variant, blocks, refresh_width=width, stagger=stagger)
-        periods = [opt._periods[p] for p in opt.param_groups[0]["params"]]
-        offsets = [opt._offsets.get(p, 0) for p in opt.param_groups[0]["params"]]
+        periods = [opt._plans[p].period for p in opt.param_groups[0]["params"]]
+        offsets = [opt._plans[p].offset for p in opt.param_groups[0]["params"]]
         train(model, opt, batches, (rank, world))
         want = reference(variant, blocks, batches=batches, refresh_width=width, stagger=stagger)
         without = reference(variant, blocks, batches=batches, stagger=stagger)

@@ -71,7 +71,7 @@ def test_each_expert_gets_the_second_moment_of_its_routed_tokens(capture):
     for e, w in enumerate(experts):
         first, second = history[e]
         torch.testing.assert_close(opt.state[w]["stat"], 0.5 * first + 0.5 * second, atol=1e-12, rtol=0)
-        assert opt.state[w]["captures"] == 2
+        assert opt.state[w]["captures"] == [[2]]
 
 
 def test_capture_counts_only_when_due_and_once_with_capture_first():

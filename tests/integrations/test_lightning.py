@@ -82,9 +82,9 @@ def test_automatic_optimization_equals_a_hand_written_loop_and_resumes_exactly(t
     for p, q in zip(matrices, ref_opt.iter_matrix_params()):
         # one capture per closure evaluation: as many statistics as the hand-written loop took
         # (the refresh steps: the first, then every T-th from the matrix's staggered offset)
-        period, offset = opt_kwargs["refresh_every"], opt._offsets.get(p, 0)
+        period, offset = opt_kwargs["refresh_every"], opt._plans[p].offset
         due = sum(1 for t in range(20) if t == 0 or (t - offset) % period == 0)
-        assert opt.state[p]["captures"] == ref_opt.state[q]["captures"] == due
+        assert opt.state[p]["captures"] == ref_opt.state[q]["captures"] == [[due]]
         torch.testing.assert_close(opt.state[p]["stat"], ref_opt.state[q]["stat"], atol=1e-6, rtol=0)
     for (name, p), q in zip(module.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=0, msg=name)

@@ -103,7 +103,7 @@ def test_gpt2_conv1d_weights_are_dobb_matrices_with_input_side_blocks():
     assert opt.state[c_fc]["stat"].shape == (32, 8)
     model(torch.randint(0, 64, (2, 16)), labels=torch.randint(0, 64, (2, 16))).loss.backward()
     opt.step()
-    assert opt.state[c_fc]["captures"] == 1
+    assert opt.state[c_fc]["captures"] == [[1]]
 
 
 def test_transposed_must_be_a_bool():

@@ -161,7 +161,7 @@ class NewtonMuon(_MuonFamily):
                 watched[p] = {"capture": g["capture"], "source": "activation", "stat_dtype": _state_dtype(p)}
         if self._hooks is not None:
             self._hooks.remove()
-        self._hooks = CaptureHooks(self.model, watched, self._layouts) if watched else None
+        self._hooks = CaptureHooks(self.model, watched, {p: (self._layouts[p],) for p in watched}) if watched else None
         self._rearm()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

@@ -125,7 +125,7 @@ class StepDiagnostics:
                     "shrink": 1.0 - float(group["lr"]) * float(group["weight_decay"])}
             if self._dobb_view(p, group, st) is not None:
                 snap.update(u=st["momentum"].clone(), stat=st["stat"].clone(), basis=st["basis"].clone(),
-                            captures=int(st["captures"]))
+                            captures=_captured(st))
             self._pre[p] = snap
 
     @torch.no_grad()
@@ -146,7 +146,7 @@ class StepDiagnostics:
             c_new = coefficients(u_new, basis, sizes, side)
             if snap["captures"] > 0:  # the previous momentum is all zeros on the first step
                 rec["momentum_flips"].append(sign_flip_fraction(c_new, coefficients(snap["u"], basis, sizes, side)))
-            if int(st["captures"]) > snap["captures"] and snap["captures"] > 0:
+            if _captured(st) > snap["captures"] and snap["captures"] > 0:
                 rec["stat_change"].append(relative_change(st["stat"], snap["stat"]))
                 angles = torch.cat([basis_angle(qo, qn) for qo, qn in
                                     zip(_blocks(snap["basis"], sizes), _blocks(basis, sizes))])
@@ -366,3 +366,8 @@ def add_parsers(sub) -> None:
     p = sub.add_parser("microbatch-table", help="the tables of a microbatch record (docs/microbatch.md)")
     p.add_argument("record")
     p.set_defaults(func=cmd_render)
+
+
+def _captured(st: dict) -> int:
+    """Statistics a Dobb matrix has captured, all sides and matrices together (``state["captures"]``)."""
+    return sum(sum(side) for side in st["captures"])
