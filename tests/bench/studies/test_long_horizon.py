@@ -1,0 +1,29 @@
+"""dobb_bench.studies.long_horizon: the table against hand-built records (ranks both ways, best lr,
+bracketing, seeds at the best lr, the 800-step references)."""
+from dobb_bench.studies import long_horizon as L
+
+
+def _rec(run, lr, loss, seed=0, steps=8300, width=128, diverged=False):
+    return {"run": run, "lr": lr, "seed": seed, "steps": steps, "final_val_loss": loss, "diverged": diverged,
+            "model": {"layers": 2, "width": width, "seq_len": 64},
+            "train": {"batch_size": 16, "micro_batches": 1, "weight_decay": 0.1, "schedule": "cosine"},
+            "corpus": {"name": "stdlib"}, "provenance": {"git_rev": "abcdef0", "machine": {"cpu": "X"}}}
+
+
+def test_table_ranks_both_horizons_and_marks_edges(monkeypatch):
+    short = {"AdamW": {(0.005, 0): {"final_val_loss": 2.0}}, "Muon-fp32": {(0.01, 0): {"final_val_loss": 1.6}}}
+    monkeypatch.setattr(L, "runs_of", lambda label, studies: short.get(label, {}))
+    recs = [_rec("AdamW", 0.005, 1.40), _rec("AdamW", 0.00354, 1.45), _rec("AdamW", 0.00707, 1.42),
+            _rec("Muon", 0.01, 1.50), _rec("Muon", 0.0141, 1.48), _rec("Muon", 0.0141, 1.47, seed=1),
+            _rec("Muon", 0.01, 9.0, width=256)]  # another setting: not in this table
+    monkeypatch.setattr(L.R, "load", lambda study: recs if study == L.STUDY else [])
+    text, used = L.long_horizon()
+    rows = {line.split(" | ")[0][2:]: line for line in text.splitlines() if line.startswith("| ")}
+    # AdamW: 800-step rank 2 (2.0 > 1.6), long rank 1 (1.40 < 1.48); best 0.005 bracketed
+    adamw = [c.strip() for c in rows["AdamW"].split("|")]
+    assert adamw[2:5] == ["0.005", "2.000", "2"] and "**1.400**" in adamw and adamw[-4:-1] == ["0.005", "1", ""]
+    muon = [c.strip() for c in rows["Muon"].split("|")]
+    assert muon[2:5] == ["0.01", "1.600", "1"]
+    assert muon[-4:-1] == ["0.0141 (edge)", "2", "seed 1: 1.470"]
+    assert rows["SOAP"].count("—") >= 3  # no record yet: dashes, not a crash
+    assert len(used) == 6 and "8300 steps" in text and "width 128" in text
