@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .._dtensor import is_dtensor
+from ..layout import is_dtensor
 from ..functional import update_scale  # noqa: F401  (the protocol's s, used by every baseline)
 
 
