@@ -993,7 +993,7 @@ def test_bad_arguments_raise_value_error_naming_them(kwargs, match):
 
 def test_expert_stack_with_hooked_output_side_is_refused():
     """A stack's output gradients are routed: side='both' takes source='grad_gram' for it (the steps
-    against separate matrices: tests/test_experts.py)."""
+    against separate matrices: tests/core/test_experts.py)."""
     w = nn.Parameter(torch.randn(2, 4, 6))
     with pytest.raises(ValueError, match=r"w1.*expert stack.*routed.*source='grad_gram' for side='both'"):
         dobb.Dobb([("w1", w)], nn.Linear(1, 1), lr=0.01, side="both", source="activation")
