@@ -106,3 +106,22 @@ def test_the_import_check_finds_an_import_into_the_room(tmp_path, monkeypatch):
     monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: text)
     assert _imported_modules(fake) >= {"dobb.core.optimizer", "dobb.core.optimizer.Dobb", "dobb.core.statistics",
                                        "dobb.layout"}
+
+
+def test_every_library_import_of_dobb_names_a_module_that_exists():
+    """A module that moved into the room leaves no import of its old name behind (lazy ones too)."""
+    import importlib.util
+
+    missing = {}
+    for path in sorted(SRC.rglob("*.py")):
+        package = ["dobb", *path.parent.relative_to(SRC).parts]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("dobb")):
+                base = package[: len(package) - node.level + 1] if node.level else []
+                module = ".".join([*base, *(node.module.split(".") if node.module else [])])
+                names = [module] if node.module else [f"{module}.{a.name}" for a in node.names]
+                for name in names:
+                    if importlib.util.find_spec(name) is None and not (not node.module and hasattr(
+                            importlib.import_module(module), name.rsplit(".", 1)[1])):
+                        missing.setdefault(path.relative_to(SRC).as_posix(), []).append(name)
+    assert missing == {}
