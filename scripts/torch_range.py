@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # autograd call), the AdamW path (torch's private _init_group), the registry and factory, Muon
 # (torch.optim._muon where present), sharding (DTensor placements, _StridedShard), FSDP2, TP and
 # distributed checkpoints on gloo.
-CORE = ["tests/test_functional.py", "tests/test_dobb.py", "tests/test_base.py", "tests/test_capture.py",
+CORE = ["tests/test_functional.py", "tests/core/test_optimizer.py", "tests/test_base.py", "tests/test_capture.py",
         "tests/test_sharding.py", "tests/test_registry.py", "tests/test_factory.py",
         "tests/baselines/test_muon.py", "tests/distributed/test_fsdp.py",
         "tests/distributed/test_tensor_parallel.py", "tests/distributed/test_checkpoint.py"]

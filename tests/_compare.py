@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from dobb._dtensor import is_dtensor  # the library's one DTensor test
+from dobb.layout import is_dtensor  # the library's one DTensor test
 
 
 def full(t: torch.Tensor) -> torch.Tensor:

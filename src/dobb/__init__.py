@@ -11,7 +11,7 @@ from .baselines.dash import Dash, Shampoo
 from .baselines.newton_muon import NewtonMuon
 from .baselines.soap import SOAP
 from .baselines.splus import SPlus
-from .dobb import Dobb
+from .core.optimizer import Dobb
 from .factory import OPTIMIZER_NAMES, build_optimizer, valid_hparams
 from .groups import param_groups, split_parameters
 

@@ -28,7 +28,7 @@ import torch
 from torch.optim.adamw import adamw as _torch_adamw
 
 from ._copies import Views, portable, shallow_items
-from ._dtensor import is_dtensor, to_local
+from .layout import is_dtensor, to_local
 from ._hparams import ScaledOptions, _check_rate
 from ._torch_private import adamw_init_group, fused_adamw_devices
 

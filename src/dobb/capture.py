@@ -25,8 +25,7 @@ from torch import nn
 
 from . import functional as F
 from ._torch_private import current_graph_task_id
-from .collectives import all_reduce_sum_
-from .layout import MatrixLayout, ReducedStat
+from .layout import MatrixLayout
 
 
 def in_backward() -> bool:
@@ -167,19 +166,3 @@ class CaptureHooks:
         else:
             prev.sums.add_(sums)
             prev.count += count
-
-
-def gram_statistic(grad_local: torch.Tensor, layout: MatrixLayout, dtype=torch.float32) -> ReducedStat:
-    """Gradient-Gram source: diagonal blocks of ``G^T G / m`` (input side) or ``G G^T / n`` (output)
-    of every local matrix of the stack, as the statistic of a refresh (every matrix has its rows).
-
-    Rows of the Gram sum may be sharded (the other axis split across ranks): partial sums are
-    added over ``layout.l2_group`` (the same ranks that share column norms).
-    """
-    g = layout.stacked(grad_local)
-    g = g if layout.blocked_axis == 1 else g.transpose(1, 2)
-    if not layout.local_sizes:  # empty shard: so are the other ranks of its l2 group
-        sums = g.new_zeros(g.shape[0], 0, layout.state_cols, dtype=dtype)
-    else:
-        sums = all_reduce_sum_(F.gram_blocks(g, layout.local_sizes, dtype), layout.l2_group)
-    return ReducedStat(layout.pad_state_cols(sums.div_(layout.rows)), [True] * layout.stack_span)

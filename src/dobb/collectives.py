@@ -1,5 +1,7 @@
-"""Every collective the library issues on its own behalf (not those of FSDP, DTensor or Dion's
-partial sums), each tagged with ``collective_kind`` so a meter can tell them apart.
+"""The tags and groups of every collective the library issues on its own behalf (not those of FSDP,
+DTensor or Dion's partial sums): each is issued inside ``collective_kind`` so a meter can tell them
+apart, over a group from the user, the layout or ``plain_stat_group``; and ``plan_owners``, the one
+greedy plan of which rank computes which unit of work (Dobb's split refresh, owner-compute Muon).
 
 Tags: ``"stat"`` for the data-parallel statistic sums (with the finiteness flags folded in when
 they share the group), ``"finite"`` for the finiteness flags alone, ``"norm"`` for ell2 column
@@ -15,12 +17,10 @@ from __future__ import annotations
 import contextlib
 import contextvars
 
-import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["collective_kind", "current_kind", "SumBucket", "all_reduce_sum_", "plain_stat_group", "group_ranks",
-           "common_group"]
+__all__ = ["collective_kind", "current_kind", "plain_stat_group", "group_ranks", "common_group", "plan_owners"]
 
 _KIND: contextvars.ContextVar[str | None] = contextvars.ContextVar("dobb_collective_kind", default=None)
 
@@ -38,38 +38,6 @@ def collective_kind(kind: str):
 def current_kind() -> str | None:
     """The tag of the enclosing ``collective_kind`` block, or None."""
     return _KIND.get()
-
-
-class SumBucket:
-    """Tensors summed over one process group by a single all-reduce, returned in the order added.
-
-    Why one flat buffer: every rank adds the same segments (same shapes, same order) whatever its
-    data, so the ranks always issue the same collective, and one call replaces many small ones.
-    """
-
-    def __init__(self, group, dtype: torch.dtype, device: torch.device):
-        self.group, self.dtype, self.device = group, dtype, device
-        self.parts: list[torch.Tensor] = []
-
-    def add(self, t: torch.Tensor) -> int:
-        self.parts.append(t)
-        return len(self.parts) - 1
-
-    def reduce(self, kind: str) -> list[torch.Tensor]:
-        flat = torch.cat([t.reshape(-1).to(device=self.device, dtype=self.dtype) for t in self.parts])
-        if self.group is not None:
-            with collective_kind(kind):
-                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
-        sizes = [t.numel() for t in self.parts]
-        return [v.view(t.shape) for v, t in zip(flat.split(sizes), self.parts)]
-
-
-def all_reduce_sum_(tensor: torch.Tensor, group) -> torch.Tensor:
-    """Sum over ``group`` (ell2 column norms, gradient-Gram partial sums); no-op without a group."""
-    if group is not None:
-        with collective_kind("norm"):
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-    return tensor
 
 
 def group_ranks(group) -> frozenset[int]:
@@ -124,3 +92,15 @@ def plain_stat_group(model, stat_group):
             f"`model` (its process group is used), or stat_group=<ProcessGroup> (None: this rank's data alone)"
         )
     return None
+
+
+def plan_owners(costs: list[float], ranks: int) -> list[int]:
+    """Owner (0 .. ranks-1) of each unit: longest first, each to the least loaded rank (ties: the
+    lowest rank; equal costs keep their order). Pure: every rank computes the same plan."""
+    load = [0.0] * ranks
+    owner = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        r = min(range(ranks), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += costs[i]
+    return owner

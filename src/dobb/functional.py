@@ -16,7 +16,9 @@ The step's kernels take *stacks* of matrices with the same blocks: weights and u
 block state ``(E, k, s_max)`` (``stack_block_view``); a 2-D matrix is the stack of one (``E = 1``,
 for which every block of a run stays a strided view of the matrix, no copy). In the step's order:
 ``gram_blocks`` (statistic), ``fold_statistic_`` (EMA), ``refresh_bases`` (the batched basis
-solve), ``add_directions_`` (direction and update; ``direction`` is it on a zero matrix).
+solve), ``add_directions_`` (direction and update; ``direction`` is it on a zero matrix), and for
+two-sided Dobb (``side="both"``) ``two_sided_update_`` (``rotate``/``unrotate`` over both axes'
+block-diagonal bases, ``blockwise``).
 """
 from __future__ import annotations
 
@@ -56,6 +58,13 @@ __all__ = [
     "matmul_dtype",
     "cpu_native",
     "block_coefficients",
+    "BlockBasis",
+    "blockwise",
+    "rotate",
+    "unrotate",
+    "adam_direction",
+    "block_pair_rms_",
+    "two_sided_update_",
 ]
 
 
@@ -360,7 +369,7 @@ def add_directions_(items: Sequence[Blocks], *, norm: str, dtype: torch.dtype, c
 
     Three kernels, chosen by shape (``docs/timing.md``): a stack of one with sign and small blocks
     (``SMALL_BLOCK``) multiplies with the long row axis as the product's N (``C_b^T = Q_b^T U_b^T``:
-    MKL's batched GEMM is 3-7x faster so at s = 8); a stack of one with a ``beta`` writes
+    MKL's batched GEMM is much faster so at small ``s``); a stack of one with a ``beta`` writes
     ``W_b <- beta W_b + factor C_b Q_b^T`` as one ``baddbmm`` into the weight's strided view (one
     pass over ``W``); otherwise one ``bmm`` pair over all blocks of all items and a strided add.
     """
@@ -446,11 +455,10 @@ def matmul_dtype(dtype: torch.dtype, device: torch.device, product: "str | torch
 
     ``product`` a dtype: that dtype, on every device (so a test or a user can force either path on
     any host). ``"auto"``: the basis dtype on accelerators; fp32 on every CPU for a sub-fp32 basis.
-    On a CPU without native bf16 (AMD EPYC here) torch's bf16 products are a scalar loop 20-50x
-    slower than fp32 (``docs/timing.md``); on a CPU with AVX512-BF16/AMX the main job's training loop
-    was still faster with fp32 products (issue 20's report: Dobb B=16 3.53 ms/step with an fp32 basis
-    against 4.88 ms with bf16 products, Intel Xeon), since at these block sizes the bf16 casts cost
-    more than the products save. One CPU rule also gives every host the numerics of the committed
+    On a CPU without native bf16 torch's bf16 products are a scalar loop much slower than fp32; on
+    a CPU with AVX512-BF16/AMX the main job's training loop was still faster with fp32 products,
+    since at these block sizes the bf16 casts cost more than the products save (both measured in
+    ``docs/timing.md``). One CPU rule also gives every host the numerics of the committed
     records. The stored basis, and so Table 18's memory, is unchanged.
     """
     if product != "auto":
@@ -458,3 +466,94 @@ def matmul_dtype(dtype: torch.dtype, device: torch.device, product: "str | torch
     if dtype.itemsize < 4 and torch.device(device).type == "cpu":
         return torch.float32
     return dtype
+
+
+# ----------------------------------------------------------------------------- two-sided (side="both")
+# Per matrix ``W`` (``m x n``, stored ``(out, in)``) with input-side bases ``Q_in_c`` (column blocks)
+# and output-side bases ``Q_out_b`` (row blocks), the coefficients of block pair ``(b, c)`` are
+# ``C_bc = Q_out_b^T U_bc Q_in_c``: with ``Q_in``/``Q_out`` the block-diagonal matrices of the bases
+# that is ``C = Q_out^T U Q_in``, two one-sided projections, each batched over the runs of equal
+# blocks of its axis (``bmm``), never a dense ``m x m`` or ``n x n``. The direction is
+# ``O = Q_out D Q_in^T / sqrt(m)`` with
+#
+# - ``norm="sign"``: ``D = sign(C)``. The ``1/sqrt(m)`` is one-sided Dobb's, so ``||O||_F^2 = n`` (no
+#   zero coefficient) and the shared protocol's ``tau * sqrt(max(m, n))`` applies unchanged;
+# - ``norm="adam"`` (SOAP's rule in Dobb's bases): ``V <- beta2 V + (1 - beta2) (Q_out^T G Q_in)^2``
+#   (the rotated *gradient*), ``R = C_hat / (sqrt(V_hat) + eps)`` with both bias corrections
+#   (``C_hat = C / (1 - mu^t)``: the momentum is kept in EMA form; ``V_hat = V / (1 - beta2^t)``), and
+#   ``D_bc = R_bc / rms(R_bc)`` per block pair: every block pair gets sign's RMS of 1, so the shared
+#   protocol's scale means the same step size. Why: ``R`` alone has ``|R_ij| <= 1`` (Cauchy-Schwarz on
+#   the two EMAs when ``beta2 = momentum``) and an RMS far below 1 on noisy gradients, so an unscaled
+#   ``R`` takes much smaller steps than sign (docs/results.md, "Two-sided Dobb"). The rescale is per
+#   block pair, which is always whole on one rank, so it stays shard-local with no collective. Over a
+#   basis refresh ``V`` is carried unchanged, as SOAP does: the warm-started orthogonal iteration keeps
+#   column ``j`` near the previous ``j``-th eigenvector, so ``V_ij`` keeps describing the same coefficient.
+class BlockBasis(NamedTuple):
+    """The block-diagonal basis of one axis: row-stacked blocks ``(k, s_max)`` (``functional``) and their sizes."""
+
+    basis: Tensor
+    sizes: Sequence[int]
+
+
+def blockwise(x: Tensor, basis: Tensor, sizes: Sequence[int], transpose: bool = False) -> Tensor:
+    """``x @ blockdiag(Q_c)`` (or ``Q_c^T``) over the last axis of ``x`` (``(..., r, k)``), one
+    batched product per run of equal blocks. ``basis`` is row-stacked ``(k, s_max)`` (``functional``)."""
+    out = torch.empty_like(x)
+    for run in block_runs(sizes):
+        q = block_view(basis, run).to(x.dtype)
+        if transpose:
+            q = q.transpose(-1, -2)
+        xs = x[..., run.start : run.stop].unflatten(-1, (run.count, run.size)).transpose(-3, -2)
+        out[..., run.start : run.stop].unflatten(-1, (run.count, run.size)).transpose(-3, -2).copy_(torch.matmul(xs, q))
+    return out
+
+
+def rotate(u: Tensor, rows: BlockBasis, cols: BlockBasis) -> Tensor:
+    """``C = Q_rows^T U Q_cols`` for block-diagonal bases;
+    ``u`` may carry leading batch dims (``(..., r, k)``)."""
+    y = blockwise(u, *cols)
+    return blockwise(y.transpose(-1, -2), *rows).transpose(-1, -2)
+
+
+def unrotate(d: Tensor, rows: BlockBasis, cols: BlockBasis) -> Tensor:
+    """``O = Q_rows D Q_cols^T`` (the inverse of ``rotate``)."""
+    z = blockwise(d, *cols, transpose=True)
+    return blockwise(z.transpose(-1, -2), *rows, transpose=True).transpose(-1, -2)
+
+
+def adam_direction(c: Tensor, v: Tensor, *, step: int, momentum: float, beta2: float, eps: float) -> Tensor:
+    """SOAP's element-wise rule on rotated coefficients: ``(c / (1 - mu^t)) / (sqrt(v / (1 - b2^t)) + eps)``
+    (``c``: the rotated EMA momentum, ``v``: the EMA of the squared rotated gradient, ``t = step``)."""
+    denom = (v / (1.0 - beta2**step)).sqrt_().add_(eps)
+    return c.div(1.0 - momentum**step).div_(denom)
+
+
+def block_pair_rms_(d: Tensor, row_sizes: Sequence[int], col_sizes: Sequence[int], tiny: float = 1e-30) -> Tensor:
+    """Scale every block pair ``d[b, c]`` of ``d`` (``(r, k)``) to an RMS of 1, in place (an all-zero
+    block stays zero); one reduction per pair of runs of equal blocks."""
+    for rr in block_runs(row_sizes):
+        for cr in block_runs(col_sizes):
+            v = d[rr.start : rr.stop, cr.start : cr.stop].unflatten(0, (rr.count, rr.size)).unflatten(2, (cr.count, cr.size))
+            ms = v.square().mean(dim=(1, 3), keepdim=True)
+            v.mul_(ms.clamp_min_(tiny).rsqrt_())
+    return d
+
+
+def two_sided_update_(*, w: Tensor, u: Tensor, g: Tensor, rows: BlockBasis, cols: BlockBasis, factor: float,
+                      dtype: torch.dtype, norm: str = "sign", v: Tensor | None = None, step: int = 1,
+                      momentum: float = 0.0, beta2: float = 0.95, eps: float = 1e-8) -> None:
+    """``W += factor * Q_rows D Q_cols^T`` for one matrix (``w``, ``u`` the momentum, ``g`` the gradient,
+    all oriented ``(rows axis, cols axis)``), products in ``dtype``. ``norm="adam"`` also updates
+    ``v`` (the EMA of the squared rotated gradient, in its own dtype, fp32 at least) in place and
+    takes ``step`` (1-based) for the bias corrections. ``factor`` carries sign's ``1/sqrt(m)``."""
+    if norm == "sign":
+        d = rotate(u.to(dtype), rows, cols).sign_()
+    else:  # rotate the momentum and the gradient in one pass; V and the ratio in fp32 at least
+        c, gr = rotate(torch.stack([u, g]).to(dtype), rows, cols).unbind(0)
+        gr = gr.to(v.dtype)
+        v.mul_(beta2).addcmul_(gr, gr, value=1.0 - beta2)
+        d = adam_direction(c.to(v.dtype), v, step=step, momentum=momentum, beta2=beta2, eps=eps)
+        d = block_pair_rms_(d, rows.sizes, cols.sizes).to(dtype)
+    o = unrotate(d, rows, cols)
+    o.mul_(factor)
+    w.add_(o.to(w.dtype))

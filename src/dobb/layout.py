@@ -1,5 +1,6 @@
 """Where a matrix's blocks are: ``MatrixLayout`` (plain tensors; DTensor layouts extend it in
-``sharding``, expert stacks in ``experts``) and the captured-feature checks that go with it.
+``sharding``, Dobb's expert stacks in ``dobb.core.experts``), the captured-feature checks that go
+with it, and the package's one DTensor test and unwrap (``is_dtensor``, ``to_local``).
 
 The optimizers ask ``placement.layout_for`` for a layout per matrix parameter and then work on
 local tensors only (``layout.local(t)``); the math in ``functional`` never sees a DTensor.
@@ -16,10 +17,30 @@ from dataclasses import dataclass
 
 import torch
 
-from ._dtensor import is_dtensor
 from .functional import block_sizes, identity_blocks
 
-__all__ = ["MatrixLayout", "ReducedStat", "plain_features", "plain_layout"]
+__all__ = ["MatrixLayout", "ReducedStat", "plain_features", "plain_layout", "is_dtensor", "is_dtensor_type",
+           "to_local"]
+
+
+# ----------------------------------------------------------------------------- the DTensor test
+# By type name and not ``isinstance``: importing ``torch.distributed.tensor`` takes seconds, and a
+# single-device user never needs it. Modules that build DTensors (``sharding``) import it themselves.
+def is_dtensor_type(cls: type) -> bool:
+    """Whether ``cls`` is ``torch.distributed.tensor.DTensor`` (a dispatch mode's ``types``)."""
+    return cls.__name__ == "DTensor"
+
+
+def is_dtensor(t) -> bool:
+    return is_dtensor_type(type(t))
+
+
+def to_local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (a view sharing storage), or ``t`` itself."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+# ----------------------------------------------------------------------------- layouts
 
 
 @dataclass

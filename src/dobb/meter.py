@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._dtensor import is_dtensor_type, to_local
+from .layout import is_dtensor_type, to_local
 from ._torch_private import HigherOrderOperator, TorchDispatchMode, tree_flatten
 from .collectives import current_kind
 

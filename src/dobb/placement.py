@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ._dtensor import is_dtensor
-from .layout import MatrixLayout, plain_layout
+from .layout import MatrixLayout, is_dtensor, plain_layout
 
 __all__ = ["layout_for", "SIDES"]
 

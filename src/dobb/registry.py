@@ -33,7 +33,7 @@ from .baselines.dash import Dash, Shampoo
 from .baselines.newton_muon import NewtonMuon
 from .baselines.soap import SOAP
 from .baselines.splus import SPlus
-from .dobb import Dobb
+from .core.optimizer import Dobb
 
 __all__ = ["Entry", "OPTIMIZERS", "OPTIMIZER_NAMES", "GROUPING_KEYS", "get", "valid_hparams",
            "hparam_defaults", "validate"]

@@ -37,9 +37,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from ._dtensor import is_dtensor, to_local
 from .functional import block_sizes, identity_blocks
-from .layout import MatrixLayout
+from .layout import MatrixLayout, is_dtensor, to_local
 
 __all__ = ["DTensorLayout", "dtensor_layout", "data_parallel_dims", "chunk_sizes", "mesh_group", "AxisSplit", "axis_split",
            "gather_full", "local_slice", "rows_are_local", "row_wise", "replicate_like"]

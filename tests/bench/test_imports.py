@@ -192,12 +192,12 @@ def test_no_import_circle_among_bench_modules():
 
 
 def test_checker_finds_private_library_uses(tmp_path):
-    root = _plant(tmp_path, {"m.py": "import dobb\nimport dobb._apply\nfrom dobb import _hparams, Dobb, functional as F\n"
+    root = _plant(tmp_path, {"m.py": "import dobb\nimport dobb._copies\nfrom dobb import _hparams, Dobb, functional as F\n"
                                      "from dobb.registry import get, _index\nfrom dobb.baselines import dion\n"
                                      "x = dobb.functional.block_sizes, dobb._base, F._private_name, dion.dion_rank\n"
                                      "y = dobb.registry.OPTIMIZERS.items()\n"})
     assert private_uses(root / "m.py") == ["m.py: dobb._base", "m.py: dobb.functional._private_name",
-                                          "m.py:2: import dobb._apply", "m.py:3: from dobb import _hparams",
+                                          "m.py:2: import dobb._copies", "m.py:3: from dobb import _hparams",
                                           "m.py:4: from dobb.registry import _index"]
 
 

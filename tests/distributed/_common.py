@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import dobb.dobb as dobb_module
+import dobb.core.optimizer as dobb_module
 from _compare import max_diff  # noqa: F401  (the suite's one comparison helper, re-exported for the workers)
 from dobb import Dobb
 from dobb.meter import PayloadMeter

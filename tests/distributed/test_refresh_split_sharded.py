@@ -1,4 +1,4 @@
-"""The split refresh (``split_refresh=True``, ``dobb._refresh_split``) against the unsplit one on the same
+"""The split refresh (``split_refresh=True``, ``dobb.core.statistics``) against the unsplit one on the same
 ranks: bitwise equal weights, statistics and bases after refresh and non-refresh steps, including
 the first (exact ``eigh``) refresh, under FSDP2 on 2 and 4 gloo ranks (uneven and empty shards,
 an odd block size that stays replicated), under DDP, and with a rank that holds no gradient of a

@@ -1,4 +1,4 @@
-"""Dobb's ``refresh_width`` (longer refresh periods for wider blocks, ``dobb._schedule``) under FSDP2
+"""Dobb's ``refresh_width`` (longer refresh periods for wider blocks, ``dobb.core.optimizer``) under FSDP2
 on 2 and 4 gloo ranks: every rank picks the same periods and offsets (from global block sizes,
 though the ranks hold different rows), and the sharded run equals the single-process float64 run
 with the option on, staggered or not, input and output side, B=1 and B=4. The option is checked to

@@ -23,7 +23,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-import dobb.dobb as dobb_module
+import dobb.core.optimizer as dobb_module
 from _common import (REFRESH, SHAPES, STEPS, Net, checker, data, full_params, groups, max_diff, per_rank,
                      same_on_all_ranks, state_keys, stats)
 from _spawn import spawn

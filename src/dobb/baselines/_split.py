@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .._dtensor import is_dtensor
+from ..layout import is_dtensor
 from .._hparams import Rule, integer, option, optional
 from . import _common as C
 

@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from .._base import MatrixOptimizer, _name_of
-from .._dtensor import is_dtensor, to_local
+from ..layout import is_dtensor, to_local
 from . import _common as C
 from ._matrix_roots import INVERSE_ROOTS, inverse_root
 from .._hparams import (ScaledOptions, closed_unit_interval, integer, non_negative, one_of, option, positive,

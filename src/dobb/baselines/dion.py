@@ -50,7 +50,7 @@ import torch
 from torch import Tensor
 
 from .._base import MatrixOptimizer
-from .._dtensor import is_dtensor, to_local
+from ..layout import is_dtensor, to_local
 from . import _common as C
 from .._hparams import ScaledOptions, fraction, integer, one_of, option, unit_interval
 from .newton_schulz import column_normalize

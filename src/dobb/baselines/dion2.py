@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from .._base import MatrixOptimizer, _name_of
-from .._dtensor import to_local
+from ..layout import to_local
 from ..placement import layout_for
 from . import _common as C
 from .._hparams import ScaledOptions, integer, one_of, option, unit_interval

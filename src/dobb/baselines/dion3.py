@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from .._base import MatrixOptimizer
-from .._dtensor import to_local
+from ..layout import to_local
 from . import _common as C
 from .dion2 import gathered_lookahead, selected_rows
 from .._hparams import ScaledOptions, option, unit_interval

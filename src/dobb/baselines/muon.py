@@ -26,7 +26,7 @@ from torch import Tensor
 
 from .._base import MatrixOptimizer, _name_of
 from .._hparams import Rule, ScaledOptions, boolean, integer, numbers_tuple, one_of, option, positive, unit_interval
-from .._dtensor import to_local
+from ..layout import to_local
 from ..functional import cpu_native
 from . import _common as C
 from ._split import SplitOptions, row_parts, row_tiles, tiled_directions

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from .._base import _name_of
 from .._hparams import integer, option
-from .._dtensor import is_dtensor
+from ..layout import is_dtensor
 from ..placement import layout_for
 from . import _common as C
 from ._split import tiled_directions

@@ -36,10 +36,9 @@ import torch
 from torch import Tensor, nn
 
 from .._base import _name_of
-from .._dtensor import is_dtensor
 from ..capture import CaptureHooks
 from ..collectives import plain_stat_group
-from ..layout import MatrixLayout, plain_layout
+from ..layout import MatrixLayout, is_dtensor, plain_layout
 from . import _common as C
 from .._hparams import integer, one_of, option, positive, unit_interval
 from .muon import MuonOptions, _MuonFamily

@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .._dtensor import is_dtensor
-from .._refresh_split import plan_owners as balance_owners  # the library's one greedy owner plan
+from ..layout import is_dtensor
+from ..collectives import plan_owners as balance_owners  # the library's one greedy owner plan
 from .muon import Muon, ns_options
 from .newton_schulz import orthogonalize
 

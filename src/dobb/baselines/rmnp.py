@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .._base import MatrixOptimizer
-from .._dtensor import to_local
+from ..layout import to_local
 from .._hparams import ScaledOptions, boolean, option, unit_interval
 from . import _common as C
 from .newton_schulz import row_normalize

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from .._base import MatrixOptimizer, _name_of
-from .._dtensor import is_dtensor
+from ..layout import is_dtensor
 from .._hparams import Options, boolean, integer, one_of, option, optional, positive, unit_interval
 from .._hparams import betas as betas_rule
 from . import _common as C

@@ -59,9 +59,9 @@ from torch import Tensor
 
 from .. import functional as F
 from .._base import MatrixOptimizer, _name_of
-from .._dtensor import to_local
+from ..layout import to_local
 from .._hparams import Options, integer, option, positive, unit_interval
-from .._two_sided import blockwise
+from ..functional import blockwise
 from ..placement import layout_for
 from . import _common as C
 

@@ -32,7 +32,7 @@ from typing import Any
 
 from torch import nn
 
-from ..dobb import Dobb
+from .. import Dobb
 from ..groups import split_parameters, transposed_parameters
 
 __all__ = ["dobb_factory", "DobbOptimizersContainer"]

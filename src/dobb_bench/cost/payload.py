@@ -329,7 +329,7 @@ def dp_stat_entries(name: str, m: int, n: int, hparams: dict | None = None, per_
 def dp_basis_entries(name: str, m: int, n: int, hparams: dict | None = None) -> float:
     """``split_refresh=True``: the new bases each shared block's owner broadcasts to the other ranks
     of its statistic group per refresh, ``sum s_b^2`` over the blocks of even size (odd-sized ones
-    are solved on every rank and not sent; ``dobb._refresh_split``). 0 without it, for every other
+    are solved on every rank and not sent; ``dobb.core.statistics``). 0 without it, for every other
     optimizer, and for ``source="grad_gram"`` (no shared statistic group). Entries in the basis dtype."""
     key, hp = _with_defaults(name, hparams)
     if not issubclass(_entry(key).cls, dobb.Dobb) or hp["source"] == "grad_gram":

@@ -259,7 +259,7 @@ def dion3_fraction():
 
 def test_split_refresh_basis_broadcast_per_refresh():
     """split_refresh=True sends each even-sized shared block's s^2 basis entries once per refresh;
-    odd-sized blocks are solved on every rank (dobb._refresh_split) and send nothing."""
+    odd-sized blocks are solved on every rank (dobb.core.statistics) and send nothing."""
     split = {"split_refresh": True}
     assert P.dp_basis_entries("dobb", 768, 3072, {"blocks": 1, **split}) == 3072 ** 2
     assert P.dp_basis_entries("dobb", 768, 3072, {"blocks": 4, **split}) == 4 * 768 ** 2

@@ -1,17 +1,23 @@
-"""The Dobb optimizer: state, schedule and capture hooks, orchestrating the step's components.
+"""The Dobb optimizer: its class, one plan per matrix with the refresh rule, and the update.
 
-The class owns the state (everything a checkpoint needs) and one ``_schedule.Plan`` per matrix
-(its sides' layouts and state keys, refresh period and offset: a cache built from the param groups,
-rebuilt after a load or a copy). Which matrices refresh is ``_schedule.due``, read both by the
-capture hooks' arming and by the fold. A step calls, in order: ``_agreement.agree`` (what the ranks
-decide together: statistics, finiteness), ``_refresh.fold_side`` and ``_refresh_split.solve`` over
-``functional.refresh_bases`` (the statistic fold and the batched basis solve), ``_apply`` (the
-direction via ``functional.add_directions_`` or ``_two_sided.two_sided_update_``, and the update).
-The math on plain tensors is in ``functional``; placement in ``layout``/``sharding``/``experts``
-(chosen by ``placement.layout_for``); communication in ``collectives``; capture in ``capture``.
-Every matrix is a stack (a 2-D parameter a stack of one, an expert stack one of ``E``, see
-``layout``): one statistic, refresh and apply path serves both. Per matrix ``W`` (``m x n``) with
-gradient ``G`` the step is
+The class owns the state (everything a checkpoint needs) and one ``Plan`` per matrix (its sides'
+layouts and state keys, refresh period and offset: a cache built from the param groups, rebuilt after
+a load or a copy). Which matrices refresh is ``due``, read both by the capture hooks' arming and by
+the statistic fold. A step (``_base.MatrixOptimizer.step``) calls, in order:
+
+1. ``Dobb._prepare_step``: ``statistics.agree`` (what the ranks decide together: the statistics of
+   the due matrices, the finiteness of the gradients), then ``Dobb._refresh_all``: the statistic
+   fold (``statistics.fold_side``; ``statistics.gram_statistic`` for ``source="grad_gram"``) and the
+   batched basis solve (``statistics.solve`` over ``functional.refresh_bases``);
+2. ``Dobb._matrix_step`` per param group: the momentum, then ``apply_directions`` (one-sided: the
+   direction via ``functional.add_directions_``) or ``apply_two_sided`` (``side="both"``:
+   ``functional.two_sided_update_``), which choose the kernel and batch equal blocks.
+
+The math on plain tensors is in ``dobb.functional``; where blocks live in ``dobb.layout`` (DTensors:
+``dobb.sharding``; expert stacks: ``core.experts``; chosen by ``placement.layout_for``); the capture
+hooks in ``dobb.capture``; the options and their rules in ``core.options``. Every matrix is a stack
+(a 2-D parameter a stack of one, an expert stack one of ``E``, see ``layout``): one statistic,
+refresh and apply path serves both. Per matrix ``W`` (``m x n``) with gradient ``G`` the step is
 
 1. ``M <- mu M + G``; ``U = G + mu M`` (Nesterov) or ``U = M``;
 2. on refresh steps: block statistics ``A_b`` (EMA over captures) and bases
@@ -20,30 +26,45 @@ gradient ``G`` the step is
 4. ``W <- (1 - lr*wd) W - lr * tau*sqrt(max(m, n)) * O``.
 
 All equal-size blocks of all matrices of a param group go through one batched ``bmm``/QR call.
+
+The plan and schedule: a matrix refreshes on its first step and then every ``period`` steps after its
+``offset``. With ``refresh_width`` unset the period is ``refresh_every`` for every matrix; with
+``refresh_width = w`` a matrix whose widest block is ``s`` wide refreshes every
+``refresh_every * max(1, round(s / w))`` steps: a refresh costs ``O(s^3)`` per block, so the wide
+blocks (an MLP's wide input block at B=1) that dominate the refresh step refresh less often. Both
+rules read global (rank-invariant) block sizes only, so every rank of a sharded run picks the same
+periods and offsets (the refresh steps, and with them the collectives, must agree). ``captures`` is
+the one form of a state's capture counts: one list per side, one count per matrix of the captured
+span (a checkpoint keeps a one-sided matrix's single count as an int: ``saved_captures``).
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-from . import _refresh_split
-from ._agreement import DueStat, agree
-from ._apply import OneSided, TwoSided, apply_directions, apply_two_sided, decay_in_update
-from ._base import MatrixOptimizer, _name_of
-from ._options import HOOK_SOURCES as _HOOK_SOURCES
-from ._options import DobbOptions, check_params
-from ._dtensor import is_dtensor
-from ._refresh import fold_side
-from ._schedule import Plan, Side, captures, cycle, due, refresh_period, saved_captures, stagger_offsets
-from ._two_sided import two_sided_layouts
-from .capture import CaptureHooks, gram_statistic
-from .collectives import common_group, group_ranks, plain_stat_group
+from .. import functional as F
+from .._base import MatrixOptimizer, _name_of
+from ..capture import CaptureHooks
+from ..collectives import common_group, group_ranks, plain_stat_group
+from ..functional import BlockBasis, two_sided_update_
+from ..layout import MatrixLayout, ReducedStat, is_dtensor
+from ..placement import layout_for
 from .experts import expert_layout, expert_parts
-from .layout import ReducedStat
-from .placement import layout_for
+from .options import HOOK_SOURCES as _HOOK_SOURCES
+from .options import DobbOptions, check_params
+from .statistics import (DueStat, RefreshBatch, agree, all_reduce_sum_, fold_side, gram_statistic, shared_group,
+                         solve)
+
+__all__ = ["Dobb", "Side", "Plan", "due", "captures", "saved_captures", "check_refresh_width", "refresh_period",
+           "cycle", "stagger_offsets", "two_sided_layouts", "FUSE_MIN_BLOCK_WORK", "OneSided", "TwoSided",
+           "decay_in_update", "apply_directions", "apply_two_sided"]
+
 
 _FLIP = {"input": "output", "output": "input"}
 _UNRESOLVED = object()
@@ -57,29 +78,24 @@ class Dobb(MatrixOptimizer):
             ``"output_grad"`` (capture hooks are registered on it).
         blocks: number of diagonal blocks ``B`` of the blocked axis (contiguous, nearly equal,
             first ``size % B`` blocks one longer; under sharding, cut at shard boundaries first).
-            Choosing it (docs/results.md, "Operating point"; bench model, 800 steps, medians of 3
-            seeds; GPT-2 Small layer 0 under FSDP2 on 4 gloo ranks): fewer blocks give lower loss,
-            more blocks a cheaper step. ``blocks=1`` closes 62% of the AdamW-Muon loss gap, 2 48%,
-            4 34%, 8 13%, 16 none. Sharded, where the step matters: ``blocks=4`` (FSDP2 step 0.13x
-            owner-compute Muon's on a CPU without native bf16; 0.49x on one with it, issue 23's
-            figure). At ``blocks=1`` on GPT-2 shapes the step costs as much as owner-compute Muon,
-            which has the better loss, unless ``split_refresh=True`` and ``refresh_width=768``
-            cut the refresh (0.45x; docs/timing.md, "A refresh that scales"). Unsharded, block Muon at the same ``blocks`` has the lower
-            loss: Dobb's advantage is a step that stays shard-local under FSDP2/TP. For Muon's loss
-            with Dobb's collectives use ``side="both"`` (``out_blocks=1``: 1.649 against Muon's 1.671
-            at the shared lr, 3 seeds; about 2x one-sided Dobb's optimizer time; "Two-sided Dobb").
+            Choosing it (docs/results.md, "Operating point"; docs/timing.md): fewer blocks give a
+            lower loss, more blocks a cheaper step. Unsharded, block Muon at the same ``blocks`` has
+            the lower loss: Dobb's advantage is a step that stays shard-local under FSDP2/TP. At
+            ``blocks=1`` on wide matrices ``split_refresh=True`` and ``refresh_width`` cut the
+            refresh (docs/timing.md, "A refresh that scales"). For Muon's loss with Dobb's
+            collectives use ``side="both"`` (docs/results.md, "Two-sided Dobb").
         refresh_every: refresh period ``T`` (the first step always refreshes).
         refresh_width: None (default: every matrix refreshes every ``T`` steps) or a block width
             ``w``: a matrix whose widest block (either side, global size) is ``s`` wide refreshes
             every ``T * max(1, round(s / w))`` steps, so the wide blocks that dominate the refresh
-            (``s^3``) refresh less often ("A refresh that scales" in docs/timing.md; ``_schedule``).
+            (``s^3``) refresh less often ("A refresh that scales" in docs/timing.md; ``refresh_period``).
         basis: ``"orthogonal_iteration"`` (``ortho_steps`` rounds of ``Q <- qr(A Q)``, warm-started)
             or ``"eigh"`` (exact eigendecomposition at every refresh).
         qr: ``"householder"`` or ``"cholesky"`` (Cholesky QR; failed blocks redone by Householder).
         norm: ``"sign"`` (Dobb), ``"l2"`` (Dobb-ell2: unit-norm coefficient columns) or, with
             ``side="both"``, ``"adam"`` (SOAP's second-moment rule on the two-sided coefficients).
         side: ``"input"`` (column blocks, basis over ``n``), ``"output"`` (row blocks, Dobb-G) or
-            ``"both"`` (two-sided Dobb: ``C_bc = Q_out_b^T U_bc Q_in_c``, see ``_two_sided``).
+            ``"both"`` (two-sided Dobb: ``C_bc = Q_out_b^T U_bc Q_in_c``, see ``functional.two_sided_update_``).
         out_blocks: row blocks of the output side of ``side="both"`` (``blocks`` stays the input side's).
         beta2, eps: ``norm="adam"``'s second-moment decay and denominator epsilon.
         source: ``"activation"`` (input side; with ``side="both"`` activations for the input side and
@@ -92,14 +108,14 @@ class Dobb(MatrixOptimizer):
             ``"identity"`` followed by orthogonal iteration.
         stagger: spread refreshes over the cycle (each step refreshes about ``1/T`` of the
             matrices' work, same per-matrix period) to flatten the refresh-step spike. Default
-            True: measured loss unchanged over 3 seeds, spike cut (docs/timing.md, "Refresh spike").
+            True: the loss is unchanged and the spike cut (docs/timing.md, "Refresh spike").
         check_finite: raise ``ValueError`` naming the parameter when a gradient holds NaN/Inf,
             before any state changes. The decision is taken by all ranks that share the step
             together (one flag all-reduce, folded into the statistic reduction on refresh steps), so
             every rank raises the same error. Costs one host synchronisation per step; False skips it.
         split_refresh: True: where ranks hold the same statistic and bases (FSDP2, DDP, HSDP), each
             block's refresh runs on one of them and is broadcast in the basis dtype (bitwise the same
-            bases, ``n^2/B`` entries per matrix per refresh; ``_refresh_split``). False (default):
+            bases, ``n^2/B`` entries per matrix per refresh; ``core.statistics``). False (default):
             every rank computes every refresh; ``step()`` issues no collective of its own.
         stat_group: process group over which statistics are averaged (token-weighted). ``"default"``:
             DTensor parameters take the data-parallel dims of their mesh; plain parameters the
@@ -108,20 +124,20 @@ class Dobb(MatrixOptimizer):
             ``ProcessGroup``, or None for this rank's data alone). Mesh dim names/indices select
             DTensor mesh dims.
         product_dtype: dtype of the projection products ``U_b Q_b`` and ``C_b Q_b^T``: ``"auto"``
-            (the basis dtype on accelerators, fp32 on every CPU: faster there, measured on hosts
-            with and without native bf16; see ``functional.matmul_dtype``) or a dtype that forces it.
+            (the basis dtype on accelerators, fp32 on every CPU: faster there with and without
+            native bf16; see ``functional.matmul_dtype``) or a dtype that forces it.
         transposed: the group's weights are stored ``(in, out)`` (Hugging Face ``Conv1D``;
             ``dobb.param_groups`` sets it): blocks, statistics and sharding follow the input axis.
 
     A group may hold 3-D expert stacks ``(E, out, in)``: each is optimized as ``E`` matrices with
-    their own blocks, statistics and bases (``experts``); their statistics come from
+    their own blocks, statistics and bases (``core.experts``); their statistics come from
     ``capture(weight, [x_0, ..., x_{E-1}])`` or ``source="grad_gram"``.
     """
 
     algorithm = "dobb"
     _native_transposed = True  # transposed groups flip the layout's blocked axis (see _init_matrix_state)
-    _expert_stacks = True  # 3-D (E, out, in) parameters are E matrices (see experts)
-    Options = DobbOptions  # the options, their defaults and value rules (_options)
+    _expert_stacks = True  # 3-D (E, out, in) parameters are E matrices (see core.experts)
+    Options = DobbOptions  # the options, their defaults and value rules (core.options)
 
     def __init__(self, params, model: nn.Module | None = None, *, lr: float, weight_decay: float = 0.0,
                  check_finite: bool = True, stat_group="default", split_refresh: bool = False, **kwargs):
@@ -229,7 +245,7 @@ class Dobb(MatrixOptimizer):
         for g in self.param_groups:
             for p in g["params"]:
                 if is_dtensor(p):
-                    from .sharding import mesh_group
+                    from ..sharding import mesh_group
 
                     groups.append(mesh_group(p.device_mesh))
                 elif self._plain_group is not _UNRESOLVED:
@@ -299,7 +315,7 @@ class Dobb(MatrixOptimizer):
 
     # ------------------------------------------------------------------ schedule
     def _due(self, p: torch.Tensor) -> list[bool]:
-        """Per matrix of ``p``'s captured span: due for a refresh at the next step (``_schedule.due``)."""
+        """Per matrix of ``p``'s captured span: due for a refresh at the next step (``due``)."""
         st = self.state[p]
         return due(st["step"], st["captures"], self._plans[p])
 
@@ -324,7 +340,7 @@ class Dobb(MatrixOptimizer):
 
     # ------------------------------------------------------------------ the step
     def _prepare_step(self) -> None:
-        """What the ranks must decide together before any state changes (``_agreement``): the
+        """What the ranks must decide together before any state changes (``statistics.agree``): the
         statistics of every matrix due for a refresh, whether or not its layer ran here, and the
         finiteness of all gradients. Raising here leaves every weight and state untouched."""
         params = [p for g in self.param_groups for p in g["params"]]
@@ -377,11 +393,11 @@ class Dobb(MatrixOptimizer):
                 continue
             grads = [None if p.grad is None else self._plans[p].layout.local(p.grad) for p in ps]
             requests, shared = self._queue_refresh(g, ps, grads)
-            batches.append(_refresh_split.RefreshBatch(
+            batches.append(RefreshBatch(
                 ortho_steps=g["ortho_steps"], qr=g["qr"], basis_dtype=g["basis_dtype"], blocks=[r[:3] for r in requests],
                 groups=shared if self.split_refresh else [None] * len(shared)))
             puts.append([r[3] for r in requests])
-        for put_list, bases in zip(puts, _refresh_split.solve(batches)):
+        for put_list, bases in zip(puts, solve(batches)):
             for put, q in zip(put_list, bases):
                 put(q)
 
@@ -435,7 +451,7 @@ class Dobb(MatrixOptimizer):
     def _queue_refresh(self, group: dict, params: list[torch.Tensor], grads: list) -> tuple[list, list]:
         """Fold the new statistics of ``params`` (agreed in ``_prepare_step``, or their gradient
         Gram) into their EMAs and queue the blocks that take a new basis: ``(A, Q0, exact, put)``
-        requests and, per request, the group of ranks that hold it identically (``_refresh_split``)."""
+        requests and, per request, the group of ranks that hold it identically (``statistics.shared_group``)."""
         requests: list[tuple] = []  # (A blocks, Q blocks, exact, put)
         shared: list = []
         dtype = torch.promote_types(group["stat_dtype"], torch.float32)
@@ -451,7 +467,7 @@ class Dobb(MatrixOptimizer):
                     fold_side(new, layout=side.layout, stat=st[side.stat], basis=st[side.basis], counts=counts,
                               due=now, stat_decay=group["stat_decay"], eigh=group["basis"] == "eigh",
                               init_eigh=group["init_basis"] == "eigh", requests=requests)
-                    shared += [_refresh_split.shared_group(side.layout)] * (len(requests) - len(shared))
+                    shared += [shared_group(side.layout)] * (len(requests) - len(shared))
         return requests, shared
 
     # ------------------------------------------------------------------ state dict
@@ -477,3 +493,260 @@ def _zero_lr(group: dict[str, Any]) -> bool:
     # weight, so it takes no statistic either; the next step then refreshes as a first step would.
     # A tensor lr is never read on the host here (no synchronisation inside step()).
     return not isinstance(group["lr"], torch.Tensor) and group["lr"] == 0
+
+
+# ----------------------------------------------------------------------------- plan and schedule
+# Past this many steps in the common cycle of all periods, the stagger balances over the longest
+# period instead (an approximation: a matrix is charged at its offsets within that window only).
+# Real models have a few distinct widths (d, 4d), whose cycle is tiny; the cap only bounds the
+# set-up time of a pathological mix of widths.
+MAX_CYCLE = 4096
+
+
+@dataclass(frozen=True, eq=False)
+class Side:
+    """One statistic/basis side of a matrix: its layout (``layout.MatrixLayout``) and the state keys
+    of its statistic and bases."""
+
+    layout: Any
+    stat: str = "stat"
+    basis: str = "basis"
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """One matrix parameter's plan: its ``sides`` (one, or input then output for ``side="both"``),
+    refresh ``period`` and stagger ``offset`` (``0 <= offset < period``)."""
+
+    sides: tuple[Side, ...]
+    period: int
+    offset: int = 0
+
+    @property
+    def layout(self):
+        """The first side's layout (the one side, or the input side of ``side="both"``)."""
+        return self.sides[0].layout
+
+    @property
+    def two_sided(self) -> bool:
+        return len(self.sides) == 2
+
+    def new_captures(self) -> list[list[int]]:
+        """Capture counts before any capture: one zero per side and matrix of the captured span."""
+        return [[0] * side.layout.stack_span for side in self.sides]
+
+
+def due(step: int, captures: list[list[int]], plan: Plan) -> list[bool]:
+    """Per matrix of the captured span: whether the step numbered ``step`` refreshes it. The first
+    step and every ``period``-th after the offset refresh; and, until a first statistic exists on
+    every side (``captures``: counts per side, per matrix), every step does (a zero-lr step or a
+    forward pass that skipped the layer must not leave the identity basis for a whole period)."""
+    on = step == 0 or (step - plan.offset) % plan.period == 0
+    return [on or 0 in member for member in zip(*captures)]
+
+
+def captures(value, plan: Plan) -> list[list[int]]:
+    """A state's capture counts in the one form (per side, per matrix of the captured span), from
+    that form or a checkpoint's older ones: an int (a 2-D matrix), a flat list (one count per expert
+    of a stack, or ``[input, output]`` of a two-sided matrix); ints given as tensors (distributed
+    checkpoints) become ints. A count list that fits no side of ``plan`` is a ``ValueError``."""
+    if isinstance(value, (list, tuple)) and all(isinstance(v, (list, tuple)) for v in value):
+        out = [[int(c) for c in side] for side in value]
+    elif isinstance(value, (list, tuple)):
+        flat = [int(c) for c in value]
+        out = [[c] for c in flat] if plan.two_sided and plan.layout.stack_span == 1 else [flat]
+    else:
+        out = [[int(value)]]
+    want = [side.layout.stack_span for side in plan.sides]
+    if [len(side) for side in out] != want:
+        raise ValueError(f"saved capture counts {value!r} do not fit this matrix: it has {len(want)} side(s) of "
+                         f"{want[0]} matrix/matrices (saved with another side or expert stack?)")
+    return out
+
+
+def saved_captures(value: list[list[int]]):
+    """The form a checkpoint stores ``captures`` in: a one-sided 2-D matrix's single count as an int
+    (``torch.distributed.checkpoint``'s flattened optimizer state takes ints, not lists), every
+    other matrix's counts as they are. ``captures`` reads it back."""
+    return value[0][0] if len(value) == 1 and len(value[0]) == 1 else value
+
+
+def check_refresh_width(value) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"refresh_width must be None or an integer >= 1 (block width per period step), got {value!r}")
+
+
+def refresh_period(refresh_every: int, refresh_width: int | None, widest: int) -> int:
+    """The refresh period of a matrix whose widest block (global size, any side) is ``widest``.
+    ``round`` is Python's (half to even): 2.5 -> 2, 3.5 -> 4."""
+    if refresh_width is None:
+        return refresh_every
+    return refresh_every * max(1, round(widest / refresh_width))
+
+
+def cycle(periods) -> int:
+    """The number of steps after which the whole schedule repeats (lcm of the periods; 1 if none)."""
+    return math.lcm(1, *periods)
+
+
+def stagger_offsets(works: list[int], periods: list[int]) -> list[int]:
+    """One offset per matrix (``0 <= offset < period``) that spreads refresh work over the steps.
+
+    Greedy, largest work first: each matrix takes the offset whose steps (within the common cycle
+    of all periods) carry the least work so far (the least of their maximum, then of their sum,
+    then the lowest offset). With equal periods ``T`` this is the original rule: the offset in
+    ``range(T)`` with the least accumulated work, lowest first on ties. Deterministic given
+    ``works`` and ``periods`` (stable sort), so rank-invariant when they are."""
+    if len(works) != len(periods):
+        raise ValueError(f"works and periods must have one entry per matrix, got {len(works)} and {len(periods)}")
+    length = cycle(periods)
+    if length > MAX_CYCLE:
+        length = max(periods)
+    cost = [0] * length
+    offsets = [0] * len(works)
+    for i in sorted(range(len(works)), key=lambda j: -works[j]):
+        period = periods[i]
+        best = min(range(period), key=lambda o: _load(cost, o, period) + (o,))
+        for t in range(best, length, period):
+            cost[t] += works[i]
+        offsets[i] = best
+    return offsets
+
+
+def _load(cost: list[int], offset: int, period: int) -> tuple[int, int]:
+    hits = cost[offset::period]
+    return (max(hits), sum(hits)) if hits else (0, 0)
+
+
+# ----------------------------------------------------------------------------- two-sided layouts
+# Shard-local by construction: each side's blocks come from ``placement.layout_for`` on its own axis,
+# which cuts the axis at its shard boundaries (FSDP2 ``Shard(0)`` rows, tensor parallel
+# ``Shard(0)``/``Shard(1)``), so every block pair is either wholly on a rank or wholly absent, and the
+# two-sided step issues no collective. A placement that would split a block (a strided shard, one axis
+# over two mesh dims, a block count that does not divide the non-empty shards) is the ``ValueError``
+# of that layout, prefixed here with the way out.
+_WAY_OUT = ("side='both' blocks both axes, so each must be cut at its own shard boundaries: shard each axis "
+            "with a plain Shard over at most one mesh dim and give each side a block count that divides its "
+            "non-empty shards (or use side='input' / side='output')")
+
+
+def two_sided_layouts(p: Tensor, group: dict, stat_group, transposed: bool, layout_for):
+    """``(input-side layout, output-side layout)`` of a matrix or expert stack; a ``ValueError`` with
+    the way out when either axis cannot be blocked locally. ``layout_for(p, side, blocks,
+    stat_group)`` makes one side's layout (``placement.layout_for``, ``experts.expert_layout``)."""
+    in_side, out_side = ("output", "input") if transposed else ("input", "output")
+    try:
+        lin = layout_for(p, in_side, group["blocks"], stat_group)
+    except ValueError as exc:
+        raise ValueError(f"input side: {exc}. {_WAY_OUT}") from None
+    try:
+        lout = layout_for(p, out_side, group["out_blocks"], stat_group)
+    except ValueError as exc:
+        raise ValueError(f"output side: {str(exc).replace('blocks=', 'out_blocks=', 1)}. {_WAY_OUT}") from None
+    return lin, lout
+
+
+# ----------------------------------------------------------------------------- the update
+# ``W <- (1 - lr wd) W - lr * s * O`` for every matrix of a param group, with the direction ``O`` from
+# ``functional.add_directions_`` (one-sided) or ``functional.two_sided_update_`` (``side="both"``).
+# This part decides which kernel runs where and batches equal blocks; ``Dobb._matrix_step`` hands it
+# plain local tensors. Every matrix is a stack: its blocks join the batch of their shape whatever the
+# stack size.
+# torch runs baddbmm_ into a strided weight view as one addmm_ per block: a win (one pass over
+# W, no update temporary) for large blocks, launch-bound for small ones (docs/timing.md)
+FUSE_MIN_BLOCK_WORK = 1 << 18
+
+
+class OneSided(NamedTuple):
+    """One matrix (stack) of a one-sided group, local tensors: its ``layout``, ``basis`` (row-stacked
+    blocks), update ``u`` and weight ``w``; ``decay`` is the weight decay folded into its
+    reconstruction (``decay_in_update``), or None when ``w`` is already decayed."""
+
+    layout: MatrixLayout
+    basis: Tensor
+    u: Tensor
+    w: Tensor
+    decay: float | None = None
+
+
+class TwoSided(NamedTuple):
+    """One matrix (stack) of a ``side="both"`` group: its ``plan`` (``Plan``: both sides'
+    layouts and state keys), its optimizer ``state`` (bases, ``second_moment``, ``step``) and the
+    local update ``u``, gradient ``g`` and weight ``w``."""
+
+    plan: Any
+    state: dict
+    u: Tensor
+    g: Tensor
+    w: Tensor
+
+
+def decay_in_update(w: Tensor, layout: MatrixLayout, *, lr, basis_dtype: torch.dtype, product_dtype) -> bool:
+    """Whether the weight decay of ``w`` (local, one-sided) is the ``beta`` of its reconstruction
+    ``baddbmm`` (one pass over ``W`` instead of a multiply pass and a strided add pass): on CPU, for
+    a stack of one whose products run in the weight's dtype and whose smallest block is large enough."""
+    if layout.stack_local != 1:
+        return False  # decayed by one foreach pass: the fused baddbmm writes one matrix's strided view
+    rows = w.shape[-1 - layout.blocked_axis]  # the axis that is not blocked
+    return (w.device.type == "cpu" and not isinstance(lr, torch.Tensor)
+            and w.dtype == F.matmul_dtype(basis_dtype, w.device, product_dtype)
+            and min((rows * s * s for s in layout.local_sizes if s > 0), default=0) >= FUSE_MIN_BLOCK_WORK)
+
+
+def _oriented(t: Tensor, layout: MatrixLayout) -> Tensor:
+    """A stack ``(E, m, n)`` with the blocked axis last."""
+    return t if layout.blocked_axis == 1 else t.transpose(1, 2)
+
+
+def apply_directions(mats: list[OneSided], *, norm: str, lr, tau: float, product_dtype) -> None:
+    """``W -= lr * s * O`` with ``O`` from batched project -> normalize -> reconstruct, for every
+    matrix of ``mats``.
+
+    All equal-shape blocks of the group go through one ``add_directions_`` call on accelerators
+    (stacked to save kernel launches); on CPU, where a strided block view feeds ``bmm`` at no cost
+    while stacking matrices costs a transposing copy, one call per matrix. The constant
+    ``-lr * s`` (and sign's ``1/sqrt(rows)``) is the kernel's ``factor``, so no update-sized
+    temporary is written besides the coefficients.
+    """
+    batches: dict[tuple, list] = defaultdict(list)
+    for layout, basis, ut, pt, beta in mats:
+        factor = -lr * F.update_scale(*layout.shape, tau) / (math.sqrt(layout.rows) if norm == "sign" else 1.0)
+        dtype = F.matmul_dtype(basis.dtype, basis.device, product_dtype)
+        u3, w3, b3 = _oriented(layout.stacked(ut), layout), _oriented(layout.stacked(pt), layout), layout.stacked(basis)
+        # l2 with sharded rows: one batch per matrix, so every rank of the l2 group issues the same
+        # norm reductions in the same order (local row counts may differ across ranks)
+        l2_key = (id(layout.l2_group), id(pt) if layout.l2_group is not None else None) if norm == "l2" else None
+        for run in F.block_runs(layout.local_sizes):
+            cols = slice(run.start, run.stop)
+            key = (u3.shape[1], run.size, dtype, layout.rows, l2_key)
+            batches[key].append((F.Blocks(w=w3[:, :, cols], u=u3[:, :, cols], q=F.stack_block_view(b3, run),
+                                          factor=factor, beta=beta), layout.l2_group))
+    for (_, _, dtype, _, _), items in batches.items():
+        l2_group = items[0][1]
+        col_sq_sum = (lambda sq: all_reduce_sum_(sq, l2_group)) if l2_group is not None else None
+        if items[0][0].w.device.type == "cpu":
+            for it, _ in items:
+                F.add_directions_([it], norm=norm, dtype=dtype, col_sq_sum=col_sq_sum)
+        else:
+            F.add_directions_([it for it, _ in items], norm=norm, dtype=dtype, col_sq_sum=col_sq_sum)
+
+
+def apply_two_sided(mats: list[TwoSided], *, norm: str, lr, tau: float, basis_dtype: torch.dtype, product_dtype,
+                    momentum: float, beta2: float, eps: float) -> None:
+    """``side="both"``: ``W += factor * Q_rows D Q_cols^T`` (``functional.two_sided_update_``) for
+    every matrix of every stack of ``mats`` (an expert stack: each expert with its own bases and
+    ``second_moment``)."""
+    for plan, state, ut, gt, pt in mats:
+        lin = plan.layout
+        dtype = F.matmul_dtype(basis_dtype, pt.device, product_dtype)
+        sides = sorted(plan.sides, key=lambda side: side.layout.blocked_axis)  # (rows side, cols side)
+        bases = [side.layout.stacked(state[side.basis]) for side in sides]
+        # sign's 1/sqrt(m) with m = the global output axis (lin.rows), as one-sided Dobb
+        factor = -lr * F.update_scale(*lin.shape, tau) / math.sqrt(lin.rows)
+        v = lin.stacked(state["second_moment"]) if norm == "adam" else None
+        w, u, g = lin.stacked(pt), lin.stacked(ut), lin.stacked(gt)
+        for e in range(w.shape[0]):
+            two_sided_update_(w=w[e], u=u[e], g=g[e], rows=BlockBasis(bases[0][e], sides[0].layout.local_sizes),
+                              cols=BlockBasis(bases[1][e], sides[1].layout.local_sizes), factor=factor, dtype=dtype,
+                              norm=norm, v=None if v is None else v[e], step=state["step"] + 1, momentum=momentum,
+                              beta2=beta2, eps=eps)

@@ -1,11 +1,11 @@
-"""dobb._options: each Dobb param-group option's valid values and the combinations refused, with the
+"""dobb.core.options: each Dobb param-group option's valid values and the combinations refused, with the
 whole message (a ValueError that names the option and what is valid), on group dicts and through Dobb."""
 import pytest
 import torch
 from torch import nn
 
 import dobb
-from dobb import _options as O
+from dobb.core import options as O
 
 
 def _group(**over):

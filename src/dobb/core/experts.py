@@ -26,9 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import functional as F
-from ._dtensor import is_dtensor, to_local
-from .layout import MatrixLayout, ReducedStat, plain_features
+from .. import functional as F
+from ..layout import MatrixLayout, ReducedStat, is_dtensor, plain_features, to_local
 
 __all__ = ["ExpertLayout", "expert_layout", "expert_parts"]
 
@@ -135,7 +134,7 @@ def expert_layout(param: torch.Tensor, side: str, blocks: int, stat_group=None) 
                             None, experts=E, local_experts=E)
     from torch.distributed.tensor import Shard
 
-    from .sharding import _resolve_stat_group, chunk_sizes
+    from ..sharding import _resolve_stat_group, chunk_sizes
 
     mesh, placements = param.device_mesh, tuple(param.placements)
     coord = mesh.get_coordinate()

@@ -15,8 +15,8 @@ from typing import Any, Callable
 
 import torch
 
-from . import functional as F
-from ._hparams import (ScaledOptions, boolean, floating_dtype, integer, one_of, option, optional, positive,
+from .. import functional as F
+from .._hparams import (ScaledOptions, boolean, floating_dtype, integer, one_of, option, optional, positive,
                        unit_interval)
 
 __all__ = ["HOOK_SOURCES", "CHOICES", "DobbOptions", "check_group", "check_params"]

@@ -1,0 +1,333 @@
+"""Dobb's statistics path: what the ranks agree on, the statistic fold and the basis solve.
+
+In the step's order (``core.optimizer.Dobb._prepare_step`` says what is due, then the refresh):
+
+1. **Agreement** (``agree``): one pass of collectives, issued identically on every rank whatever its
+   data: the captured statistics of every matrix due for a refresh (token-weighted sums, ``SumBucket``;
+   zero with zero weight where a layer did not run on this rank), each as one ``layout.ReducedStat``,
+   and the finiteness flags of all gradients, folded into a statistic reduction over the same ranks
+   when there is one. A non-finite gradient is reported before any statistic is used, so raising on
+   it leaves every weight and state untouched on every rank.
+2. **The statistic** of one side of one stack (a 2-D matrix is a stack of one, see ``layout``):
+   the agreed capture, or with ``source="grad_gram"`` the gradient's block Gram (``gram_statistic``).
+   ``fold_side`` applies the rules once for every matrix: a matrix of the captured span counts a
+   capture when it is due (``core.optimizer.due``) and some rank saw a row for it; each such local
+   matrix folds the new statistic (a copy on its first capture, else the EMA) and queues its blocks
+   for a new basis, exact (``eigh``) with ``basis="eigh"`` or on a first capture with
+   ``init_basis="eigh"``, else by warm-started orthogonal iteration.
+3. **The basis solve** (``solve``): ``functional.refresh_bases``, one batched call per param group,
+   and with ``split_refresh=True`` the split of it across the ranks that hold the same statistic.
+
+The split: under FSDP2 (input-side blocks over the unsharded axis), DDP and HSDP every rank of a
+statistic group holds the same reduced statistic and the same bases. Each even-sized block's refresh
+is then computed by one owner rank of the group (``collectives.plan_owners``) and the new bases are
+broadcast in the basis dtype, so the ranks' refresh work divides by the group size. It is bitwise the
+unsplit refresh: the owner solves the same statistic and basis (identical on every rank), and every
+rank stores the owner's result rounded to the basis dtype, which is what the unsplit refresh stores.
+A block solved alone equals the same block solved inside a batch for every even block size; for odd
+sizes the last bit of a batched solve can depend on the block's place in the batch, so odd-sized
+blocks stay replicated (solved by every rank, in the same batches as before). Collectives: per
+statistic group and basis dtype, one broadcast per owner rank that owns a block, in group-rank order,
+with sizes derived from the block sizes; the plan reads only rank-invariant facts (which blocks are
+due, their sizes, the order of the requests), so every rank issues the same broadcasts in the same order.
+
+Every sum here is issued inside ``collectives.collective_kind`` (``"stat"``, ``"finite"``,
+``"norm"``, ``"basis"``) so that a meter can tell them apart.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .. import functional as F
+from ..capture import PendingStat
+from ..collectives import collective_kind, group_ranks, plan_owners
+from ..layout import MatrixLayout, ReducedStat, to_local
+
+__all__ = ["SumBucket", "all_reduce_sum_", "DueStat", "Agreement", "agree", "local_nonfinite", "gram_statistic",
+           "fold_side", "EIGH_COST", "RefreshBatch", "shared_group", "solve"]
+
+
+# ----------------------------------------------------------------------------- sums over ranks
+class SumBucket:
+    """Tensors summed over one process group by a single all-reduce, returned in the order added.
+
+    Why one flat buffer: every rank adds the same segments (same shapes, same order) whatever its
+    data, so the ranks always issue the same collective, and one call replaces many small ones.
+    """
+
+    def __init__(self, group, dtype: torch.dtype, device: torch.device):
+        self.group, self.dtype, self.device = group, dtype, device
+        self.parts: list[torch.Tensor] = []
+
+    def add(self, t: torch.Tensor) -> int:
+        self.parts.append(t)
+        return len(self.parts) - 1
+
+    def reduce(self, kind: str) -> list[torch.Tensor]:
+        flat = torch.cat([t.reshape(-1).to(device=self.device, dtype=self.dtype) for t in self.parts])
+        if self.group is not None:
+            with collective_kind(kind):
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
+        sizes = [t.numel() for t in self.parts]
+        return [v.view(t.shape) for v, t in zip(flat.split(sizes), self.parts)]
+
+
+def all_reduce_sum_(tensor: torch.Tensor, group) -> torch.Tensor:
+    """Sum over ``group`` (ell2 column norms, gradient-Gram partial sums); no-op without a group."""
+    if group is not None:
+        with collective_kind("norm"):
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor
+
+
+# ----------------------------------------------------------------------------- agreement
+@dataclass
+class DueStat:
+    """One side (0: the input side or the one side, 1: the output side of ``side="both"``) of one
+    matrix due for a refresh, with what this rank captured for it (``capture.PendingStat``, or None)."""
+
+    param: torch.Tensor
+    side: int
+    layout: MatrixLayout
+    pending: PendingStat | None
+    dtype: torch.dtype
+    unseen: bool  # no statistic yet: the row counts must be read on the host (first capture, exact eigh)
+
+
+@dataclass
+class Agreement:
+    """``stats[side][param]``: the agreed statistic of each due matrix side; ``nonfinite``: (index
+    into the step's parameters, number of ranks) of the first gradient with a NaN/Inf, else None
+    (then ``stats`` is empty: nothing may be used)."""
+
+    stats: tuple[dict[torch.Tensor, ReducedStat], dict[torch.Tensor, ReducedStat]] = field(
+        default_factory=lambda: ({}, {}))
+    nonfinite: tuple[int, int] | None = None
+
+
+def agree(due: list[DueStat], params: list[torch.Tensor], step_group, check_finite: bool) -> Agreement:
+    """Reduce the statistics of ``due`` over their statistic groups and, with ``check_finite``, the
+    finiteness flags of ``params``' gradients over ``step_group``, in one pass of collectives."""
+    buckets: dict[tuple, SumBucket] = {}
+    slots = []  # (due, bucket, index of sums, index of counts, local row counts)
+    for d in due:
+        lay = d.layout
+        device = lay.local(d.param).device
+        if d.pending is not None:
+            count = d.pending.count  # rows: an int for a matrix, a list per expert for a stack
+            sums, n = d.pending.sums, count if isinstance(count, list) else [count]
+        else:
+            sums, n = torch.zeros(lay.capture_shape, dtype=d.dtype, device=device), [0] * lay.stack_span
+        key = (id(lay.stat_group), d.dtype, device)
+        bucket = buckets.get(key)
+        if bucket is None:
+            bucket = buckets[key] = SumBucket(lay.stat_group, d.dtype, device)
+        slots.append((d, bucket, bucket.add(sums), bucket.add(torch.tensor(n, dtype=d.dtype, device=device)), n))
+    flags = local_nonfinite(params) if check_finite else None
+    flag_slot = None
+    if flags is not None and step_group is not None:
+        ranks = group_ranks(step_group)
+        shared = next((b for b in buckets.values() if b.group is not None and group_ranks(b.group) == ranks), None)
+        if shared is None:
+            shared = buckets[("finite",)] = SumBucket(step_group, flags.dtype, flags.device)
+        flag_slot = (shared, shared.add(flags))
+    reduced = {id(b): b.reduce("finite" if k == ("finite",) else "stat") for k, b in buckets.items()}
+    if flags is not None:
+        if flag_slot is not None:
+            flags = reduced[id(flag_slot[0])][flag_slot[1]]
+        bad = [i for i, v in enumerate(flags.tolist()) if v > 0]
+        if bad:
+            return Agreement(nonfinite=(bad[0], int(flags[bad[0]].item())))
+    counts = [reduced[id(b)][c] for _, b, _, c, _ in slots]
+    if all(b.group is None for _, b, _, _, _ in slots):
+        # no statistic group (one process): the totals are this rank's row counts, known on the
+        # host, so a step with check_finite=False reads no tensor value
+        totals = [n for *_, n in slots]
+    elif check_finite or any(d.unseen for d, *_ in slots):
+        # host read: a first statistic needs it (schedule, exact eigh); with the flag read, exact captures
+        flat = torch.cat(counts).tolist() if counts else []
+        ends = [0, *itertools.accumulate(c.numel() for c in counts)]
+        totals = [flat[a:z] for a, z in zip(ends, ends[1:])]
+    else:  # every due matrix has a statistic: keep-or-update is decided on the device
+        totals = [None] * len(slots)
+    out = Agreement()
+    for (d, b, i, _, _), total, count in zip(slots, totals, counts):
+        sums = reduced[id(b)][i]
+        out.stats[d.side][d.param] = (d.layout.mean_on_device(sums, count) if total is None
+                                      else d.layout.mean(sums, total))
+    return out
+
+
+def local_nonfinite(params: list[torch.Tensor]) -> torch.Tensor | None:
+    """1.0 for every parameter whose local gradient holds NaN/Inf, else 0.0 (no host sync).
+
+    All zeros when this rank holds no gradient at all: the flags still take part in the step's
+    collective, so a rank whose layers all went unused issues the same reductions as the others."""
+    with_grad = [i for i, p in enumerate(params) if p.grad is not None]
+    if not params:
+        return None
+    if not with_grad:
+        return torch.zeros(len(params), dtype=torch.float32, device=to_local(params[0]).device)
+    norms = torch.stack(torch._foreach_norm([to_local(params[i].grad) for i in with_grad]))
+    flags = torch.zeros(len(params), dtype=torch.float32, device=norms.device)
+    flags[with_grad] = (~torch.isfinite(norms)).to(torch.float32)
+    return flags
+
+
+# ----------------------------------------------------------------------------- the statistic
+def gram_statistic(grad_local: torch.Tensor, layout: MatrixLayout, dtype=torch.float32) -> ReducedStat:
+    """Gradient-Gram source: diagonal blocks of ``G^T G / m`` (input side) or ``G G^T / n`` (output)
+    of every local matrix of the stack, as the statistic of a refresh (every matrix has its rows).
+
+    Rows of the Gram sum may be sharded (the other axis split across ranks): partial sums are
+    added over ``layout.l2_group`` (the same ranks that share column norms).
+    """
+    g = layout.stacked(grad_local)
+    g = g if layout.blocked_axis == 1 else g.transpose(1, 2)
+    if not layout.local_sizes:  # empty shard: so are the other ranks of its l2 group
+        sums = g.new_zeros(g.shape[0], 0, layout.state_cols, dtype=dtype)
+    else:
+        sums = all_reduce_sum_(F.gram_blocks(g, layout.local_sizes, dtype), layout.l2_group)
+    return ReducedStat(layout.pad_state_cols(sums.div_(layout.rows)), [True] * layout.stack_span)
+
+
+def fold_side(new: ReducedStat, *, layout: MatrixLayout, stat: torch.Tensor, basis: torch.Tensor,
+              counts: list[int], due: list[bool], stat_decay: float, eigh: bool, init_eigh: bool,
+              requests: list) -> None:
+    """One side of one stack (its ``stat`` and ``basis`` state tensors): the matrices of the captured
+    span that are ``due`` and have seen a row (``new.seen``) count a capture (``counts``, in place);
+    the local ones among them fold ``new`` into their statistic (``functional.fold_statistic_``: a
+    copy on the first capture, else the EMA with ``stat_decay``) and queue their blocks for the basis
+    refresh as ``(A, Q0, exact, put)`` on ``requests``: exact (``eigh``) with ``eigh``, or on a
+    first capture with ``init_eigh``, else warm-started orthogonal iteration. The others keep
+    statistic and basis."""
+    lo, E = layout.stack_offset, layout.stack_local
+    first = [counts[lo + i] == 0 for i in range(E)]
+    chosen = [i for i in range(E) if due[lo + i] and new.seen[lo + i]]
+    for j in range(len(counts)):
+        if due[j] and new.seen[j]:
+            counts[j] += 1
+    if not chosen:
+        return
+    stat, basis = layout.stacked(stat), layout.stacked(basis)
+    keep = None if new.keep is None else new.keep[lo : lo + E]
+    F.fold_statistic_(stat, new.mean, [first[i] for i in range(E)], chosen, stat_decay, keep)
+    exact_of = {i: eigh or (first[i] and init_eigh) for i in chosen}
+    for exact in (True, False):
+        # truth tests, not ``== exact``: under torch.compile a count, and so ``first``, is symbolic
+        sel = [i for i in chosen if (exact_of[i] if exact else not exact_of[i])]
+        if not sel:
+            continue
+        idx = None if len(sel) == E else torch.tensor(sel, device=stat.device)
+        k4 = None if keep is None else (keep if idx is None else keep.index_select(0, idx)).view(-1, 1, 1, 1)
+        for run in F.block_runs(layout.local_sizes):
+            sv, bv = F.stack_block_view(stat, run), F.stack_block_view(basis, run)
+            if idx is not None:
+                sv, bv_sel = sv.index_select(0, idx), bv.index_select(0, idx)
+            else:
+                bv_sel = bv
+            requests.append((sv.reshape(-1, run.size, run.size), bv_sel.reshape(-1, run.size, run.size), exact,
+                             lambda q, bv=bv, idx=idx, k4=k4: _put_bases(bv, q, idx, k4)))
+
+
+def _put_bases(bv: torch.Tensor, q: torch.Tensor, idx: torch.Tensor | None, keep: torch.Tensor | None) -> None:
+    """Store new bases ``q`` into a stack's run view ``bv`` (``(E, count, s, s)``): all matrices, or
+    those of ``idx``; where ``keep`` (device flags) is False the old basis stays."""
+    if idx is None:
+        q = q.view(bv.shape)
+        bv.copy_(q if keep is None else torch.where(keep, q, bv))
+    else:
+        q = q.reshape(len(idx), *bv.shape[1:]).to(bv.dtype)
+        bv.index_copy_(0, idx, q if keep is None else torch.where(keep, q, bv.index_select(0, idx)))
+
+
+# ----------------------------------------------------------------------------- the basis solve
+# cost of an exact eigh block relative to one round of Q <- qr(A Q), for the owner plan's balance
+# (measured by scripts/refresh_kernels.py; docs/timing.md)
+EIGH_COST = 2.0
+
+
+def shared_group(layout):
+    """The process group whose ranks hold this layout's blocks identically (same statistic after the
+    all-reduce, same bases), or None: a 2-D matrix whose statistic group captures its own blocks
+    (``span_sizes`` None: the blocked axis is not sharded over the group). Expert stacks and blocked
+    axes sharded over data-parallel ranks hold different blocks per rank and stay local."""
+    group = layout.stat_group
+    if group is None or layout.stack_size != 1 or layout.span_sizes is not None:
+        return None
+    return group if dist.get_world_size(group) > 1 else None
+
+
+@dataclass
+class RefreshBatch:
+    """The refresh requests of one param group: ``blocks`` ``(A, Q0, exact)`` (``(b, s, s)`` each),
+    the ``groups`` sharing each request (``shared_group``, or None) and the group's solve settings."""
+
+    ortho_steps: int
+    qr: str
+    basis_dtype: torch.dtype
+    blocks: list = field(default_factory=list)
+    groups: list = field(default_factory=list)
+
+
+def solve(batches: list[RefreshBatch]) -> list[list[torch.Tensor]]:
+    """New bases for every request of every batch, in order: ``functional.refresh_bases`` for the
+    local requests, the split (owner solve and broadcast) for the shared even-sized blocks."""
+    out = [[None] * len(b.blocks) for b in batches]
+    units: dict[tuple, list[tuple[int, int, int]]] = {}  # (ranks, dtype) -> [(batch, request, block)]
+    handles = {}
+    for bi, b in enumerate(batches):
+        local = []
+        for ri, ((a, _, _), g) in enumerate(zip(b.blocks, b.groups)):
+            if g is None or a.shape[-1] % 2:
+                local.append(ri)
+                continue
+            key = (tuple(sorted(group_ranks(g))), str(b.basis_dtype))
+            handles[key] = (g, b.basis_dtype)
+            units.setdefault(key, []).extend((bi, ri, j) for j in range(a.shape[0]))
+        for ri, q in zip(local, F.refresh_bases([b.blocks[ri] for ri in local], b.ortho_steps, b.qr)):
+            out[bi][ri] = q
+    parts: dict[tuple[int, int], dict[int, torch.Tensor]] = {}
+    for key in sorted(units):  # the same order on every rank
+        group, dtype = handles[key]
+        for (bi, ri, j), q in _split(batches, units[key], key[0], group, dtype).items():
+            parts.setdefault((bi, ri), {})[j] = q
+    for (bi, ri), blocks in parts.items():
+        out[bi][ri] = torch.stack([blocks[j] for j in range(len(blocks))])
+    return out
+
+
+def _split(batches, units, ranks, group, dtype) -> dict[tuple, torch.Tensor]:
+    def block(u):
+        bi, ri, j = u
+        a, q0, exact = batches[bi].blocks[ri]
+        return a[j : j + 1], q0[j : j + 1], exact
+
+    costs = [block(u)[0].shape[-1] ** 3 * (EIGH_COST if block(u)[2] else batches[u[0]].ortho_steps) for u in units]
+    owner = plan_owners(costs, len(ranks))
+    me = ranks.index(dist.get_rank())
+    result = {}
+    mine = [u for u, o in zip(units, owner) if o == me]
+    for bi in sorted({u[0] for u in mine}):  # each param group with its own solve settings
+        sel = [u for u in mine if u[0] == bi]
+        for u, q in zip(sel, F.refresh_bases([block(u) for u in sel], batches[bi].ortho_steps, batches[bi].qr)):
+            result[u] = q[0].to(dtype)  # what the unsplit refresh stores: the solve rounded to the basis dtype
+    device = batches[units[0][0]].blocks[units[0][1]][0].device
+    for r, src in enumerate(ranks):
+        owned = [u for u, o in zip(units, owner) if o == r]
+        if not owned:
+            continue
+        sizes = [block(u)[0].shape[-1] ** 2 for u in owned]
+        buf = (torch.cat([result[u].reshape(-1) for u in owned]) if r == me
+               else torch.empty(sum(sizes), dtype=dtype, device=device))
+        with collective_kind("basis"):
+            dist.broadcast(buf, src=src, group=group)
+        if r != me:
+            for u, flat, n in zip(owned, buf.split(sizes), sizes):
+                s = int(round(n ** 0.5))
+                result[u] = flat.view(s, s)
+    return result
