@@ -688,9 +688,11 @@ def decay_in_update(w: Tensor, layout: MatrixLayout, *, lr, basis_dtype: torch.d
     if layout.stack_local != 1:
         return False  # decayed by one foreach pass: the fused baddbmm writes one matrix's strided view
     rows = w.shape[-1 - layout.blocked_axis]  # the axis that is not blocked
+    # a list, not min(..., default=): Dynamo cannot trace the keyword, and a graph break here split
+    # every compiled step in two
     return (w.device.type == "cpu" and not isinstance(lr, torch.Tensor)
             and w.dtype == F.matmul_dtype(basis_dtype, w.device, product_dtype)
-            and min((rows * s * s for s in layout.local_sizes if s > 0), default=0) >= FUSE_MIN_BLOCK_WORK)
+            and min([rows * s * s for s in layout.local_sizes if s > 0] or [0]) >= FUSE_MIN_BLOCK_WORK)
 
 
 def _oriented(t: Tensor, layout: MatrixLayout) -> Tensor:
