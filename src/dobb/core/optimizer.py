@@ -687,6 +687,10 @@ def decay_in_update(w: Tensor, layout: MatrixLayout, *, lr, basis_dtype: torch.d
     a stack of one whose products run in the weight's dtype and whose smallest block is large enough."""
     if layout.stack_local != 1:
         return False  # decayed by one foreach pass: the fused baddbmm writes one matrix's strided view
+    if torch.compiler.is_compiling():
+        # Inductor cannot functionalize an in-place baddbmm into a strided view of W; the compiler
+        # fuses the separate decay pass anyway
+        return False
     rows = w.shape[-1 - layout.blocked_axis]  # the axis that is not blocked
     # a list, not min(..., default=): Dynamo cannot trace the keyword, and a graph break here split
     # every compiled step in two
