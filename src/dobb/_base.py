@@ -180,7 +180,9 @@ class MatrixOptimizer(torch.optim.Optimizer):
             self._prepare_step()
             for lists, kwargs in adamw_work:
                 if lists[0]:
-                    _torch_adamw(*lists, **kwargs)
+                    # decided here, where the kernel runs: after a graph break the rest of step() may
+                    # run eagerly, where torch refuses capturable=True on a CPU
+                    _torch_adamw(*lists, **dict(kwargs, capturable=torch.compiler.is_compiling()))
             for group in self.param_groups:
                 if group["algorithm"] != "adamw":
                     active = [p for p in group["params"] if p.grad is not None]
