@@ -81,19 +81,30 @@ def classify_profile(events, wall_us: float) -> dict:
 
 def run_looptime(optimizers: list[str], *, preset: str = "small-cpu", vocab: int = 4096, batch: int = 16,
                  seq_len: int = 128, layers: int | None = None, cycles: int = 5, cycle_len: int = 9, warmup: int = 9, lr: float = 3.54e-3,
-                 weight_decay: float = 0.1, seed: int = 0, profile: bool = False, log=print) -> dict:
-    """Interleaved training-loop step timing; see the module docstring."""
+                 weight_decay: float = 0.1, seed: int = 0, profile: bool = False, compile_backend: str | None = None,
+                 log=print) -> dict:
+    """Interleaved training-loop step timing; see the module docstring.
+
+    ``compile_backend``: also time every optimizer but torch's AdamW with its step compiled,
+    ``torch.compile(opt.step, backend=...)``, as a row of its own (``SPEC compiled``); the warmup
+    must cover the refresh cycle, so that every graph is compiled before the timing starts."""
     from dobb_bench.training.model import GPT, config_from_preset
 
     if not optimizers or optimizers[0] != "torch-adamw":
         optimizers = ["torch-adamw"] + [o for o in optimizers if o != "torch-adamw"]
     cfg = config_from_preset(preset, vocab_size=vocab, seq_len=max(seq_len, 1), layers=layers)
+    if compile_backend is not None and warmup < cycle_len:
+        raise ValueError(f"--compile needs --warmup >= --cycle-len ({cycle_len}): every graph of the cycle "
+                         f"must compile before the timing starts, got --warmup {warmup}")
     entries = []
     for text in optimizers:
-        model = GPT(cfg, seed=seed)
-        spec, opt = build(text, model, lr, weight_decay)
-        entries.append({"spec": spec.text, "name": spec.name, "hparams": spec.hparams, "model": model, "opt": opt,
-                        "ms": [], "loss": [], "refresh": []})
+        for compiled in (False, True) if compile_backend and text != "torch-adamw" else (False,):
+            model = GPT(cfg, seed=seed)
+            spec, opt = build(text, model, lr, weight_decay)
+            step = torch.compile(opt.step, backend=compile_backend) if compiled else opt.step
+            entries.append({"spec": spec.text + (" compiled" if compiled else ""), "name": spec.name,
+                            "hparams": spec.hparams, "model": model, "opt": opt, "step": step,
+                            "compiled": compile_backend if compiled else None, "ms": [], "loss": [], "refresh": []})
     gen = torch.Generator().manual_seed(seed)
 
     def one_step(e, x) -> None:
@@ -103,7 +114,7 @@ def run_looptime(optimizers: list[str], *, preset: str = "small-cpu", vocab: int
         _, loss = e["model"](x[:, :-1], x[:, 1:])
         loss.backward()
         t0 = time.perf_counter()
-        opt.step()
+        e["step"]()
         e["ms"].append(1e3 * (time.perf_counter() - t0))
         e["loss"].append(loss.item())
         e["refresh"].append(refresh)
@@ -129,7 +140,7 @@ def run_looptime(optimizers: list[str], *, preset: str = "small-cpu", vocab: int
             derived = None
         measured = state_bytes(e["opt"])
         summaries.append({
-            "spec": e["spec"], "name": e["name"], "hparams": e["hparams"],
+            "spec": e["spec"], "name": e["name"], "hparams": e["hparams"], "compiled": e["compiled"],
             "amortized_ms": _q([statistics.mean(c) for c in cyc]),
             "ratio_to_adamw": _q([statistics.mean(c) / statistics.mean(r) for c, r in zip(cyc, refc)]),
             "max_over_median": _q([max(c) / statistics.median(c) for c in cyc]),
@@ -150,6 +161,7 @@ def run_looptime(optimizers: list[str], *, preset: str = "small-cpu", vocab: int
                                            "vocab": vocab, "batch": batch, "seq_len": seq_len,
                                            "cycles": cycles, "cycle_len": cycle_len, "warmup": warmup, "lr": lr,
                                            "weight_decay": weight_decay, "seed": seed,
+                                           "compile_backend": compile_backend,
                                            "threads": torch.get_num_threads()},
             "summaries": summaries}
 
@@ -167,7 +179,7 @@ def _profile(e, batch_fn, one_step, steps: int) -> dict:
         loss.backward()
         with profile() as prof:
             t0 = time.perf_counter()
-            opt.step()
+            e["step"]()
             wall = 1e6 * (time.perf_counter() - t0)
         for k, v in classify_profile(prof.key_averages(), wall).items():
             agg[k].append(v)
@@ -200,7 +212,7 @@ def cmd_looptime(args) -> int:
     torch.set_num_threads(args.threads)
     rec = run_looptime(args.optimizers, preset=args.preset, vocab=args.vocab, batch=args.batch,
                        seq_len=args.seq_len, layers=args.layers, cycles=args.cycles, cycle_len=args.cycle_len, warmup=args.warmup,
-                       seed=args.seed, profile=args.profile)
+                       seed=args.seed, profile=args.profile, compile_backend=args.compile)
     rec["provenance"] = provenance()
     out = Path(args.out)
     write_record(out / "looptime.json", rec)
@@ -224,5 +236,8 @@ def add_parsers(sub) -> None:
     lt.add_argument("--seed", type=int, default=0)
     lt.add_argument("--threads", type=int, default=1)
     lt.add_argument("--profile", action="store_true", help="also split one cycle by operator class")
+    lt.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                    help="also time each optimizer's step compiled, torch.compile(opt.step) (default backend "
+                         "inductor); give Dobb check_finite=false, or its finiteness check breaks the graph")
     lt.add_argument("--out", default="runs/looptime")
     lt.set_defaults(func=cmd_looptime)

@@ -36,3 +36,30 @@ def test_profile_split():
     out = L.classify_profile(ev, 1000.0)
     assert out["matmul_qr"] == pytest.approx(0.4) and out["elementwise"] == pytest.approx(0.2)
     assert out["overhead"] == pytest.approx(0.4)
+
+
+def test_compiled_rows_time_the_compiled_step_beside_the_eager_one(monkeypatch):
+    """--compile adds a compiled twin of every row but torch's AdamW, built on its own model copy,
+    whose timed call is ``torch.compile(opt.step)``; a warmup shorter than the cycle is refused."""
+    compiled_fns = []
+    real = torch.compile
+
+    def spy(fn, **kw):
+        compiled_fns.append((fn, kw))
+        return real(fn, **kw)
+
+    monkeypatch.setattr(torch, "compile", spy)
+    rec = L.run_looptime(["torch-adamw", "dobb:blocks=2:stagger=false"], preset="tiny", vocab=64, batch=2,
+                         seq_len=8, layers=1, cycles=2, cycle_len=2, warmup=2, compile_backend="aot_eager",
+                         log=lambda *a: None)
+    specs = [s["spec"] for s in rec["summaries"]]
+    assert specs == ["torch-adamw", "dobb:blocks=2:stagger=false", "dobb:blocks=2:stagger=false compiled"]
+    assert [s["compiled"] for s in rec["summaries"]] == [None, None, "aot_eager"]
+    assert len(compiled_fns) == 1 and compiled_fns[0][1] == {"backend": "aot_eager"}
+    assert type(compiled_fns[0][0].__self__).__name__ == "Dobb"  # the optimizer's own step
+    # the compiled row trained the same data to the same loss as the eager one (aot_eager: same kernels)
+    eager, comp = rec["summaries"][1], rec["summaries"][2]
+    assert comp["final_loss"] == pytest.approx(eager["final_loss"], rel=1e-5)
+    with pytest.raises(ValueError, match="--warmup >= --cycle-len"):
+        L.run_looptime(["dobb"], preset="tiny", vocab=64, batch=2, seq_len=8, layers=1, cycles=2, cycle_len=3,
+                       warmup=2, compile_backend="aot_eager", log=lambda *a: None)
