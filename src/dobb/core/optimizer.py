@@ -61,7 +61,7 @@ from .options import DobbOptions, check_params
 from .statistics import (DueStat, RefreshBatch, agree, all_reduce_sum_, fold_side, gram_statistic, shared_group,
                          solve)
 
-__all__ = ["Dobb", "Side", "Plan", "due", "captures", "saved_captures", "check_refresh_width", "refresh_period",
+__all__ = ["Dobb", "Side", "Plan", "due", "captures", "saved_captures", "refresh_period",
            "cycle", "stagger_offsets", "two_sided_layouts", "FUSE_MIN_BLOCK_WORK", "OneSided", "TwoSided",
            "decay_in_update", "apply_directions", "apply_two_sided"]
 
@@ -569,11 +569,6 @@ def saved_captures(value: list[list[int]]):
     (``torch.distributed.checkpoint``'s flattened optimizer state takes ints, not lists), every
     other matrix's counts as they are. ``captures`` reads it back."""
     return value[0][0] if len(value) == 1 and len(value[0]) == 1 else value
-
-
-def check_refresh_width(value) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise ValueError(f"refresh_width must be None or an integer >= 1 (block width per period step), got {value!r}")
 
 
 def refresh_period(refresh_every: int, refresh_width: int | None, widest: int) -> int:
