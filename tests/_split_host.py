@@ -15,8 +15,8 @@ REASON = ("this host's batched QR/eigh round a block solved alone differently fr
           "batch: split_refresh is rank-consistent but not bitwise the unsplit refresh here")
 
 
-@lru_cache(maxsize=None)
-def lone_equals_batch(size: int) -> bool:
+def lone_and_batched(size: int):
+    """``(alone, batched)`` bases of each of 5 random ``size`` blocks, inexact and exact refresh."""
     gen = torch.Generator().manual_seed(size)
     x = torch.randn(5, 3 * size, size, generator=gen)
     a = x.transpose(1, 2) @ x
@@ -24,10 +24,12 @@ def lone_equals_batch(size: int) -> bool:
     for exact in (False, True):
         batch = F.refresh_bases([(a, q0, exact)])[0]
         for j in range(5):
-            alone = F.refresh_bases([(a[j: j + 1].clone(), q0[j: j + 1].clone(), exact)])[0]
-            if not torch.equal(alone[0], batch[j]):
-                return False
-    return True
+            yield F.refresh_bases([(a[j: j + 1].clone(), q0[j: j + 1].clone(), exact)])[0][0], batch[j]
+
+
+@lru_cache(maxsize=None)
+def lone_equals_batch(size: int) -> bool:
+    return all(torch.equal(alone, batched) for alone, batched in lone_and_batched(size))
 
 
 def host_is_bitwise() -> bool:

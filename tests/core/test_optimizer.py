@@ -95,9 +95,10 @@ def test_basis_dtype_bf16_stores_6n2_over_B_bytes():
     assert st["stat"].nbytes + st["basis"].nbytes == 6 * n * n // B  # Table 18, principal precision
 
 
-def _train(opt_factory, steps, dtype=torch.float32, state=None, start=0):
+def _train(opt_factory, steps, dtype=torch.float32, state=None, start=0, out=16):
+    """Steps of two micro-batches each on a small MLP (``out`` outputs), resumable from ``state``."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 24), nn.GELU(), nn.Linear(24, 16), nn.LayerNorm(16)).to(dtype)
+    model = nn.Sequential(nn.Linear(16, 24), nn.GELU(), nn.Linear(24, out), nn.LayerNorm(out)).to(dtype)
     opt = opt_factory(model)
     if state is not None:
         model.load_state_dict(state["model"])
@@ -917,21 +918,8 @@ def test_state_memory_is_derived():
         opt.remove_hooks()
 
 
-def _train_two_sided(factory, steps, dtype, state=None, start=0):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 24), nn.GELU(), nn.Linear(24, 12), nn.LayerNorm(12)).to(dtype)
-    opt = factory(model)
-    if state is not None:
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-    g = torch.Generator().manual_seed(7)
-    data = [torch.randn(2, 8, 16, generator=g).to(dtype) for _ in range(steps)]
-    for x in data[start:]:
-        for micro in x:
-            model(micro).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-    return model, opt
+def _train_two_sided(factory, steps, dtype, state=None, start=0):  # a non-square second matrix
+    return _train(factory, steps, dtype, state, start, out=12)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

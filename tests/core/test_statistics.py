@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from _one_rank import one_rank_group as one_rank
-from _split_host import SIZES, lone_equals_batch
+from _split_host import SIZES, lone_and_batched, lone_equals_batch
 from dobb import Dobb
 from dobb import functional as F
 from dobb.capture import PendingStat
@@ -246,17 +246,10 @@ def test_even_blocks_alone_equal_blocks_in_a_batch(size):
     # what keeps the split bitwise: an owner solves a subset of the blocks the unsplit refresh batches.
     # Bitwise where the host's kernels give it (tests/_split_host.py; the sharded tests skip elsewhere);
     # to rounding on every host
-    gen = torch.Generator().manual_seed(size)
-    x = torch.randn(5, 3 * size, size, generator=gen)
-    a = x.transpose(1, 2) @ x
-    q0 = F.eigh_basis(a + 0.01 * torch.randn(5, size, size, generator=gen))
-    for exact in (False, True):
-        batch = F.refresh_bases([(a, q0, exact)])[0]
-        for j in range(5):
-            alone = F.refresh_bases([(a[j : j + 1].clone(), q0[j : j + 1].clone(), exact)])[0]
-            torch.testing.assert_close(alone[0], batch[j], atol=1e-4, rtol=0)
-            if lone_equals_batch(size):
-                assert torch.equal(alone[0], batch[j])
+    for alone, batched in lone_and_batched(size):
+        torch.testing.assert_close(alone, batched, atol=1e-4, rtol=0)
+        if lone_equals_batch(size):
+            assert torch.equal(alone, batched)
 
 
 def test_solve_without_shared_groups_is_refresh_bases():
