@@ -78,7 +78,7 @@ def _table(steps: int, width: int, rows) -> tuple[str, list[dict]]:
         lines.append((label, ref_lr, short[label], cells,
                       "" if lr is None else f"{lr:.3g}{'' if bracketed else ' (edge)'}", seeds))
     r_short, r_long = _ranks(short), _ranks(long_)
-    head = ("| row | 800-step best lr | 800-step loss (seed 0) | rank | "
+    head = ("| row | best lr, 800 steps at width 128 | its loss (seed 0) | rank | "
             + " | ".join(f"lr {x:.3g}" for x in lrs) + " | best lr | rank | other seeds at best |")
     out = [head, "|---|---|---|---|" + "---|" * len(lrs) + "---|---|---|"]
     for label, ref_lr, ref_loss, cells, best, seeds in lines:
