@@ -5,6 +5,9 @@ Usage: python scripts/long_horizon.py WORKTREE RUNS_DIR [lh|w256|seed1]: WORKTRE
 `git worktree add --detach` of the revision to measure (records name it), RUNS_DIR the
 output folder; collect finished runs with `dobb-bench report --collect RUN --study long-horizon`.
 `seed1`: seed 1 at each row's best finished seed-0 lr (run it once the grid is done).
+`noise-first`: the width-256 rows at seed 0, then the 20-tokens rows at seed 1 (their 800-step
+lr unless a neighbour already beat it), then the neighbouring lrs: the order used once the
+compute left in a session could not cover the whole grid and the seed spread mattered most.
 The first runs used a worktree of 197e872.
 """
 import json, os, subprocess, sys, glob, concurrent.futures as cf, threading
@@ -69,7 +72,13 @@ def seed1():
 
 if __name__ == "__main__":
     only = sys.argv[3] if len(sys.argv) > 3 else None
-    todo = list(seed1()) if only == "seed1" else [t for t in tasks() if only is None or t[0] == only]
+    if only == "seed1":
+        todo = list(seed1())
+    elif only == "noise-first":
+        todo = [("w256", r, r[2], 0) for r in W256]
+        todo += [t for t in seed1() if t[0] == "lh"] + list(tasks())
+    else:
+        todo = [t for t in tasks() if only is None or t[0] == only]
     with cf.ThreadPoolExecutor(int(os.environ.get("WORKERS", "2"))) as ex:
         list(ex.map(lambda t: run(*t), todo))
     print("DRIVER_DONE", flush=True)
