@@ -63,3 +63,19 @@ def test_compiled_rows_time_the_compiled_step_beside_the_eager_one(monkeypatch):
     with pytest.raises(ValueError, match="--warmup >= --cycle-len"):
         L.run_looptime(["dobb"], preset="tiny", vocab=64, batch=2, seq_len=8, layers=1, cycles=2, cycle_len=3,
                        warmup=2, compile_backend="aot_eager", log=lambda *a: None)
+
+
+def test_products_floor_column():
+    """The floor column is the matmul/QR share of a row's amortized time over AdamW's amortized time
+    (6 ms x 0.5 / 2 ms = 1.5x); rows without a profile show a dash."""
+    q = lambda v: {"median": v, "q25": v, "q75": v, "n": 1}
+    row = lambda spec, ms, prof: {"spec": spec, "amortized_ms": q(ms), "ratio_to_adamw": q(ms / 2.0),
+                                  "max_over_median": q(1.0), "state_bytes_measured": 80, "params": 10,
+                                  "derived": None, "profile": prof}
+    rec = {"summaries": [row("torch-adamw", 2.0, {"matmul_qr": 0.0, "elementwise": 0.8, "overhead": 0.2}),
+                         row("dobb:blocks=1", 6.0, {"matmul_qr": 0.5, "elementwise": 0.3, "overhead": 0.2}),
+                         row("muon", 4.0, None)]}
+    assert L.products_floor(rec["summaries"][1], rec["summaries"][0]) == pytest.approx(1.5)
+    lines = L.looptime_markdown(rec).splitlines()
+    assert lines[0].endswith("| matmul/QR alone, x AdamW |")
+    assert lines[3].endswith("| 1.50 |") and lines[4].endswith("| – |") and lines[2].endswith("| 0.00 |")
