@@ -79,16 +79,35 @@ def _table(steps: int, width: int, rows) -> tuple[str, list[dict]]:
                       "" if lr is None else f"{lr:.3g}{'' if bracketed else ' (edge)'}", seeds))
     r_short, r_long = _ranks(short), _ranks(long_)
     head = ("| row | best lr, 800 steps at width 128 | its loss (seed 0) | rank | "
-            + " | ".join(f"lr {x:.3g}" for x in lrs) + " | best lr | rank | other seeds at best |")
-    out = [head, "|---|---|---|---|" + "---|" * len(lrs) + "---|---|---|"]
+            + " | ".join(f"lr {x:.3g}" for x in lrs)
+            + " | best lr | rank | other seeds at best | gap to Muon: 800 steps, width 128 -> here |")
+    out = [head, "|---|---|---|---|" + "---|" * len(lrs) + "---|---|---|---|"]
     for label, ref_lr, ref_loss, cells, best, seeds in lines:
         out.append(f"| {label} | {'—' if ref_lr is None else f'{ref_lr:.3g}'} | "
                    f"{'—' if ref_loss is None else f'{ref_loss:.3f}'} | {r_short.get(label, '—')} | "
-                   + " | ".join(cells) + f" | {best or '—'} | {r_long.get(label, '—')} | {seeds} |")
+                   + " | ".join(cells) + f" | {best or '—'} | {r_long.get(label, '—')} | {seeds} | "
+                   + _gap_change(label, short, long_) + " |")
     text = "\n".join(out) + "\n"
     if used:
         text += setting_line(used)
     return text, used
+
+
+def gap_to_muon(label: str, losses: dict[str, float | None]) -> float | None:
+    """``label``'s loss minus Muon's (each at its own best lr, seed 0); None where either is missing."""
+    a, m = losses.get(label), losses.get("Muon")
+    return None if a is None or m is None else a - m
+
+
+def _gap_change(label: str, short: dict, long_: dict) -> str:
+    if label == "Muon":
+        return ""
+    a, b = gap_to_muon(label, short), gap_to_muon(label, long_)
+    if a is None or b is None:
+        return "—"
+    word = ("changed sign" if a * b < 0 and min(abs(a), abs(b)) >= 0.0005 else
+            "grew" if abs(b) > abs(a) else "shrank" if abs(b) < abs(a) else "same")
+    return f"{a:+.3f} -> {b:+.3f} ({word})"
 
 
 def long_horizon() -> tuple[str, list[dict]]:
