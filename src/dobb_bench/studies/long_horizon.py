@@ -56,7 +56,7 @@ def _ranks(values: dict[str, float]) -> dict[str, int]:
 
 def _table(steps: int, width: int, rows) -> tuple[str, list[dict]]:
     keep = _setting(steps, width)
-    used, short, long_ = [], {}, {}
+    used, short, long_, at_best = [], {}, {}, {}
     lines = []
     lrs = sorted({lr for label, *_ in rows for (lr, s) in _grid(label, keep) if s == 0})
     for label, ref_label, studies in rows:
@@ -73,16 +73,16 @@ def _table(steps: int, width: int, rows) -> tuple[str, list[dict]]:
             v = None if r is None else _loss(r)
             cells.append("" if r is None else ("diverged" if v is None else
                                                 (f"**{v:.3f}**" if x == lr else f"{v:.3f}")))
-        more = sorted((s, _loss(r)) for (x, s), r in grid.items() if x == lr and s != 0)
-        seeds = ", ".join(f"seed {s}: {v:.3f}" for s, v in more if v is not None)
+        at_best[label] = {s: _loss(r) for (x, s), r in grid.items() if x == lr}
         lines.append((label, ref_lr, short[label], cells,
-                      "" if lr is None else f"{lr:.3g}{'' if bracketed else ' (edge)'}", seeds))
+                      "" if lr is None else f"{lr:.3g}{'' if bracketed else ' (edge)'}"))
     r_short, r_long = _ranks(short), _ranks(long_)
     head = ("| row | best lr, 800 steps at width 128 | its loss (seed 0) | rank | "
             + " | ".join(f"lr {x:.3g}" for x in lrs)
             + " | best lr | rank | other seeds at best | gap to Muon: 800 steps, width 128 -> here |")
     out = [head, "|---|---|---|---|" + "---|" * len(lrs) + "---|---|---|---|"]
-    for label, ref_lr, ref_loss, cells, best, seeds in lines:
+    for label, ref_lr, ref_loss, cells, best in lines:
+        seeds = _other_seeds(at_best.get(label, {}), at_best.get("Muon", {}), label == "Muon")
         out.append(f"| {label} | {'—' if ref_lr is None else f'{ref_lr:.3g}'} | "
                    f"{'—' if ref_loss is None else f'{ref_loss:.3f}'} | {r_short.get(label, '—')} | "
                    + " | ".join(cells) + f" | {best or '—'} | {r_long.get(label, '—')} | {seeds} | "
@@ -97,6 +97,22 @@ def gap_to_muon(label: str, losses: dict[str, float | None]) -> float | None:
     """``label``'s loss minus Muon's (each at its own best lr, seed 0); None where either is missing."""
     a, m = losses.get(label), losses.get("Muon")
     return None if a is None or m is None else a - m
+
+
+def _other_seeds(mine: dict[int, float | None], muon: dict[int, float | None], is_muon: bool) -> str:
+    """Seeds other than 0 at the row's best lr, each with its gap to Muon at the same seed: a
+    seed draws the initial weights, the data order and the held-out windows, so the within-seed
+    (paired) gap is the comparison; the losses of different seeds also differ by their windows."""
+    out = []
+    for seed in sorted(k for k in mine if k != 0):
+        v = mine[seed]
+        if v is None:
+            out.append(f"seed {seed}: diverged")
+            continue
+        m = muon.get(seed)
+        gap = "" if is_muon or m is None else f" ({v - m:+.3f} to Muon)"
+        out.append(f"seed {seed}: {v:.3f}{gap}")
+    return ", ".join(out)
 
 
 def _gap_change(label: str, short: dict, long_: dict) -> str:

@@ -15,17 +15,18 @@ def test_table_ranks_both_horizons_and_marks_edges(monkeypatch):
     monkeypatch.setattr(L, "runs_of", lambda label, studies: short.get(label, {}))
     recs = [_rec("AdamW", 0.005, 1.40), _rec("AdamW", 0.00354, 1.45), _rec("AdamW", 0.00707, 1.42),
             _rec("Muon", 0.01, 1.50), _rec("Muon", 0.0141, 1.48), _rec("Muon", 0.0141, 1.47, seed=1),
+            _rec("AdamW", 0.005, 1.43, seed=1), _rec("AdamW", 0.005, 1.41, seed=2),
             _rec("Muon", 0.01, 9.0, width=256)]  # another setting: not in this table
     monkeypatch.setattr(L.R, "load", lambda study: recs if study == L.STUDY else [])
     text, used = L.long_horizon()
     rows = {line.split(" | ")[0][2:]: line for line in text.splitlines() if line.startswith("| ")}
     # AdamW: 800-step rank 2 (2.0 > 1.6), long rank 1 (1.40 < 1.48); best 0.005 bracketed
     adamw = [c.strip() for c in rows["AdamW"].split("|")]
-    assert adamw[2:5] == ["0.005", "2.000", "2"] and "**1.400**" in adamw and adamw[-5:-2] == ["0.005", "1", ""]
+    assert adamw[2:5] == ["0.005", "2.000", "2"] and "**1.400**" in adamw and adamw[-5:-2] == ["0.005", "1", "seed 1: 1.430 (-0.040 to Muon), seed 2: 1.410"]
     # gap to Muon: 2.0 - 1.6 = +0.4 at 800 steps, 1.40 - 1.48 = -0.08 here
     assert adamw[-2] == "+0.400 -> -0.080 (changed sign)"
     muon = [c.strip() for c in rows["Muon"].split("|")]
     assert muon[2:5] == ["0.01", "1.600", "1"]
     assert muon[-5:-2] == ["0.0141 (edge)", "2", "seed 1: 1.470"] and muon[-2] == ""
     assert rows["SOAP"].count("—") >= 4  # no record yet: dashes, not a crash
-    assert len(used) == 6 and "8300 steps" in text and "width 128" in text
+    assert len(used) == 8 and "8300 steps" in text and "width 128" in text
