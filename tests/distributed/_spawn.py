@@ -5,11 +5,12 @@ rendezvous) costs more than most checks run on it. So the ranks are kept: the fi
 a world size starts ``world`` processes that join one gloo group and then serve one call after
 another (``_serve``), for every test module of this pytest process; they are stopped at exit.
 
-A call that fails on any rank, or runs past ``timeout_s``, kills that pool (its group may be
-stuck mid-collective) and the next call starts a fresh one, so one failure never leaks into
-another test. ``fresh=True`` runs a call on its own processes (for a call that replaces the
-process group itself). A hang is a test failure, not a stuck CI job: gloo collectives time out
-after ``collective_timeout_s`` and the call is abandoned after ``timeout_s``.
+A call that fails on any rank (its error gives the traceback of every rank that failed), or runs
+past ``timeout_s``, kills that pool (its group may be stuck mid-collective) and the next call
+starts a fresh one, so one failure never leaks into another test. ``fresh=True`` runs a call on
+its own processes (for a call that replaces the process group itself). A hang is a test failure,
+not a stuck CI job: gloo collectives time out after ``collective_timeout_s`` and the call is
+abandoned after ``timeout_s``.
 
 Between calls each rank resets torch's default generator to its start-up seed, so a call sees the
 random state a fresh process would.
@@ -103,7 +104,9 @@ class _Pool:
                         raise RuntimeError(f"{_name(fn)}: rank {rank} of {self.world} died "
                                            f"(exit code {self.procs[rank].exitcode})") from None
                     if not ok:
-                        raise RuntimeError(f"{_name(fn)} failed on {self.world} ranks, {value}")
+                        failures = {rank: value, **self._other_failures(waiting - {rank})}
+                        raise RuntimeError(f"{_name(fn)} failed on {self.world} ranks, "
+                                           + "\n".join(failures[r] for r in sorted(failures)))
                     results[rank] = value
                     waiting.discard(rank)
                 elif not self.procs[rank].is_alive() and not conn.poll():
@@ -112,6 +115,25 @@ class _Pool:
             if waiting and time.monotonic() > deadline:
                 raise TimeoutError(f"{_name(fn)} on {self.world} ranks did not finish in {timeout_s}s")
         return results
+
+    def _other_failures(self, ranks: set, grace_s: float = 2.0) -> dict:
+        """The failures the other ``ranks`` report within ``grace_s``. The rank that raised leaves
+        its group, so the others fail too (gloo: connection closed by peer), often before its
+        report is read: reporting every rank's failure keeps the exception that started it."""
+        failures, deadline = {}, time.monotonic() + grace_s
+        while ranks and time.monotonic() < deadline:
+            for rank in sorted(ranks):
+                if self.conns[rank].poll(0.05):
+                    ranks.discard(rank)
+                    try:
+                        ok, value = pickle.loads(self.conns[rank].recv_bytes())
+                    except EOFError:
+                        continue
+                    if not ok:
+                        failures[rank] = value
+                elif not self.procs[rank].is_alive():
+                    ranks.discard(rank)
+        return failures
 
     def stop(self) -> None:
         """Ranks 1.. first, rank 0 (the store's host) last; whatever does not leave is killed."""

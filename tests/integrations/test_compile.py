@@ -66,6 +66,80 @@ def test_compiled_step_with_adamw_groups_gives_the_eager_numbers():
         torch.testing.assert_close(b, a, atol=1e-7, rtol=1e-6)
 
 
+def _with_torch_adamw(compiled, matrix_step_break=False, steps=3):
+    """Dobb (float64, ``check_finite=True``) on a model with biases and a norm, its step compiled
+    with ``aot_eager`` or eager, and beside it an eager ``torch.optim.AdamW`` (``foreach``, as the AdamW
+    part runs on CPU) on copies of the AdamW-handled parameters, fed the same gradients. Checks after
+    every step that the AdamW part equals torch's (bitwise eager; compiled, the bias corrections come
+    from the float32 step tensor: the tolerance of the test above); returns the weights, the step
+    tensors of both and the reasons of Dynamo's graph breaks."""
+    from torch._dynamo.utils import counters
+
+    model = _model(adamw_params=True)
+    opt = dobb.build_optimizer("dobb", model, lr=1e-2, weight_decay=0.1, **dict(F64, check_finite=True))
+    if matrix_step_break:
+        matrix_step = opt._matrix_step
+
+        def broken(*args):
+            torch._dynamo.graph_break()
+            return matrix_step(*args)
+
+        opt._matrix_step = broken  # runs inside ``with self._logical(group)``
+    (group,) = [g for g in opt.param_groups if g["algorithm"] == "adamw"]
+    mine = group["params"]
+    theirs = [p.detach().clone().requires_grad_() for p in mine]
+    ref = torch.optim.AdamW(theirs, lr=group["lr"], betas=group["adamw_betas"], eps=group["adamw_eps"],
+                            weight_decay=group["weight_decay"], foreach=True)
+    torch._dynamo.reset()
+    counters.clear()
+    step = torch.compile(opt.step, backend="aot_eager") if compiled else opt.step
+    tol = dict(atol=1e-7, rtol=1e-6) if compiled else dict(atol=0, rtol=0)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        model(torch.randn(64, 16, generator=g, dtype=torch.float64)).square().mean().backward()
+        for p, q in zip(mine, theirs):
+            q.grad = p.grad.clone()
+        step()
+        ref.step()
+        opt.zero_grad()
+        for p, q in zip(mine, theirs):
+            torch.testing.assert_close(p.detach(), q.detach(), **tol)
+    return ([p.detach().clone() for p in model.parameters()], [opt.state[p]["step"] for p in mine],
+            [ref.state[q]["step"] for q in theirs], list(counters["graph_break"]))
+
+
+@pytest.mark.parametrize("where", [
+    "prepare_step",
+    pytest.param("matrix_step", marks=pytest.mark.xfail(
+        strict=True, raises=torch._dynamo.exc.TorchRuntimeError,
+        reason="Dynamo cannot resume under _logical's context manager and runs the rest of step() eagerly, "
+               "so is_compiling() at the kernel call is False, but it still compiles torch's adamw() frame, "
+               "which capturable=False on CPU cannot trace (also Muon, PR-Muon, Block-Muon, Dion2 with "
+               "AdamW groups: ns_dtype='auto' breaks the graph there)"))])
+def test_compiled_step_decides_capturable_where_the_adamw_kernel_runs(where):
+    """The AdamW part calls torch's kernel with ``capturable=torch.compiler.is_compiling()``, read at the
+    call: True compiled (Dynamo traces torch's capturable form), False eager (torch refuses
+    capturable=True for CPU tensors outside a compile, and keeps the step on the CPU). Compiled, the step
+    breaks the graph before the kernel (torch's ``_init_group`` is ``torch.compiler.disable``d;
+    ``check_finite=True`` reads the finiteness flags on the host) and resumes compiled; a flag fixed
+    at construction or to either value fails here, eager (True) or compiled (False). (Read where the
+    inputs are gathered, ``_adamw_inputs``, it would pass: on torch 2.13 both run compiled or both
+    eagerly here.) ``matrix_step``: a graph break inside the matrix step, after which Dynamo runs the
+    rest of step() eagerly."""
+    steps = 3
+    eager, eager_steps, torch_steps = _with_torch_adamw(False, where == "matrix_step", steps)[:3]
+    # an eager step leaves the AdamW state as torch.optim.AdamW does: float32 step tensors on the CPU
+    for s, t in zip(eager_steps, torch_steps):
+        assert (s.device, s.dtype, s.shape, s.item()) == (t.device, t.dtype, t.shape, t.item()) == \
+            (torch.device("cpu"), torch.float32, torch.Size([]), steps)
+    compiled, compiled_steps, _, breaks = _with_torch_adamw(True, where == "matrix_step", steps)
+    assert any("_init_group" in b for b in breaks) and any("tolist" in b for b in breaks), breaks
+    for s in compiled_steps:
+        assert (s.device, s.dtype, s.item()) == (torch.device("cpu"), torch.float32, steps)
+    for a, b in zip(eager, compiled):
+        torch.testing.assert_close(b, a, atol=1e-7, rtol=1e-6)
+
+
 def _inductor_cxx():
     """Inductor's CPU compiler candidates (``$CXX``, then ``torch._inductor.config.cpp.cxx``) and the
     first one on the PATH, or None."""
