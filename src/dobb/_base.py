@@ -43,6 +43,15 @@ _LEGACY_KEYS = {"momentum_buffer": "momentum"}
 _OWN_ATTRIBUTES = "_matrix_optimizer_attributes"
 
 
+def _adamw_kernel(lists: list, kwargs: dict) -> None:
+    """torch's AdamW kernel with ``capturable`` decided in this frame. Under ``torch.compile`` Dynamo
+    may run ``step()`` eagerly (a graph break under a context manager it cannot resume in) and still
+    compile the functions it calls: this frame is then compiled, and must trace torch's capturable
+    form, while an eager call must not ask for it (torch refuses capturable=True on a CPU). Read in
+    ``step()`` itself, the flag was False in that case and the compiled kernel failed."""
+    _torch_adamw(*lists, **dict(kwargs, capturable=torch.compiler.is_compiling()))
+
+
 def _name_of(param: torch.Tensor, names: dict[int, str] | None, index: int) -> str:
     if names and id(param) in names:
         return names[id(param)]
@@ -180,9 +189,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
             self._prepare_step()
             for lists, kwargs in adamw_work:
                 if lists[0]:
-                    # decided here, where the kernel runs: after a graph break the rest of step() may
-                    # run eagerly, where torch refuses capturable=True on a CPU
-                    _torch_adamw(*lists, **dict(kwargs, capturable=torch.compiler.is_compiling()))
+                    _adamw_kernel(lists, kwargs)
             for group in self.param_groups:
                 if group["algorithm"] != "adamw":
                     active = [p for p in group["params"] if p.grad is not None]

@@ -55,6 +55,18 @@ def test_compiled_step_gives_the_eager_numbers(name):
         torch.testing.assert_close(b, a, atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("name", ["muon", "block-muon"])
+def test_compiled_muon_family_with_adamw_groups_gives_the_eager_numbers(name):
+    """Muon's ``ns_dtype="auto"`` breaks the graph inside the matrix step, after which Dynamo runs step()
+    eagerly and compiles the frames it calls, the AdamW kernel's among them: that kernel failed
+    (capturable read in the eager frame) until ``dobb._base._adamw_kernel`` read it in its own."""
+    torch._dynamo.reset()
+    eager = _run(name, {}, 3, adamw_params=True)
+    compiled = _run(name, {}, 3, compile_backend="aot_eager", adamw_params=True)
+    for a, b in zip(eager, compiled):
+        torch.testing.assert_close(b, a, atol=1e-7, rtol=1e-6)
+
+
 def test_compiled_step_with_adamw_groups_gives_the_eager_numbers():
     """Dobb's first, refresh and plain steps, with biases and a norm in the AdamW part. Compiled, torch's AdamW kernel computes its bias
     corrections from the float32 step tensor on the device (capturable form, as for a compiled
@@ -108,24 +120,17 @@ def _with_torch_adamw(compiled, matrix_step_break=False, steps=3):
             [ref.state[q]["step"] for q in theirs], list(counters["graph_break"]))
 
 
-@pytest.mark.parametrize("where", [
-    "prepare_step",
-    pytest.param("matrix_step", marks=pytest.mark.xfail(
-        strict=True, raises=torch._dynamo.exc.TorchRuntimeError,
-        reason="Dynamo cannot resume under _logical's context manager and runs the rest of step() eagerly, "
-               "so is_compiling() at the kernel call is False, but it still compiles torch's adamw() frame, "
-               "which capturable=False on CPU cannot trace (also Muon, PR-Muon, Block-Muon, Dion2 with "
-               "AdamW groups: ns_dtype='auto' breaks the graph there)"))])
+@pytest.mark.parametrize("where", ["prepare_step", "matrix_step"])
 def test_compiled_step_decides_capturable_where_the_adamw_kernel_runs(where):
-    """The AdamW part calls torch's kernel with ``capturable=torch.compiler.is_compiling()``, read at the
-    call: True compiled (Dynamo traces torch's capturable form), False eager (torch refuses
+    """The AdamW part calls torch's kernel with ``capturable=torch.compiler.is_compiling()``, read in the
+    frame that calls it (``dobb._base._adamw_kernel``): True compiled (Dynamo traces torch's capturable form), False eager (torch refuses
     capturable=True for CPU tensors outside a compile, and keeps the step on the CPU). Compiled, the step
     breaks the graph before the kernel (torch's ``_init_group`` is ``torch.compiler.disable``d;
     ``check_finite=True`` reads the finiteness flags on the host) and resumes compiled; a flag fixed
     at construction or to either value fails here, eager (True) or compiled (False). (Read where the
     inputs are gathered, ``_adamw_inputs``, it would pass: on torch 2.13 both run compiled or both
-    eagerly here.) ``matrix_step``: a graph break inside the matrix step, after which Dynamo runs the
-    rest of step() eagerly."""
+    eagerly here.) ``matrix_step``: a graph break inside the matrix step, after which Dynamo runs
+    step() eagerly but compiles the kernel's frame (read in step() itself, the flag failed here)."""
     steps = 3
     eager, eager_steps, torch_steps = _with_torch_adamw(False, where == "matrix_step", steps)[:3]
     # an eager step leaves the AdamW state as torch.optim.AdamW does: float32 step tensors on the CPU
