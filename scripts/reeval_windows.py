@@ -1,0 +1,99 @@
+"""How much of a seed's spread is its held-out windows: re-evaluate saved checkpoints on one large
+common window set.
+
+A bench seed draws the initial weights, the data order and the 64 held-out windows (64 tokens
+each) that every eval of the run uses. Losses of different seeds therefore differ by their windows
+as well as by their training. This script loads each run's last checkpoint (the long-horizon runs
+save every 500 steps; the last one of an 8,300-step run is step 8,000) and evaluates its weights
+on (a) the run's own windows, which must give the loss the run logged at that step (the check
+that the right weights and windows were loaded), and (b) ``--windows`` windows drawn from
+``--window-seed``, the same for every run.
+
+Usage: python scripts/reeval_windows.py RUN_DIR [RUN_DIR ...] --out RECORD.jsonl
+(each RUN_DIR a ``dobb-bench compare --out`` folder with ``runs/<label>/checkpoint.pt`` and
+``results.jsonl``). One JSON line per run: its label, lr, seed, checkpoint step, the logged loss,
+the loss on its own windows, the loss on the common windows, and the provenance.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from dobb_bench.provenance import provenance
+from dobb_bench.training.data import eval_offsets, load_corpus
+from dobb_bench.training.dist_env import DistEnv
+from dobb_bench.training.evaluate import evaluate
+from dobb_bench.training.model import GPT, ModelConfig
+
+
+def _final(run_dir: str) -> dict:
+    for line in open(os.path.join(run_dir, "results.jsonl")):
+        r = json.loads(line)
+        if "final_val_loss" in r:
+            return r
+    raise ValueError(f"{run_dir}: no finished run in results.jsonl")
+
+
+def reeval(run_dir: str, corpus, windows: int, window_seed: int, env) -> dict:
+    final = _final(run_dir)
+    (ckpt,) = glob.glob(os.path.join(run_dir, "runs", "*", "checkpoint.pt"))
+    state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    cfg = ModelConfig(**final["model"])
+    model = GPT(cfg, seed=0)
+    model.load_state_dict(state["model"])
+    seed, seq_len = final["train"]["seed"], cfg.seq_len
+    logged = [e for e in state["evals"] if e["step"] == state["step"]]
+    own = evaluate(model, corpus, eval_offsets(corpus.val, seq_len, final["train"]["eval_seqs"], seed),
+                   seq_len, final["train"]["eval_batch_size"], env)
+    common = evaluate(model, corpus, eval_offsets(corpus.val, seq_len, windows, window_seed), seq_len,
+                      final["train"]["eval_batch_size"], env)
+    return {"run": final["run"], "optimizer": final.get("optimizer"), "hparams": final.get("hparams"),
+            "lr": final["lr"], "seed": seed, "steps": final["steps"], "checkpoint_step": state["step"],
+            "model": final["model"], "logged_val_loss": logged[0]["val_loss"] if logged else None,
+            "own_windows": final["train"]["eval_seqs"], "own_val_loss": own,
+            "common_windows": windows, "window_seed": window_seed, "common_val_loss": common,
+            "final_val_loss": final["final_val_loss"], "run_dir": os.path.basename(run_dir.rstrip("/")),
+            "run_git_rev": (final.get("provenance") or {}).get("git_rev")}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("runs", nargs="+")
+    ap.add_argument("--windows", type=int, default=2048)
+    ap.add_argument("--window-seed", type=int, default=12345)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    corpus = load_corpus(None)
+    env = DistEnv()
+    prov = provenance()
+    done = set()
+    if Path(args.out).exists():
+        done = {json.loads(l)["run_dir"] for l in open(args.out)}
+    with open(args.out, "a") as f:
+        for run_dir in args.runs:
+            if os.path.basename(run_dir.rstrip("/")) in done:
+                continue
+            rec = reeval(run_dir, corpus, args.windows, args.window_seed, env)
+            if rec["logged_val_loss"] is not None and not math.isclose(rec["own_val_loss"], rec["logged_val_loss"],
+                                                                         rel_tol=0, abs_tol=1e-5):
+                print(f"{run_dir}: own-window loss {rec['own_val_loss']:.6f} differs from the logged "
+                      f"{rec['logged_val_loss']:.6f}: wrong weights or windows", file=sys.stderr)
+                return 1
+            rec["provenance"] = prov
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+            print(f"{rec['run']:22s} seed {rec['seed']} step {rec['checkpoint_step']}: own {rec['own_val_loss']:.4f} "
+                  f"(logged {rec['logged_val_loss']}), common {rec['common_val_loss']:.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
