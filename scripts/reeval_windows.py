@@ -7,7 +7,9 @@ as well as by their training. This script loads each run's last checkpoint (the 
 save every 500 steps; the last one of an 8,300-step run is step 8,000) and evaluates its weights
 on (a) the run's own windows, which must give the loss the run logged at that step (the check
 that the right weights and windows were loaded), and (b) ``--windows`` windows drawn from
-``--window-seed``, the same for every run.
+``--window-seed``, the same for every run, also as the mean loss of each of 32 random groups of
+those windows (the spread of a group is what an eval of that many windows varies by; paired
+group differences give a standard error for a gap between two runs).
 
 Usage: python scripts/reeval_windows.py RUN_DIR [RUN_DIR ...] --out RECORD.jsonl
 (each RUN_DIR a ``dobb-bench compare --out`` folder with ``runs/<label>/checkpoint.pt`` and
@@ -24,10 +26,12 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 
 from dobb_bench.provenance import provenance
-from dobb_bench.training.data import eval_offsets, load_corpus
+from dobb_bench.training.data import eval_batches, eval_offsets, load_corpus
 from dobb_bench.training.dist_env import DistEnv
 from dobb_bench.training.evaluate import evaluate
 from dobb_bench.training.model import GPT, ModelConfig
@@ -41,6 +45,21 @@ def _final(run_dir: str) -> dict:
     raise ValueError(f"{run_dir}: no finished run in results.jsonl")
 
 
+GROUPS = 32
+
+
+@torch.no_grad()
+def window_losses(model, corpus, offsets, seq_len: int, batch_size: int) -> torch.Tensor:
+    """Mean loss (nats/token) of every window, float64, in ``offsets``' order."""
+    model.eval()
+    out = []
+    for x, y in eval_batches(corpus.val, offsets, seq_len, batch_size):
+        logits, _ = model(x)
+        ce = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")
+        out.append(ce.view(y.shape).double().mean(1))
+    return torch.cat(out)
+
+
 def reeval(run_dir: str, corpus, windows: int, window_seed: int, env) -> dict:
     final = _final(run_dir)
     (ckpt,) = glob.glob(os.path.join(run_dir, "runs", "*", "checkpoint.pt"))
@@ -52,13 +71,22 @@ def reeval(run_dir: str, corpus, windows: int, window_seed: int, env) -> dict:
     logged = [e for e in state["evals"] if e["step"] == state["step"]]
     own = evaluate(model, corpus, eval_offsets(corpus.val, seq_len, final["train"]["eval_seqs"], seed),
                    seq_len, final["train"]["eval_batch_size"], env)
-    common = evaluate(model, corpus, eval_offsets(corpus.val, seq_len, windows, window_seed), seq_len,
-                      final["train"]["eval_batch_size"], env)
+    offsets = eval_offsets(corpus.val, seq_len, windows, window_seed)
+    common = evaluate(model, corpus, offsets, seq_len, final["train"]["eval_batch_size"], env)
+    per_window = window_losses(model, corpus, offsets, seq_len, final["train"]["eval_batch_size"])
+    if not math.isclose(float(per_window.mean()), common, rel_tol=0, abs_tol=1e-5):
+        raise ValueError(f"{run_dir}: per-window losses average {float(per_window.mean()):.6f}, not {common:.6f}")
+    # GROUPS random groups of windows (a fixed permutation, the same for every run): the spread of
+    # one group's loss is what an eval of that many windows varies by, and paired differences of
+    # group losses give a standard error for a gap measured on all the windows
+    perm = np.random.default_rng([window_seed, 0x6E0]).permutation(windows)
+    groups = [float(per_window[perm[g::GROUPS]].mean()) for g in range(GROUPS)]
     return {"run": final["run"], "optimizer": final.get("optimizer"), "hparams": final.get("hparams"),
             "lr": final["lr"], "seed": seed, "steps": final["steps"], "checkpoint_step": state["step"],
             "model": final["model"], "logged_val_loss": logged[0]["val_loss"] if logged else None,
             "own_windows": final["train"]["eval_seqs"], "own_val_loss": own,
             "common_windows": windows, "window_seed": window_seed, "common_val_loss": common,
+            "common_groups": groups,
             "final_val_loss": final["final_val_loss"], "run_dir": os.path.basename(run_dir.rstrip("/")),
             "run_git_rev": (final.get("provenance") or {}).get("git_rev")}
 
