@@ -134,4 +134,73 @@ def width_256() -> tuple[str, list[dict]]:
     return _table(3200, 256, [r for r in ROWS if r[0] in WIDTH_ROWS])
 
 
-TABLES = {"long-horizon": long_horizon, "width-256": width_256}
+# ----------------------------------------------------------------------------- common windows
+def reeval_path():
+    """The record of ``scripts/reeval_windows.py`` (read at call time: ``use_docs`` moves the docs)."""
+    from pathlib import Path
+
+    return Path(R.DOCS) / "results" / "checks" / "reeval-windows" / "reeval.jsonl"
+
+
+def paired_gap(a: list[float], b: list[float]) -> tuple[float, float]:
+    """Mean and standard error of ``a - b`` over paired groups of windows."""
+    import statistics
+
+    d = [x - y for x, y in zip(a, b)]
+    return statistics.mean(d), statistics.stdev(d) / len(d) ** 0.5
+
+
+def common_windows() -> tuple[str, list[dict]]:
+    """Every re-evaluated checkpoint on its own 64 windows and on the common ones, with its gap to
+    Muon of the same setting and seed (paired over the 32 window groups, +- 2 standard errors),
+    then the spread of a 64-window eval and the seed-to-seed differences."""
+    import json
+    import statistics
+
+    path = reeval_path()
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    order = {label: i for i, (label, *_) in enumerate(ROWS)}
+    key = lambda r: (-r["steps"], r["model"]["width"], r["seed"], order.get(r["run"], 99))
+    recs.sort(key=key)
+    muon = {(r["steps"], r["model"]["width"], r["seed"]): r for r in recs if r["run"] == "Muon"}
+    ranks: dict = {}
+    for r in recs:
+        ranks.setdefault((r["steps"], r["model"]["width"], r["seed"]), []).append(r["common_val_loss"])
+    out = ["| setting | seed | row | checkpoint step | own 64 windows (logged) | 2,048 common windows | rank | "
+           "gap to Muon, common windows [+- 2 SE] |", "|---|---|---|---|---|---|---|---|"]
+    for r in recs:
+        where = (r["steps"], r["model"]["width"], r["seed"])
+        m = muon.get(where)
+        if r["run"] == "Muon" or m is None:
+            gap = "" if r["run"] == "Muon" else "—"
+        else:
+            g, se = paired_gap(r["common_groups"], m["common_groups"])
+            gap = f"{g:+.3f} [{g - 2 * se:+.3f}, {g + 2 * se:+.3f}]"
+        rank = sorted(ranks[where]).index(r["common_val_loss"]) + 1 if len(ranks[where]) > 1 else "—"
+        out.append(f"| {r['steps']} steps, width {r['model']['width']} | {r['seed']} | {r['run']} | "
+                   f"{r['checkpoint_step']} | {r['own_val_loss']:.3f} | {r['common_val_loss']:.3f} | {rank} | {gap} |")
+    spread = [statistics.stdev(r["common_groups"]) for r in recs]
+    out.append("")
+    out.append(f"A 64-window eval of one checkpoint varies by {statistics.median(spread):.3f} nats (median over the "
+               f"{len(recs)} checkpoints of the standard deviation of its 32 group losses; range "
+               f"{min(spread):.3f}-{max(spread):.3f}).")
+    seeds: dict = {}
+    for r in recs:
+        seeds.setdefault((r["run"], r["steps"], r["model"]["width"], r["lr"]), []).append(r)
+    pairs = []
+    for (run, steps, width, _), rs in seeds.items():
+        if len(rs) > 1:
+            rs = sorted(rs, key=lambda r: r["seed"])
+            pairs.append(f"{run} ({steps} steps, width {width}) seeds {rs[0]['seed']} and {rs[1]['seed']}: "
+                         f"{rs[1]['common_val_loss'] - rs[0]['common_val_loss']:+.3f} on the common windows, "
+                         f"{rs[1]['own_val_loss'] - rs[0]['own_val_loss']:+.3f} on their own")
+    if pairs:
+        out.append("Between seeds of one row at one lr (seed minus seed): " + "; ".join(pairs) + ".")
+    revs = sorted({(r.get("provenance") or {}).get("git_rev", "")[:7] for r in recs})
+    runs = sorted({r.get("run_git_rev", "")[:7] for r in recs})
+    out.append(f"Record `docs/results/checks/reeval-windows/reeval.jsonl` (`scripts/reeval_windows.py`, "
+               f"--windows 2048 --window-seed 12345, at revision(s) {', '.join(revs)}; runs at {', '.join(runs)}).")
+    return "\n".join(out) + "\n", recs
+
+
+TABLES = {"long-horizon": long_horizon, "width-256": width_256, "common-windows": common_windows}

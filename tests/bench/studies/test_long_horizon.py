@@ -30,3 +30,31 @@ def test_table_ranks_both_horizons_and_marks_edges(monkeypatch):
     assert muon[-5:-2] == ["0.0141 (edge)", "2", "seed 1: 1.470"] and muon[-2] == ""
     assert rows["SOAP"].count("—") >= 4  # no record yet: dashes, not a crash
     assert len(used) == 8 and "8300 steps" in text and "width 128" in text
+
+
+def _re(run, seed, common, groups, own=1.5, steps=8300, width=128, lr=0.01):
+    return {"run": run, "seed": seed, "lr": lr, "steps": steps, "checkpoint_step": 8000, "model": {"width": width},
+            "own_val_loss": own, "common_val_loss": common, "common_groups": groups, "run_git_rev": "197e872aa",
+            "provenance": {"git_rev": "e1d94e4bb", "git_dirty": False}}
+
+
+def test_common_windows_table(tmp_path, monkeypatch):
+    """Paired gaps to Muon of the same setting and seed with +-2 SE over the window groups, ranks within
+    a setting and seed (a dash when alone), the 64-window spread and the seed-to-seed differences."""
+    import json
+
+    recs = [_re("Muon", 0, 1.30, [1.2, 1.4, 1.3, 1.3]), _re("Muon", 0, 1.40, [1.3, 1.5, 1.4, 1.4], steps=3200, width=256),
+            _re("AdamW", 0, 1.40, [1.31, 1.49, 1.41, 1.39], own=1.6),  # diffs .11 .09 .11 .09: mean .1, SE .005774
+            _re("AdamW", 1, 1.41, [1.4, 1.4, 1.4, 1.44], own=1.45)]
+    path = tmp_path / "results" / "checks" / "reeval-windows" / "reeval.jsonl"
+    path.parent.mkdir(parents=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    monkeypatch.setattr(L.R, "DOCS", tmp_path)
+    text, used = L.common_windows()
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines()[2:6]]
+    assert [r[:3] for r in rows] == [["8300 steps, width 128", "0", "AdamW"], ["8300 steps, width 128", "0", "Muon"],
+                                     ["8300 steps, width 128", "1", "AdamW"], ["3200 steps, width 256", "0", "Muon"]]
+    assert rows[0][5:] == ["1.400", "2", "+0.100 [+0.088, +0.112]"] and rows[1][5:] == ["1.300", "1", ""]
+    assert rows[2][6:] == ["—", "—"]  # alone at seed 1, no Muon there
+    assert "seeds 0 and 1: +0.010 on the common windows, -0.150 on their own" in text
+    assert "varies by 0.078 nats" in text and len(used) == 4
