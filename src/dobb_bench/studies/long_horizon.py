@@ -196,11 +196,33 @@ def common_windows() -> tuple[str, list[dict]]:
                          f"{rs[1]['own_val_loss'] - rs[0]['own_val_loss']:+.3f} on their own")
     if pairs:
         out.append("Between seeds of one row at one lr (seed minus seed): " + "; ".join(pairs) + ".")
+    out += ["", *_over_seeds(recs, muon)]
     revs = sorted({(r.get("provenance") or {}).get("git_rev", "")[:7] for r in recs})
     runs = sorted({r.get("run_git_rev", "")[:7] for r in recs})
     out.append(f"Record `docs/results/checks/reeval-windows/reeval.jsonl` (`scripts/reeval_windows.py`, "
                f"--windows 2048 --window-seed 12345, at revision(s) {', '.join(revs)}; runs at {', '.join(runs)}).")
     return "\n".join(out) + "\n", recs
+
+
+def _over_seeds(recs: list[dict], muon: dict) -> list[str]:
+    """Per setting and row, over its seeds: the mean common-window loss and the gap to Muon of each
+    seed (paired, same windows and seed), with their mean where there are several."""
+    import statistics
+
+    by: dict = {}
+    for r in recs:
+        by.setdefault((r["steps"], r["model"]["width"], r["run"]), []).append(r)
+    out = ["| setting | row | seeds | mean loss, common windows | gap to Muon per seed | mean gap |",
+           "|---|---|---|---|---|---|"]
+    for (steps, width, run), rs in by.items():
+        rs = sorted(rs, key=lambda r: r["seed"])
+        gaps = [(r["seed"], r["common_val_loss"] - muon[(steps, width, r["seed"])]["common_val_loss"])
+                for r in rs if run != "Muon" and (steps, width, r["seed"]) in muon]
+        out.append(f"| {steps} steps, width {width} | {run} | {', '.join(str(r['seed']) for r in rs)} | "
+                   f"{statistics.mean(r['common_val_loss'] for r in rs):.3f} | "
+                   + ", ".join(f"{g:+.3f} (seed {sd})" for sd, g in gaps) + " | "
+                   + (f"{statistics.mean(g for _, g in gaps):+.3f}" if len(gaps) > 1 else "") + " |")
+    return out
 
 
 TABLES = {"long-horizon": long_horizon, "width-256": width_256, "common-windows": common_windows}

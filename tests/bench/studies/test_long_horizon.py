@@ -58,3 +58,6 @@ def test_common_windows_table(tmp_path, monkeypatch):
     assert rows[2][6:] == ["—", "—"]  # alone at seed 1, no Muon there
     assert "seeds 0 and 1: +0.010 on the common windows, -0.150 on their own" in text
     assert "varies by 0.078 nats" in text and len(used) == 4
+    summary = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines()
+               if line.startswith("| 8300 steps, width 128 | AdamW | 0, 1")]
+    assert summary == [["8300 steps, width 128", "AdamW", "0, 1", "1.405", "+0.100 (seed 0)", ""]]
