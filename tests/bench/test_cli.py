@@ -100,6 +100,12 @@ def test_non_positive_model_sizes_are_refused(flag, tmp_path, data):
     assert not (tmp_path / "o").exists()
 
 
+def test_negative_eval_seed_is_refused(tmp_path, data):
+    args = ["train", "--optimizer", "adamw", *data, *SMALL, "--eval-seed", "-1", "--out", tmp_path / "o"]
+    one_line_error(run(args), "--eval-seed must be >= 0, got -1")
+    assert not (tmp_path / "o").exists()
+
+
 def test_blocks_are_validated_on_the_real_model(tmp_path, data):
     """blocks=64 is valid at width 128 (64 blocks of 2) and was refused by a width-32 probe; at
     width 32 it is still refused, naming the matrix and its axis."""

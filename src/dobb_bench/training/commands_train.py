@@ -141,6 +141,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     t.add_argument("--grad-clip", type=float, default=0.0, help="max grad norm (0 = off)")
     t.add_argument("--eval-every", type=int)
     t.add_argument("--eval-seqs", type=int)
+    t.add_argument("--eval-seed", type=int,
+                   help="seed of the held-out windows (default: --seed); give one value to every seed of a "
+                        "study so that all of them are evaluated on the same windows")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--device", default="auto")
     t.add_argument("--threads", type=int, default=1,
@@ -168,7 +171,7 @@ def _configs(args) -> tuple[ModelConfig, TrainConfig, dict]:
         if value is not None and value < 1:  # 0 must not fall through to the preset's value
             raise CliError(f"{flag} must be a positive integer, got {value}")
     for flag, value in (("--warmup", args.warmup), ("--checkpoint-every", args.checkpoint_every),
-                        ("--grad-clip", args.grad_clip)):
+                        ("--grad-clip", args.grad_clip), ("--eval-seed", args.eval_seed)):
         if value is not None and value < 0:
             raise CliError(f"{flag} must be >= 0, got {value}")
     corpus = load_corpus(args.data, cache_dir=args.cache_dir, tokenizer=args.tokenizer,
@@ -193,7 +196,7 @@ def _configs(args) -> tuple[ModelConfig, TrainConfig, dict]:
         lr=args.lr if args.lr is not None else grid_lr(-1), weight_decay=args.weight_decay,
         warmup=args.warmup, schedule=args.schedule, min_lr_ratio=args.min_lr_ratio,
         grad_clip=args.grad_clip, eval_every=args.eval_every or preset["eval_every"],
-        eval_seqs=args.eval_seqs or preset["eval_seqs"], seed=args.seed,
+        eval_seqs=args.eval_seqs or preset["eval_seqs"], seed=args.seed, eval_seed=args.eval_seed,
         checkpoint_every=args.checkpoint_every, device=args.device, dist=args.dist)
     data_args = dict(data=args.data, cache_dir=args.cache_dir, tokenizer=args.tokenizer,
                      vocab_size=args.vocab_size, val_fraction=args.val_fraction)

@@ -74,7 +74,7 @@ class Run(RunCheckpoints):
                              f"{model_cfg.seq_len} (raise --context)")
         self.sampler = BatchSampler(corpus.train, self.seq_len, cfg.batch_size, cfg.seed)
         n_eval = max(self.env.world, cfg.eval_seqs - cfg.eval_seqs % self.env.world)
-        offs = eval_offsets(corpus.val, self.seq_len, n_eval, cfg.seed)
+        offs = eval_offsets(corpus.val, self.seq_len, n_eval, cfg.seed if cfg.eval_seed is None else cfg.eval_seed)
         self.eval_offsets = offs[self.env.rank::self.env.world]
         self._build(make_optimizer)
 
@@ -113,7 +113,10 @@ class Run(RunCheckpoints):
     def fingerprint(self) -> dict:
         keys = ("steps", "seq_len", "batch_size", "micro_batches", "lr", "weight_decay", "warmup", "schedule",
                 "min_lr_ratio", "grad_clip", "seed")
-        return {"model": self.model_cfg.to_dict(), "train": {k: getattr(self.cfg, k) for k in keys},
+        train = {k: getattr(self.cfg, k) for k in keys}
+        if self.cfg.eval_seed is not None:  # absent by default: checkpoints from before the option resume
+            train["eval_seed"] = self.cfg.eval_seed
+        return {"model": self.model_cfg.to_dict(), "train": train,
                 "optimizer": self.meta.get("optimizer"), "hparams": self.meta.get("hparams"),
                 "corpus": self.corpus.name, "world": self.env.world}
 

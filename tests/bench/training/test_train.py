@@ -190,3 +190,23 @@ def test_validation_uses_the_iterate_average_where_the_optimizer_keeps_one(corpu
     assert run.evals[-1]["val_loss"] == on_average != on_raw
     plain = run_training(tiny_model_cfg, tiny_train_cfg, corpus, adamw_factory)
     assert plain["eval_weights"] == "raw" and all(e["eval_weights"] == "raw" for e in plain["evals"])
+
+
+def test_eval_seed_fixes_the_held_out_windows_across_seeds(corpus, tiny_model_cfg, tiny_train_cfg, adamw_factory):
+    """By default a run's held-out windows come from its seed; with ``eval_seed`` every seed evaluates
+    on the windows of that seed: the step-0 eval of seed 1's model on eval_seed=0 equals a direct
+    evaluation of that model on seed 0's windows, and differs from its default eval."""
+    from dobb_bench.training.data import eval_offsets
+
+    cfg0 = replace(tiny_train_cfg, seed=0)
+    r_default = T.Run(tiny_model_cfg, replace(cfg0, seed=1), corpus, adamw_factory)
+    r_fixed = T.Run(tiny_model_cfg, replace(cfg0, seed=1, eval_seed=0), corpus, adamw_factory)
+    r_zero = T.Run(tiny_model_cfg, cfg0, corpus, adamw_factory)
+    own = eval_offsets(corpus.val, r_default.seq_len, cfg0.eval_seqs, 1)
+    zero = eval_offsets(corpus.val, r_default.seq_len, cfg0.eval_seqs, 0)
+    assert (r_default.eval_offsets == own).all() and not (own == zero).all()
+    assert (r_fixed.eval_offsets == zero).all() and (r_zero.eval_offsets == zero).all()
+    # the fingerprint names a set eval_seed only (checkpoints from before the option still resume)
+    assert "eval_seed" not in r_default.fingerprint()["train"] and r_fixed.fingerprint()["train"]["eval_seed"] == 0
+    with pytest.raises(ValueError, match="eval_seed must be None or a non-negative integer"):
+        replace(cfg0, eval_seed=-1)
