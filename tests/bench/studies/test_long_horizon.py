@@ -1,5 +1,14 @@
-"""dobb_bench.studies.long_horizon: the table against hand-built records (ranks both ways, best lr,
-bracketing, seeds at the best lr, the 800-step references)."""
+"""dobb_bench.studies.long_horizon: the tables against hand-built records (ranks both ways, best lr,
+bracketing, seeds at the best lr, the 800-step references, the common windows), and
+scripts/reeval_windows.py, which writes the common-windows record, on a real tiny run."""
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dobb_bench.cli import main as cli_main
 from dobb_bench.studies import long_horizon as L
 
 
@@ -41,8 +50,6 @@ def _re(run, seed, common, groups, own=1.5, steps=8300, width=128, lr=0.01):
 def test_common_windows_table(tmp_path, monkeypatch):
     """Paired gaps to Muon of the same setting and seed with +-2 SE over the window groups, ranks within
     a setting and seed (a dash when alone), the 64-window spread and the seed-to-seed differences."""
-    import json
-
     recs = [_re("Muon", 0, 1.30, [1.2, 1.4, 1.3, 1.3]), _re("Muon", 0, 1.40, [1.3, 1.5, 1.4, 1.4], steps=3200, width=256),
             _re("AdamW", 0, 1.40, [1.31, 1.49, 1.41, 1.39], own=1.6),  # diffs .11 .09 .11 .09: mean .1, SE .005774
             _re("AdamW", 1, 1.41, [1.4, 1.4, 1.4, 1.44], own=1.45)]
@@ -61,3 +68,42 @@ def test_common_windows_table(tmp_path, monkeypatch):
     summary = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines()
                if line.startswith("| 8300 steps, width 128 | AdamW | 0, 1")]
     assert summary == [["8300 steps, width 128", "AdamW", "0, 1", "1.405", "+0.100 (seed 0)", ""]]
+
+
+# ----- scripts/reeval_windows.py, which writes the common-windows record -------------------------------
+SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "reeval_windows.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("reeval_windows", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_reeval_reproduces_the_logged_loss_and_refuses_other_weights(tmp_path, text_dir, cache_dir):
+    run = tmp_path / "cmp"
+    assert cli_main(["compare", "--optimizers", "adamw@A", "--no-isolate", "--data", str(text_dir), "--cache-dir",
+                     str(cache_dir), "--layers", "1", "--width", "32", "--heads", "2", "--context", "32",
+                     "--steps", "4", "--batch-size", "4", "--eval-every", "2", "--eval-seqs", "8", "--seed", "3",
+                     "--checkpoint-every", "2", "--no-progress", "--out", str(run)]) == 0
+    mod = _script()
+    mod.GROUPS = 4
+    out = tmp_path / "re.jsonl"
+    args = [str(run), "--out", str(out), "--windows", "16", "--data", str(text_dir), "--cache-dir", str(cache_dir)]
+    assert mod.main(args) == 0
+    (rec,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rec["run"] == "A" and rec["seed"] == 3 and rec["checkpoint_step"] == 2 and rec["run_dir"] == "cmp"
+    assert rec["own_val_loss"] == pytest.approx(rec["logged_val_loss"], abs=1e-6)
+    assert len(rec["common_groups"]) == 4 and rec["common_windows"] == 16
+    assert sum(rec["common_groups"]) / 4 == pytest.approx(rec["common_val_loss"], abs=1e-6)
+    assert rec["provenance"]["git_rev"] is not None
+    assert mod.main(args) == 0 and len(out.read_text().splitlines()) == 1  # resumable: a run once
+    # other weights under the same log: refused, nothing written
+    (ckpt,) = run.glob("runs/*/checkpoint.pt")
+    state = torch.load(ckpt, weights_only=False)
+    state["model"] = {k: v * 0.5 for k, v in state["model"].items()}
+    torch.save(state, ckpt)
+    out2 = tmp_path / "re2.jsonl"
+    assert mod.main([*args[:1], "--out", str(out2), *args[3:]]) == 1
+    assert not out2.exists() or out2.read_text() == ""
