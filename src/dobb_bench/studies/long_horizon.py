@@ -152,7 +152,7 @@ def paired_gap(a: list[float], b: list[float]) -> tuple[float, float]:
 
 def common_windows() -> tuple[str, list[dict]]:
     """Every re-evaluated checkpoint on its own 64 windows and on the common ones, with its gap to
-    Muon of the same setting and seed (paired over the 32 window groups, +- 2 standard errors),
+    Muon (at Muon's lowest lr there) of the same setting and seed (paired over the 32 window groups, +- 2 standard errors),
     then the spread of a 64-window eval and the seed-to-seed differences."""
     import json
     import statistics
@@ -162,22 +162,26 @@ def common_windows() -> tuple[str, list[dict]]:
     order = {label: i for i, (label, *_) in enumerate(ROWS)}
     key = lambda r: (-r["steps"], r["model"]["width"], r["seed"], order.get(r["run"], 99))
     recs.sort(key=key)
-    muon = {(r["steps"], r["model"]["width"], r["seed"]): r for r in recs if r["run"] == "Muon"}
+    muon: dict = {}  # the reference of each setting and seed: Muon at its lowest lr there
+    for r in recs:
+        k = (r["steps"], r["model"]["width"], r["seed"])
+        if r["run"] == "Muon" and (k not in muon or r["common_val_loss"] < muon[k]["common_val_loss"]):
+            muon[k] = r
     ranks: dict = {}
     for r in recs:
         ranks.setdefault((r["steps"], r["model"]["width"], r["seed"]), []).append(r["common_val_loss"])
-    out = ["| setting | seed | row | checkpoint step | own 64 windows (logged) | 2,048 common windows | rank | "
-           "gap to Muon, common windows [+- 2 SE] |", "|---|---|---|---|---|---|---|---|"]
+    out = ["| setting | seed | row | lr | checkpoint step | own 64 windows (logged) | 2,048 common windows | rank | "
+           "gap to Muon, common windows [+- 2 SE] |", "|---|---|---|---|---|---|---|---|---|"]
     for r in recs:
         where = (r["steps"], r["model"]["width"], r["seed"])
         m = muon.get(where)
-        if r["run"] == "Muon" or m is None:
-            gap = "" if r["run"] == "Muon" else "—"
+        if r is m or m is None:
+            gap = "" if r is m else "—"
         else:
             g, se = paired_gap(r["common_groups"], m["common_groups"])
             gap = f"{g:+.3f} [{g - 2 * se:+.3f}, {g + 2 * se:+.3f}]"
         rank = sorted(ranks[where]).index(r["common_val_loss"]) + 1 if len(ranks[where]) > 1 else "—"
-        out.append(f"| {r['steps']} steps, width {r['model']['width']} | {r['seed']} | {r['run']} | "
+        out.append(f"| {r['steps']} steps, width {r['model']['width']} | {r['seed']} | {r['run']} | {r['lr']:.3g} | "
                    f"{r['checkpoint_step']} | {r['own_val_loss']:.3f} | {r['common_val_loss']:.3f} | {rank} | {gap} |")
     spread = [statistics.stdev(r["common_groups"]) for r in recs]
     out.append("")
@@ -211,14 +215,14 @@ def _over_seeds(recs: list[dict], muon: dict) -> list[str]:
 
     by: dict = {}
     for r in recs:
-        by.setdefault((r["steps"], r["model"]["width"], r["run"]), []).append(r)
-    out = ["| setting | row | seeds | mean loss, common windows | gap to Muon per seed | mean gap |",
-           "|---|---|---|---|---|---|"]
-    for (steps, width, run), rs in by.items():
+        by.setdefault((r["steps"], r["model"]["width"], r["run"], r["lr"]), []).append(r)
+    out = ["| setting | row | lr | seeds | mean loss, common windows | gap to Muon per seed | mean gap |",
+           "|---|---|---|---|---|---|---|"]
+    for (steps, width, run, lr), rs in by.items():
         rs = sorted(rs, key=lambda r: r["seed"])
         gaps = [(r["seed"], r["common_val_loss"] - muon[(steps, width, r["seed"])]["common_val_loss"])
-                for r in rs if run != "Muon" and (steps, width, r["seed"]) in muon]
-        out.append(f"| {steps} steps, width {width} | {run} | {', '.join(str(r['seed']) for r in rs)} | "
+                for r in rs if (steps, width, r["seed"]) in muon and r is not muon[(steps, width, r["seed"])]]
+        out.append(f"| {steps} steps, width {width} | {run} | {lr:.3g} | {', '.join(str(r['seed']) for r in rs)} | "
                    f"{statistics.mean(r['common_val_loss'] for r in rs):.3f} | "
                    + ", ".join(f"{g:+.3f} (seed {sd})" for sd, g in gaps) + " | "
                    + (f"{statistics.mean(g for _, g in gaps):+.3f}" if len(gaps) > 1 else "") + " |")

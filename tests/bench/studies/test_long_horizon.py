@@ -52,22 +52,29 @@ def test_common_windows_table(tmp_path, monkeypatch):
     a setting and seed (a dash when alone), the 64-window spread and the seed-to-seed differences."""
     recs = [_re("Muon", 0, 1.30, [1.2, 1.4, 1.3, 1.3]), _re("Muon", 0, 1.40, [1.3, 1.5, 1.4, 1.4], steps=3200, width=256),
             _re("AdamW", 0, 1.40, [1.31, 1.49, 1.41, 1.39], own=1.6),  # diffs .11 .09 .11 .09: mean .1, SE .005774
-            _re("AdamW", 1, 1.41, [1.4, 1.4, 1.4, 1.44], own=1.45)]
+            _re("AdamW", 1, 1.41, [1.4, 1.4, 1.4, 1.44], own=1.45),
+            _re("Muon", 0, 1.35, [1.3, 1.4, 1.35, 1.35], lr=0.005)]  # Muon's worse lr: not the reference
     path = tmp_path / "results" / "checks" / "reeval-windows" / "reeval.jsonl"
     path.parent.mkdir(parents=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
     monkeypatch.setattr(L.R, "DOCS", tmp_path)
     text, used = L.common_windows()
-    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines()[2:6]]
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines()[2:7]]
     assert [r[:3] for r in rows] == [["8300 steps, width 128", "0", "AdamW"], ["8300 steps, width 128", "0", "Muon"],
-                                     ["8300 steps, width 128", "1", "AdamW"], ["3200 steps, width 256", "0", "Muon"]]
-    assert rows[0][5:] == ["1.400", "2", "+0.100 [+0.088, +0.112]"] and rows[1][5:] == ["1.300", "1", ""]
-    assert rows[2][6:] == ["—", "—"]  # alone at seed 1, no Muon there
+                                     ["8300 steps, width 128", "0", "Muon"], ["8300 steps, width 128", "1", "AdamW"],
+                                     ["3200 steps, width 256", "0", "Muon"]]
+    rows = rows[:2] + rows[3:]
+    assert rows[0][3] == "0.01" and rows[0][6:] == ["1.400", "3", "+0.100 [+0.088, +0.112]"]
+    assert rows[1][6:] == ["1.300", "1", ""]
+    assert rows[2][7:] == ["—", "—"]  # alone at seed 1, no Muon there
     assert "seeds 0 and 1: +0.010 on the common windows, -0.150 on their own" in text
-    assert "varies by 0.078 nats" in text and len(used) == 4
+    assert "varies by 0.074 nats" in text and len(used) == 5
+    muon2 = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines()
+             if line.startswith("| 8300 steps, width 128 | 0 | Muon | 0.005")]
+    assert muon2[0][-1].startswith("+0.050 [")  # its gap to the reference Muon
     summary = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines()
-               if line.startswith("| 8300 steps, width 128 | AdamW | 0, 1")]
-    assert summary == [["8300 steps, width 128", "AdamW", "0, 1", "1.405", "+0.100 (seed 0)", ""]]
+               if line.startswith("| 8300 steps, width 128 | AdamW | 0.01 | 0, 1")]
+    assert summary == [["8300 steps, width 128", "AdamW", "0.01", "0, 1", "1.405", "+0.100 (seed 0)", ""]]
 
 
 # ----- scripts/reeval_windows.py, which writes the common-windows record -------------------------------
