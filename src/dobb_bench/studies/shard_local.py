@@ -130,16 +130,20 @@ def frontier() -> tuple[str, list[dict]]:
     ratios, _ = _timing_ratios()
     used, lines = [], []
     head = ("| row | communication under `Shard(0)` | best lr (seed-0 grid) | seeds 0 / 1 / 2 | mean ± std "
-            "| bytes per step | FSDP2 step / owner-compute Muon | state B/param |")
-    lines += [head, "|" + "---|" * 8]
+            "| gap to owner-compute Muon, paired by seed | bytes per step | FSDP2 step / owner-compute Muon | "
+            "state B/param |")
+    lines += [head, "|" + "---|" * 9]
     results = {}
+    ref_runs = runs_of(REFS[0][1], REFS[0][2])
+    ref_lr = best_lr(ref_runs)[0]
+    ref = [_loss(ref_runs[(ref_lr, s)]) if (ref_lr, s) in ref_runs else None for s in (0, 1, 2)]
     for group, rows in (("zero step communication", ROWS), ("reference: communicates every step", REFS)):
-        lines.append(f"| *{group}* | | | | | | | |")
+        lines.append(f"| *{group}* | | | | | | | | |")
         for name, label, studies, spec in rows:
             runs = runs_of(label, studies)
             lr, bracketed, grid = best_lr(runs)
             if lr is None:
-                lines.append(f"| {name} | {communication(spec)[1]} | not measured | | | | | |")
+                lines.append(f"| {name} | {communication(spec)[1]} | not measured | | | | | | |")
                 continue
             at = {s: r for (x, s), r in runs.items() if lr is not None and x == lr}
             vals = [_loss(at[s]) if s in at else None for s in (0, 1, 2)]
@@ -154,11 +158,40 @@ def frontier() -> tuple[str, list[dict]]:
                 f"| {name} | {when} | {lr:.3g}{mark} ({grid_txt}) | "
                 + " / ".join("—" if v is None else f"{v:.3f}" for v in vals)
                 + f" | {m:.3f}" + ("" if sd is None else f" ± {sd:.3f}") + f" ({n})"
+                + f" | {'' if name == REFS[0][0] else paired_text(vals, ref)}"
                 + f" | {_fmt_bytes(nbytes)} | {'—' if ratio is None else f'{ratio:.2f}'} | {state_per_param(spec):.1f} |")
     body = "\n".join(lines) + "\n"
     body += _reading(results)
     uniq = list({id(r): r for r in used}.values())
     return body + setting_line(uniq), uniq
+
+
+# two-sided 95% quantiles of Student's t by degrees of freedom (a paired t-test on a few seeds)
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+def paired_gap(vals: list, ref: list) -> tuple[float, list[float], bool] | None:
+    """``vals - ref`` seed by seed (a seed gives both rows the same initial weights, data order and
+    held-out windows, so the windows' sampling, most of a seed's spread, cancels): the mean, the
+    per-seed gaps, and whether the mean is beyond paired noise, a 95% paired t-test (``|mean| >
+    t(n-1) * std / sqrt(n)``). None with fewer than two seeds in common."""
+    import statistics
+
+    d = [v - r for v, r in zip(vals, ref) if v is not None and r is not None]
+    if len(d) < 2:
+        return None
+    mean = statistics.mean(d)
+    return mean, d, abs(mean) > T95.get(len(d) - 1, 1.96) * statistics.stdev(d) / len(d) ** 0.5
+
+
+def paired_text(vals: list, ref: list) -> str:
+    got = paired_gap(vals, ref)
+    if got is None:
+        return "—"
+    mean, d, beyond = got
+    same = all(x > 0 for x in d) or all(x < 0 for x in d)
+    verdict = "beyond noise" if beyond else "within noise" + (" (same sign at every seed)" if same else "")
+    return f"{mean:+.3f} ({' / '.join(f'{x:+.3f}' for x in d)}), {verdict}"
 
 
 def _reading(results: dict[str, tuple]) -> str:

@@ -49,3 +49,16 @@ def test_communication_tells_periodic_from_every_step():
     assert S.communication("splus:out_blocks=4", "output")[1] == "periodic"
     assert S.communication("muonbp:blocks=4:period=5", "input")[1] == "periodic"
     assert S.communication("dash:block_size=32", "input") == (0.0, "none")
+
+
+def test_paired_gap_is_a_paired_t_test():
+    """Seed-by-seed gaps; beyond noise when |mean| exceeds t(n-1) standard errors (4.303 at 3 seeds):
+    a steady small gap is beyond, a larger but erratic one within, and unpaired seeds are skipped."""
+    mean, d, beyond = S.paired_gap([1.026, 1.033, 1.015], [1.0, 1.0, 1.0])
+    assert d == pytest.approx([0.026, 0.033, 0.015]) and mean == pytest.approx(0.074 / 3) and beyond
+    mean, d, beyond = S.paired_gap([1.005, 1.049, 1.047], [1.0, 1.0, 1.0])  # t = 2.4 < 4.303
+    assert mean == pytest.approx(0.101 / 3) and not beyond
+    assert S.paired_gap([1.1, None, 1.2], [1.0, 1.0, None]) is None  # one seed in common
+    assert S.paired_text([1.1, 1.2], [1.0, 1.0]) == ("+0.150 (+0.100 / +0.200), within noise "
+                                                     "(same sign at every seed)")  # t(1) = 12.7
+    assert S.paired_text([1.1, 0.9], [1.0, 1.0]) == "+0.000 (+0.100 / -0.100), within noise"
