@@ -152,7 +152,7 @@ def paired_gap(a: list[float], b: list[float]) -> tuple[float, float]:
 
 def common_windows() -> tuple[str, list[dict]]:
     """Every re-evaluated checkpoint on its own 64 windows and on the common ones, with its gap to
-    Muon (at Muon's lowest lr there) of the same setting and seed (paired over the 32 window groups, +- 2 standard errors),
+    Muon (at the lr it was run at with the most seeds) of the same setting and seed (paired over the 32 window groups, +- 2 standard errors),
     then the spread of a 64-window eval and the seed-to-seed differences."""
     import json
     import statistics
@@ -162,11 +162,16 @@ def common_windows() -> tuple[str, list[dict]]:
     order = {label: i for i, (label, *_) in enumerate(ROWS)}
     key = lambda r: (-r["steps"], r["model"]["width"], r["seed"], order.get(r["run"], 99))
     recs.sort(key=key)
-    muon: dict = {}  # the reference of each setting and seed: Muon at its lowest lr there
+    # the reference of each setting: Muon at one lr for every seed, the lr run at the most seeds
+    # (ties: the lowest mean loss), so that every seed's gap is taken against the same Muon
+    by_lr: dict = {}
     for r in recs:
-        k = (r["steps"], r["model"]["width"], r["seed"])
-        if r["run"] == "Muon" and (k not in muon or r["common_val_loss"] < muon[k]["common_val_loss"]):
-            muon[k] = r
+        if r["run"] == "Muon":
+            by_lr.setdefault((r["steps"], r["model"]["width"]), {}).setdefault(r["lr"], []).append(r)
+    muon: dict = {}
+    for (steps, width), lrs in by_lr.items():
+        chosen = min(lrs.values(), key=lambda rs: (-len(rs), statistics.mean(r["common_val_loss"] for r in rs)))
+        muon.update({(steps, width, r["seed"]): r for r in chosen})
     ranks: dict = {}
     for r in recs:
         ranks.setdefault((r["steps"], r["model"]["width"], r["seed"]), []).append(r["common_val_loss"])

@@ -53,7 +53,9 @@ def test_common_windows_table(tmp_path, monkeypatch):
     recs = [_re("Muon", 0, 1.30, [1.2, 1.4, 1.3, 1.3]), _re("Muon", 0, 1.40, [1.3, 1.5, 1.4, 1.4], steps=3200, width=256),
             _re("AdamW", 0, 1.40, [1.31, 1.49, 1.41, 1.39], own=1.6),  # diffs .11 .09 .11 .09: mean .1, SE .005774
             _re("AdamW", 1, 1.41, [1.4, 1.4, 1.4, 1.44], own=1.45),
-            _re("Muon", 0, 1.35, [1.3, 1.4, 1.35, 1.35], lr=0.005)]  # Muon's worse lr: not the reference
+            _re("Muon", 0, 1.35, [1.3, 1.4, 1.35, 1.35], lr=0.005),  # Muon's worse lr: not the reference
+            _re("Muon", 0, 1.29, [1.2, 1.4, 1.29, 1.27], lr=0.02, width=256, steps=3200),  # lower, but one seed
+            _re("Muon", 1, 1.50, [1.5, 1.5, 1.5, 1.5], width=256, steps=3200)]  # lr 0.01: two seeds
     path = tmp_path / "results" / "checks" / "reeval-windows" / "reeval.jsonl"
     path.parent.mkdir(parents=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
@@ -68,7 +70,10 @@ def test_common_windows_table(tmp_path, monkeypatch):
     assert rows[1][6:] == ["1.300", "1", ""]
     assert rows[2][7:] == ["—", "—"]  # alone at seed 1, no Muon there
     assert "seeds 0 and 1: +0.010 on the common windows, -0.150 on their own" in text
-    assert "varies by 0.074 nats" in text and len(used) == 5
+    assert "varies by 0.074 nats" in text and len(used) == 7
+    w256 = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines()
+            if line.startswith("| 3200 steps, width 256 | 0 | Muon | 0.02")]
+    assert w256[0][-1].startswith("-0.110 [")  # measured against Muon at lr 0.01, run at two seeds
     muon2 = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines()
              if line.startswith("| 8300 steps, width 128 | 0 | Muon | 0.005")]
     assert muon2[0][-1].startswith("+0.050 [")  # its gap to the reference Muon
