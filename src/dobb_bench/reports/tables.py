@@ -47,6 +47,15 @@ def fmt_ms(mean: float, std: float | None, n: int) -> str:
     return f"{mean:.3f} ± {std:.3f}" if std is not None else f"{mean:.3f}"
 
 
+def paired(a: list, b: list) -> tuple[float, float, list[float]] | None:
+    """``a - b`` element by element where both are known (paired by seed, or by window group): the
+    mean, its standard error and the differences; None with fewer than two pairs."""
+    d = [x - y for x, y in zip(a, b) if x is not None and y is not None]
+    if len(d) < 2:
+        return None
+    return statistics.fmean(d), statistics.stdev(d) / len(d) ** 0.5, d
+
+
 def noise(std_a: float | None, std_b: float | None) -> float:
     """2 std of the noisier row; a one-seed row borrows the other's spread, with 0.1 as the floor."""
     known = [x for x in (std_a, std_b) if x is not None]

@@ -15,8 +15,12 @@ moved. A row's best lr is bracketed when a worse lr lies on each side of it.
 """
 from __future__ import annotations
 
+import json
+import statistics
+from pathlib import Path
+
 from dobb_bench.reports import records as R
-from dobb_bench.reports.tables import _loss, setting_line
+from dobb_bench.reports.tables import _loss, paired, setting_line
 from dobb_bench.studies.shard_local import best_lr, runs_of
 
 STUDY = "long-horizon"
@@ -135,28 +139,15 @@ def width_256() -> tuple[str, list[dict]]:
 
 
 # ----------------------------------------------------------------------------- common windows
-def reeval_path():
+def reeval_path() -> Path:
     """The record of ``scripts/reeval_windows.py`` (read at call time: ``use_docs`` moves the docs)."""
-    from pathlib import Path
-
     return Path(R.DOCS) / "results" / "checks" / "reeval-windows" / "reeval.jsonl"
-
-
-def paired_gap(a: list[float], b: list[float]) -> tuple[float, float]:
-    """Mean and standard error of ``a - b`` over paired groups of windows."""
-    import statistics
-
-    d = [x - y for x, y in zip(a, b)]
-    return statistics.mean(d), statistics.stdev(d) / len(d) ** 0.5
 
 
 def common_windows() -> tuple[str, list[dict]]:
     """Every re-evaluated checkpoint on its own 64 windows and on the common ones, with its gap to
-    Muon (at the lr it was run at with the most seeds) of the same setting and seed (paired over the 32 window groups, +- 2 standard errors),
-    then the spread of a 64-window eval and the seed-to-seed differences."""
-    import json
-    import statistics
-
+    Muon (at the lr it was run at with the most seeds) of the same setting and seed (paired over
+    the 32 window groups, +- 2 standard errors), then the spread of a 64-window eval and the seed-to-seed differences."""
     path = reeval_path()
     recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     order = {label: i for i, (label, *_) in enumerate(ROWS)}
@@ -183,7 +174,7 @@ def common_windows() -> tuple[str, list[dict]]:
         if r is m or m is None:
             gap = "" if r is m else "—"
         else:
-            g, se = paired_gap(r["common_groups"], m["common_groups"])
+            g, se, _ = paired(r["common_groups"], m["common_groups"])
             gap = f"{g:+.3f} [{g - 2 * se:+.3f}, {g + 2 * se:+.3f}]"
         rank = sorted(ranks[where]).index(r["common_val_loss"]) + 1 if len(ranks[where]) > 1 else "—"
         out.append(f"| {r['steps']} steps, width {r['model']['width']} | {r['seed']} | {r['run']} | {r['lr']:.3g} | "
@@ -216,8 +207,6 @@ def common_windows() -> tuple[str, list[dict]]:
 def _over_seeds(recs: list[dict], muon: dict) -> list[str]:
     """Per setting and row, over its seeds: the mean common-window loss and the gap to Muon of each
     seed (paired, same windows and seed), with their mean where there are several."""
-    import statistics
-
     by: dict = {}
     for r in recs:
         by.setdefault((r["steps"], r["model"]["width"], r["run"], r["lr"]), []).append(r)

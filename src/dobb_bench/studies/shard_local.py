@@ -23,7 +23,7 @@ from pathlib import Path
 
 from dobb_bench.cost.payload import derived_state_bytes, dp_stat_entries, payload_entries
 from dobb_bench.reports import records as R
-from dobb_bench.reports.tables import _loss, noise, setting_line, stats
+from dobb_bench.reports.tables import _loss, noise, paired, setting_line, stats
 from dobb_bench.specs import parse_spec
 
 STUDY = "shard-local"
@@ -175,13 +175,11 @@ def paired_gap(vals: list, ref: list) -> tuple[float, list[float], bool] | None:
     held-out windows, so the windows' sampling, most of a seed's spread, cancels): the mean, the
     per-seed gaps, and whether the mean is beyond paired noise, a 95% paired t-test (``|mean| >
     t(n-1) * std / sqrt(n)``). None with fewer than two seeds in common."""
-    import statistics
-
-    d = [v - r for v, r in zip(vals, ref) if v is not None and r is not None]
-    if len(d) < 2:
+    got = paired(vals, ref)
+    if got is None:
         return None
-    mean = statistics.mean(d)
-    return mean, d, abs(mean) > T95.get(len(d) - 1, 1.96) * statistics.stdev(d) / len(d) ** 0.5
+    mean, se, d = got
+    return mean, d, abs(mean) > T95.get(len(d) - 1, 1.96) * se
 
 
 def paired_text(vals: list, ref: list) -> str:
