@@ -5,6 +5,11 @@ Usage: python scripts/long_horizon.py WORKTREE RUNS_DIR [lh|w256|seed1]: WORKTRE
 `git worktree add --detach` of the revision to measure (records name it), RUNS_DIR the
 output folder; collect finished runs with `dobb-bench report --collect RUN --study long-horizon`.
 `seed1`: seed 1 at each row's best finished seed-0 lr (run it once the grid is done).
+`bracket`: the rest of the issue's grid at 20 tokens (one lr either side of the 800-step
+optimum), then, alternating, the next lr out for each 20-tokens row whose best finished lr is
+at an edge of its finished ones and the width-256 neighbours; then the same outward step at
+width 256, then a second width-256 seed at each row's best lr. Two workers pull the next task
+when one finishes, so each choice sees every run finished by then.
 `noise-first`: the width-256 rows at seed 0, then the 20-tokens rows at seed 1 (their 800-step
 lr unless a neighbour already beat it), then the neighbouring lrs: the order used once the
 compute left in a session could not cover the whole grid and the seed spread mattered most.
@@ -28,6 +33,7 @@ BASE = "dobb-bench compare --jobs 1 --layers 2 --context 64 --no-progress --chec
 LHA = BASE + ["--steps", "8300", "--eval-every", "250"]
 WA = BASE + ["--width", "256", "--steps", "3200", "--eval-every", "200"]
 WT, RUNS = (sys.argv[1], sys.argv[2]) if len(sys.argv) > 2 else ("/work/exp6", "/work/runs/lh")
+RE = os.environ.get("REEVAL_WORKTREE", WT)  # a clean worktree holding scripts/reeval_windows.py
 env = dict(os.environ, PYTHONPATH=f"{WT}/src", OMP_NUM_THREADS="1")
 
 def out_dir(kind, label, j, seed):
@@ -69,8 +75,76 @@ def seed1():
             if done:
                 yield kind, r, min(done)[1], 1
 
+running = set()
+
+REEVAL = [f"{os.path.dirname(os.path.abspath(__file__))}/../docs/results/checks/reeval-windows/reeval.jsonl",
+          f"{RUNS}/reeval-scratch.jsonl"]
+
+def common(kind, label, j, seed):
+    """A finished run's loss on the 2,048 common windows (scripts/reeval_windows.py), if measured."""
+    name = os.path.basename(out_dir(kind, label, j, seed))
+    for f in REEVAL:
+        if os.path.exists(f):
+            for l in open(f):
+                r = json.loads(l)
+                if r.get("run_dir") == name:
+                    return r["common_val_loss"]
+    return None
+
+def edge(kind, r, seed=0):
+    """The next lr index out from a row's best finished lr when that lr is at an edge.
+
+    Judged on the common windows when every finished lr of the row has been re-evaluated there
+    (a 64-window eval moves lr differences by about 0.01), else on the logged losses."""
+    js = [j for j in range(r[2] - 6, r[2] + 7) if loss(kind, r[0], j, seed) is not None]
+    if not js:
+        return None
+    c = [common(kind, r[0], j, seed) for j in js]
+    v = c if None not in c else [loss(kind, r[0], j, seed) for j in js]
+    best = js[v.index(min(v))]
+    return best - 1 if best == min(js) else best + 1 if best == max(js) else None
+
+def bracket_plan():
+    yield from (("lh", r, j, 0) for r in LH for j in (r[2] - 1, r[2], r[2] + 1))
+    # AdamW last: it is far behind every matrix row, so its bracket decides no ordering
+    lh_out = [("lh", r, edge("lh", r), 0) for r in LH[1:] + LH[:1] if edge("lh", r) is not None]
+    w_grid = [("w256", r, j, 0) for d in (-1, 1) for r in W256 for j in (r[2] + d,)]
+    for i in range(max(len(lh_out), len(w_grid))):
+        yield from lh_out[i:i + 1] + w_grid[i:i + 1]
+    yield from (("w256", r, edge("w256", r), 0) for r in W256 if edge("w256", r) is not None)
+    for r in W256:
+        done = [(loss("w256", r[0], j, 0), j) for j in range(r[2] - 6, r[2] + 7)]
+        done = [(v, j) for v, j in done if v is not None]
+        if done:
+            yield "w256", r, min(done)[1], 1
+
+def next_task(lock):
+    with lock:
+        for t in bracket_plan():
+            key = out_dir(t[0], t[1][0], t[2], t[3])
+            if key not in running and loss(*[t[0], t[1][0], t[2], t[3]]) is None:
+                running.add(key)
+                return t
+    return None
+
+def worker(lock):
+    while (t := next_task(lock)) is not None:
+        run(*t)
+        # re-evaluate on the common windows at once, so the next outward step is judged there
+        d = out_dir(t[0], t[1][0], t[2], t[3])
+        if os.path.exists(d + "/results.jsonl"):
+            subprocess.run([sys.executable, "scripts/reeval_windows.py", d, "--out",
+                            f"{RUNS}/reeval-scratch.jsonl"], cwd=RE, env=dict(env, PYTHONPATH=f"{RE}/src"))
+
 
 if __name__ == "__main__":
+    if len(sys.argv) > 3 and sys.argv[3] == "bracket":
+        lock = threading.Lock()
+        ts = [threading.Thread(target=worker, args=(lock,)) for _ in range(int(os.environ.get("WORKERS", "2")))]
+        [t.start() for t in ts]
+        [t.join() for t in ts]
+        print("DRIVER_DONE", flush=True)
+        sys.exit(0)
     only = sys.argv[3] if len(sys.argv) > 3 else None
     if only == "seed1":
         todo = list(seed1())
