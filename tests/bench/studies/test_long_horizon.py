@@ -119,3 +119,28 @@ def test_reeval_reproduces_the_logged_loss_and_refuses_other_weights(tmp_path, t
     out2 = tmp_path / "re2.jsonl"
     assert mod.main([*args[:1], "--out", str(out2), *args[3:]]) == 1
     assert not out2.exists() or out2.read_text() == ""
+
+
+def test_best_on_common_picks_each_rows_lr_on_the_common_windows(tmp_path, monkeypatch):
+    """Best lr per row and setting on the common windows (seed 0 only), edges marked, ranks within a
+    setting, and the paired gap to Muon at Muon's own best lr."""
+    recs = [_re("Muon", 0, 1.30, [1.2, 1.4, 1.3, 1.3], lr=0.01),
+            _re("Muon", 0, 1.33, [1.3, 1.4, 1.3, 1.3], lr=0.0141),
+            _re("Muon", 0, 1.35, [1.3, 1.4, 1.35, 1.35], lr=0.00707),
+            _re("Muon", 1, 1.10, [1.1, 1.1, 1.1, 1.1], lr=0.0141),  # seed 1: not used
+            _re("AdamW", 0, 1.40, [1.31, 1.49, 1.41, 1.39], lr=0.005),  # gap +0.1, SE .005774
+            _re("AdamW", 0, 1.45, [1.4, 1.5, 1.45, 1.45], lr=0.00707),
+            _re("SOAP", 0, 1.25, [1.15, 1.35, 1.25, 1.25], lr=0.005, own=1.2),
+            _re("Muon", 0, 1.60, [1.6, 1.6, 1.6, 1.6], steps=3200, width=256)]
+    path = tmp_path / "results" / "checks" / "reeval-windows" / "reeval.jsonl"
+    path.parent.mkdir(parents=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    monkeypatch.setattr(L.R, "DOCS", tmp_path)
+    text, used = L.best_on_common()
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines()[2:6]]
+    assert rows[0] == ["8300 steps, width 128", "AdamW", "0.005: **1.400**, 0.00707: 1.450", "0.005 (edge)", "3",
+                       "+0.100 [+0.088, +0.112]"]
+    assert rows[1] == ["8300 steps, width 128", "Muon", "0.00707: 1.350, 0.01: **1.300**, 0.0141: 1.330", "0.01", "2", ""]
+    assert rows[2][1:] == ["SOAP", "0.005: **1.250**", "0.005 (edge)", "1", "-0.050 [-0.050, -0.050]"]
+    assert rows[3][:2] == ["3200 steps, width 256", "Muon"] and rows[3][4:] == ["1", ""]
+    assert len(used) == 7 and "seed 1" not in text.split("\n\n")[0]
