@@ -47,6 +47,13 @@ def _re(run, seed, common, groups, own=1.5, steps=8300, width=128, lr=0.01):
             "provenance": {"git_rev": "e1d94e4bb", "git_dirty": False}}
 
 
+def _write_reeval(tmp_path, monkeypatch, recs):
+    path = tmp_path / "results" / "checks" / "reeval-windows" / "reeval.jsonl"
+    path.parent.mkdir(parents=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    monkeypatch.setattr(L.R, "DOCS", tmp_path)
+
+
 def test_common_windows_table(tmp_path, monkeypatch):
     """Paired gaps to Muon of the same setting and seed with +-2 SE over the window groups, ranks within
     a setting and seed (a dash when alone), the 64-window spread and the seed-to-seed differences."""
@@ -56,10 +63,7 @@ def test_common_windows_table(tmp_path, monkeypatch):
             _re("Muon", 0, 1.35, [1.3, 1.4, 1.35, 1.35], lr=0.005),  # Muon's worse lr: not the reference
             _re("Muon", 0, 1.29, [1.2, 1.4, 1.29, 1.27], lr=0.02, width=256, steps=3200),  # lower, but one seed
             _re("Muon", 1, 1.50, [1.5, 1.5, 1.5, 1.5], width=256, steps=3200)]  # lr 0.01: two seeds
-    path = tmp_path / "results" / "checks" / "reeval-windows" / "reeval.jsonl"
-    path.parent.mkdir(parents=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    monkeypatch.setattr(L.R, "DOCS", tmp_path)
+    _write_reeval(tmp_path, monkeypatch, recs)
     text, used = L.common_windows()
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines()[2:7]]
     assert [r[:3] for r in rows] == [["8300 steps, width 128", "0", "AdamW"], ["8300 steps, width 128", "0", "Muon"],
@@ -132,10 +136,7 @@ def test_best_on_common_picks_each_rows_lr_on_the_common_windows(tmp_path, monke
             _re("AdamW", 0, 1.45, [1.4, 1.5, 1.45, 1.45], lr=0.00707),
             _re("SOAP", 0, 1.25, [1.15, 1.35, 1.25, 1.25], lr=0.005, own=1.2),
             _re("Muon", 0, 1.60, [1.6, 1.6, 1.6, 1.6], steps=3200, width=256)]
-    path = tmp_path / "results" / "checks" / "reeval-windows" / "reeval.jsonl"
-    path.parent.mkdir(parents=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    monkeypatch.setattr(L.R, "DOCS", tmp_path)
+    _write_reeval(tmp_path, monkeypatch, recs)
     text, used = L.best_on_common()
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines()[2:6]]
     assert rows[0] == ["8300 steps, width 128", "AdamW", "0.005: **1.400**, 0.00707: 1.450", "0.005 (edge)", "3",
