@@ -6,7 +6,7 @@ Usage: python scripts/long_horizon.py WORKTREE RUNS_DIR [lh|w256|seed1]: WORKTRE
 output folder; collect finished runs with `dobb-bench report --collect RUN --study long-horizon`.
 `seed1`: seed 1 at each row's best finished seed-0 lr (run it once the grid is done).
 `bracket`: the rest of the issue's grid at 20 tokens (one lr either side of the 800-step
-optimum), then, alternating, the next lr out for each 20-tokens row whose best finished lr is
+optimum), then, taking turns, the next lr out for each 20-tokens row whose best finished lr is
 at an edge of its finished ones and the width-256 neighbours; then the same outward step at
 width 256, then a second width-256 seed at each row's best lr. Two workers pull the next task
 when one finishes, so each choice sees every run finished by then.
@@ -104,28 +104,41 @@ def edge(kind, r, seed=0):
     best = js[v.index(min(v))]
     return best - 1 if best == min(js) else best + 1 if best == max(js) else None
 
-def bracket_plan():
-    yield from (("lh", r, j, 0) for r in LH for j in (r[2] - 1, r[2], r[2] + 1))
-    # AdamW last: it is far behind every matrix row, so its bracket decides no ordering
-    lh_out = [("lh", r, edge("lh", r), 0) for r in LH[1:] + LH[:1] if edge("lh", r) is not None]
-    w_grid = [("w256", r, j, 0) for d in (-1, 1) for r in W256 for j in (r[2] + d,)]
-    for i in range(max(len(lh_out), len(w_grid))):
-        yield from lh_out[i:i + 1] + w_grid[i:i + 1]
-    yield from (("w256", r, edge("w256", r), 0) for r in W256 if edge("w256", r) is not None)
-    for r in W256:
-        done = [(loss("w256", r[0], j, 0), j) for j in range(r[2] - 6, r[2] + 7)]
-        done = [(v, j) for v, j in done if v is not None]
-        if done:
-            yield "w256", r, min(done)[1], 1
+def _pending(tasks):
+    for t in tasks:
+        key = out_dir(t[0], t[1][0], t[2], t[3])
+        if key not in running and loss(t[0], t[1][0], t[2], t[3]) is None:
+            return t, key
+    return None
+
+started = {"lh": 0, "w256": 0}
 
 def next_task(lock):
+    """The issue's 20-tokens grid first; then the 20-tokens outward steps and the width-256 grid,
+    taking turns (rows whose best lr keeps moving would otherwise starve the width-256 grid); then
+    the width-256 outward steps and second seeds."""
     with lock:
-        for t in bracket_plan():
-            key = out_dir(t[0], t[1][0], t[2], t[3])
-            if key not in running and loss(*[t[0], t[1][0], t[2], t[3]]) is None:
-                running.add(key)
-                return t
-    return None
+        grid = (("lh", r, j, 0) for r in LH for j in (r[2] - 1, r[2], r[2] + 1))
+        # AdamW last: it is far behind every matrix row, so its bracket decides no ordering
+        lh_out = [("lh", r, edge("lh", r), 0) for r in LH[1:] + LH[:1] if edge("lh", r) is not None]
+        w_grid = [("w256", r, r[2] + d, 0) for d in (-1, 1) for r in W256]
+        w_out = [("w256", r, edge("w256", r), 0) for r in W256 if edge("w256", r) is not None]
+        seeds = []
+        for r in W256:
+            done = [(common("w256", r[0], j, 0) or loss("w256", r[0], j, 0), j) for j in range(r[2] - 6, r[2] + 7)
+                    if loss("w256", r[0], j, 0) is not None]
+            if done:
+                seeds.append(("w256", r, min(done)[1], 1))
+        pick = _pending(grid)
+        if pick is None:
+            a, b = _pending(lh_out), _pending(w_grid)
+            pick = (a if b is None or (a is not None and started["lh"] < started["w256"]) else b)
+        pick = pick or _pending(w_out) or _pending(seeds)
+        if pick is None:
+            return None
+        running.add(pick[1])
+        started[pick[0][0]] += 1
+        return pick[0]
 
 def worker(lock):
     while (t := next_task(lock)) is not None:
