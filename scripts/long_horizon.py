@@ -15,7 +15,7 @@ lr unless a neighbour already beat it), then the neighbouring lrs: the order use
 compute left in a session could not cover the whole grid and the seed spread mattered most.
 The first runs used a worktree of 197e872.
 """
-import json, os, subprocess, sys, glob, concurrent.futures as cf, threading
+import json, os, subprocess, sys, glob, time, concurrent.futures as cf, threading
 G = lambda j: 5e-3 * 2 ** (j / 2)
 # label, spec, 800-step best grid index j
 LH = [
@@ -121,8 +121,10 @@ def next_task(lock):
         grid = (("lh", r, j, 0) for r in LH for j in (r[2] - 1, r[2], r[2] + 1))
         # AdamW last: it is far behind every matrix row, so its bracket decides no ordering
         lh_out = [("lh", r, edge("lh", r), 0) for r in LH[1:] + LH[:1] if edge("lh", r) is not None]
-        w_grid = [("w256", r, r[2] + d, 0) for d in (-1, 1) for r in W256]
+        # width 256: the lower neighbours, then outward steps, then the higher neighbours (every
+        # 20-tokens row's higher neighbour lost; three lrs per row either way)
         w_out = [("w256", r, edge("w256", r), 0) for r in W256 if edge("w256", r) is not None]
+        w_grid = [("w256", r, r[2] - 1, 0) for r in W256] + w_out + [("w256", r, r[2] + 1, 0) for r in W256]
         seeds = []
         for r in W256:
             done = [(common("w256", r[0], j, 0) or loss("w256", r[0], j, 0), j) for j in range(r[2] - 6, r[2] + 7)
@@ -140,20 +142,35 @@ def next_task(lock):
         started[pick[0][0]] += 1
         return pick[0]
 
-def worker(lock):
+def _alive(d):
+    return subprocess.run(["pgrep", "-f", "--", f"--out {d} "], capture_output=True).returncode == 0
+
+def reeval(d):
+    if os.path.exists(d + "/results.jsonl"):
+        subprocess.run([sys.executable, "scripts/reeval_windows.py", d, "--out", f"{RUNS}/reeval-scratch.jsonl"],
+                       cwd=RE, env=dict(env, PYTHONPATH=f"{RE}/src"))
+
+def worker(lock, adopt=None):
+    # a run left by an earlier driver: wait for it (it holds this worker's core), then re-evaluate it
+    if adopt is not None:
+        while _alive(adopt):
+            time.sleep(30)
+        reeval(adopt)
     while (t := next_task(lock)) is not None:
         run(*t)
         # re-evaluate on the common windows at once, so the next outward step is judged there
-        d = out_dir(t[0], t[1][0], t[2], t[3])
-        if os.path.exists(d + "/results.jsonl"):
-            subprocess.run([sys.executable, "scripts/reeval_windows.py", d, "--out",
-                            f"{RUNS}/reeval-scratch.jsonl"], cwd=RE, env=dict(env, PYTHONPATH=f"{RE}/src"))
+        reeval(out_dir(t[0], t[1][0], t[2], t[3]))
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 3 and sys.argv[3] == "bracket":
         lock = threading.Lock()
-        ts = [threading.Thread(target=worker, args=(lock,)) for _ in range(int(os.environ.get("WORKERS", "2")))]
+        # adopt the runs an earlier driver left running, so a restart neither kills nor doubles them
+        ps = subprocess.run(["pgrep", "-af", "--", f"--out {RUNS}/"], capture_output=True, text=True).stdout
+        left = sorted({w.split()[0] for w in ps.split("--out ")[1:]})
+        running.update(left)
+        n = int(os.environ.get("WORKERS", "2"))
+        ts = [threading.Thread(target=worker, args=(lock, left[i] if i < len(left) else None)) for i in range(n)]
         [t.start() for t in ts]
         [t.join() for t in ts]
         print("DRIVER_DONE", flush=True)
