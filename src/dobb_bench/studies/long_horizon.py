@@ -229,7 +229,8 @@ def _reeval_records() -> list[dict]:
 
 def best_on_common() -> tuple[str, list[dict]]:
     """Each row at its own best lr, judged on the common windows at seed 0, against Muon at its own
-    best lr (paired over the 32 window groups, +- 2 standard errors of the window sampling).
+    best lr (paired over the 32 window groups, +- 2 standard errors of the window sampling), and
+    how that gap compares with the row's 800-step, width-128 gap (each at its own best lr, seed 0).
 
     A 64-window eval moves the differences between a row's lrs by about 0.01 nats, as much as the
     lr steps themselves change the loss here, so a row's best lr is chosen on the 2,048 windows.
@@ -238,8 +239,14 @@ def best_on_common() -> tuple[str, list[dict]]:
     order = {label: i for i, (label, *_) in enumerate(ROWS)}
     settings = sorted({(r["steps"], r["model"]["width"]) for r in recs}, key=lambda k: (-k[0], k[1]))
     out = ["| setting | row | lrs run: loss on the common windows (seed 0) | best lr | rank | "
-           "gap to Muon at its best lr [+- 2 SE] |", "|---|---|---|---|---|---|"]
+           "gap to Muon at its best lr [+- 2 SE] | gap to Muon: 800 steps, width 128 -> here |",
+           "|---|---|---|---|---|---|---|"]
     used = []
+    short = {}
+    for label, ref_label, studies in ROWS:
+        ref = runs_of(ref_label, studies)
+        ref_lr, _, _ = best_lr(ref)
+        short[label] = _loss(ref[(ref_lr, 0)]) if ref_lr is not None else None
     for steps, width in settings:
         rows: dict = {}
         for r in recs:
@@ -248,6 +255,7 @@ def best_on_common() -> tuple[str, list[dict]]:
         best = {run: min(by.values(), key=lambda r: r["common_val_loss"]) for run, by in rows.items()}
         ranks = _ranks({run: r["common_val_loss"] for run, r in best.items()})
         muon = best.get("Muon")
+        here = {run: r["common_val_loss"] for run, r in best.items()}
         for run in sorted(rows, key=lambda k: order.get(k, 99)):
             by, b = rows[run], best[run]
             lrs = sorted(by)
@@ -260,7 +268,9 @@ def best_on_common() -> tuple[str, list[dict]]:
             else:
                 g, se, _ = paired(b["common_groups"], muon["common_groups"])
                 gap = f"{g:+.3f} [{g - 2 * se:+.3f}, {g + 2 * se:+.3f}]"
-            out.append(f"| {steps} steps, width {width} | {run} | {cells} | {blr:.3g}{edge} | {ranks[run]} | {gap} |")
+            change = "" if run == "Muon" else _gap_change(run, short, here)
+            out.append(f"| {steps} steps, width {width} | {run} | {cells} | {blr:.3g}{edge} | {ranks[run]} | {gap} "
+                       f"| {change} |")
             used += list(by.values())
     revs = sorted({(r.get("provenance") or {}).get("git_rev", "")[:7] for r in used})
     runs = sorted({r.get("run_git_rev", "")[:7] for r in used})
