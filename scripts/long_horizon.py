@@ -123,7 +123,7 @@ def next_task(lock):
         lh_out = [("lh", r, edge("lh", r), 0) for r in LH[1:] + LH[:1] if edge("lh", r) is not None]
         # width 256: the lower neighbours, then outward steps, then the higher neighbours (every
         # 20-tokens row's higher neighbour lost; three lrs per row either way)
-        w_out = [("w256", r, edge("w256", r), 0) for r in W256 if edge("w256", r) is not None]
+        w_out = [("w256", r, edge("w256", r), 0) for r in W256[1:] + W256[:1] if edge("w256", r) is not None]
         w_grid = [("w256", r, r[2] - 1, 0) for r in W256] + w_out + [("w256", r, r[2] + 1, 0) for r in W256]
         seeds = []
         for r in W256:
