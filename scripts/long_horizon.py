@@ -91,17 +91,23 @@ def common(kind, label, j, seed):
                     return r["common_val_loss"]
     return None
 
-def edge(kind, r, seed=0):
-    """The next lr index out from a row's best finished lr when that lr is at an edge.
-
-    Judged on the common windows when every finished lr of the row has been re-evaluated there
-    (a 64-window eval moves lr differences by about 0.01), else on the logged losses."""
+def best_j(kind, r, seed=0):
+    """A row's finished lr indices and the best of them, judged on the common windows when every
+    finished lr has been re-evaluated there (a 64-window eval moves lr differences by about 0.01),
+    else on the logged losses; None when none has finished."""
     js = [j for j in range(r[2] - 6, r[2] + 7) if loss(kind, r[0], j, seed) is not None]
     if not js:
         return None
     c = [common(kind, r[0], j, seed) for j in js]
     v = c if None not in c else [loss(kind, r[0], j, seed) for j in js]
-    best = js[v.index(min(v))]
+    return js, js[v.index(min(v))]
+
+def edge(kind, r, seed=0):
+    """The next lr index out from a row's best finished lr when that lr is at an edge."""
+    got = best_j(kind, r, seed)
+    if got is None:
+        return None
+    js, best = got
     return best - 1 if best == min(js) else best + 1 if best == max(js) else None
 
 def _pending(tasks):
@@ -125,12 +131,7 @@ def next_task(lock):
         # 20-tokens row's higher neighbour lost; three lrs per row either way)
         w_out = [("w256", r, edge("w256", r), 0) for r in W256[1:] + W256[:1] if edge("w256", r) is not None]
         w_grid = [("w256", r, r[2] - 1, 0) for r in W256] + w_out + [("w256", r, r[2] + 1, 0) for r in W256]
-        seeds = []
-        for r in W256:
-            done = [(common("w256", r[0], j, 0) or loss("w256", r[0], j, 0), j) for j in range(r[2] - 6, r[2] + 7)
-                    if loss("w256", r[0], j, 0) is not None]
-            if done:
-                seeds.append(("w256", r, min(done)[1], 1))
+        seeds = [("w256", r, best_j("w256", r)[1], 1) for r in W256 if best_j("w256", r) is not None]
         pick = _pending(grid)
         if pick is None:
             a, b = _pending(lh_out), _pending(w_grid)

@@ -53,6 +53,13 @@ def _grid(label: str, keep) -> dict[tuple[float, int], dict]:
     return out
 
 
+def _short(ref_label: str, studies) -> tuple[float | None, float | None]:
+    """A row's 800-step, width-128 best lr (seed-0 grid) and its seed-0 loss there."""
+    ref = runs_of(ref_label, studies)
+    ref_lr, _, _ = best_lr(ref)
+    return ref_lr, (_loss(ref[(ref_lr, 0)]) if ref_lr is not None else None)
+
+
 def _ranks(values: dict[str, float]) -> dict[str, int]:
     order = sorted((v, k) for k, v in values.items() if v is not None)
     return {k: i + 1 for i, (_, k) in enumerate(order)}
@@ -64,9 +71,7 @@ def _table(steps: int, width: int, rows) -> tuple[str, list[dict]]:
     lines = []
     lrs = sorted({lr for label, *_ in rows for (lr, s) in _grid(label, keep) if s == 0})
     for label, ref_label, studies in rows:
-        ref = runs_of(ref_label, studies)
-        ref_lr, ref_bracketed, _ = best_lr(ref)
-        short[label] = _loss(ref[(ref_lr, 0)]) if ref_lr is not None else None
+        ref_lr, short[label] = _short(ref_label, studies)
         grid = _grid(label, keep)
         used += list(grid.values())
         lr, bracketed, _ = best_lr(grid)
@@ -142,6 +147,11 @@ def width_256() -> tuple[str, list[dict]]:
 def reeval_path() -> Path:
     """The record of ``scripts/reeval_windows.py`` (read at call time: ``use_docs`` moves the docs)."""
     return Path(R.DOCS) / "results" / "checks" / "reeval-windows" / "reeval.jsonl"
+
+
+def _reeval_records() -> list[dict]:
+    path = reeval_path()
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def common_windows() -> tuple[str, list[dict]]:
@@ -222,11 +232,6 @@ def _over_seeds(recs: list[dict], muon: dict) -> list[str]:
     return out
 
 
-def _reeval_records() -> list[dict]:
-    path = reeval_path()
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def best_on_common() -> tuple[str, list[dict]]:
     """Each row at its own best lr, judged on the common windows at seed 0, against Muon at its own
     best lr (paired over the 32 window groups, +- 2 standard errors of the window sampling), and
@@ -242,11 +247,7 @@ def best_on_common() -> tuple[str, list[dict]]:
            "gap to Muon at its best lr [+- 2 SE] | gap to Muon: 800 steps, width 128 -> here |",
            "|---|---|---|---|---|---|---|"]
     used = []
-    short = {}
-    for label, ref_label, studies in ROWS:
-        ref = runs_of(ref_label, studies)
-        ref_lr, _, _ = best_lr(ref)
-        short[label] = _loss(ref[(ref_lr, 0)]) if ref_lr is not None else None
+    short = {label: _short(ref_label, studies)[1] for label, ref_label, studies in ROWS}
     for steps, width in settings:
         rows: dict = {}
         for r in recs:
