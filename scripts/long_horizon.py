@@ -10,6 +10,7 @@ optimum), then, taking turns, the next lr out for each 20-tokens row whose best 
 at an edge of its finished ones and the width-256 neighbours; then the same outward step at
 width 256, then a second width-256 seed at each row's best lr. Two workers pull the next task
 when one finishes, so each choice sees every run finished by then.
+`close`: what the issue still asks first (see next_close), then the same outward steps and seeds.
 `noise-first`: the width-256 rows at seed 0, then the 20-tokens rows at seed 1 (their 800-step
 lr unless a neighbour already beat it), then the neighbouring lrs: the order used once the
 compute left in a session could not cover the whole grid and the seed spread mattered most.
@@ -143,6 +144,44 @@ def next_task(lock):
         started[pick[0][0]] += 1
         return pick[0]
 
+def next_close(lock):
+    """`close`: what the issue still asks first. Taking turns between the two settings: the third
+    width-256 lr of each row that has fewer than three, and a second 20-tokens seed at each
+    bracketed row's best lr (the first second seeds ran at the 800-step lrs, which moved); then
+    the outward steps at either setting (AdamW last: its bracket decides no ordering); then the
+    second seeds of the rows bracketed by then, at 20 tokens and at width 256."""
+    with lock:
+        def n_lrs(kind, r):
+            got = best_j(kind, r)
+            return 0 if got is None else len(got[0])
+        def seed_at_best(kind, rows, bracketed):
+            out = []
+            for r in rows:
+                got = best_j(kind, r)
+                if got is not None and (edge(kind, r) is None) == bracketed:
+                    out.append((kind, r, got[1], 1))
+            return out
+        w_third = [("w256", r, edge("w256", r), 0) for r in W256
+                   if n_lrs("w256", r) < 3 and edge("w256", r) is not None]
+        lh_seed = seed_at_best("lh", LH, True)
+        lh_out = [("lh", r, edge("lh", r), 0) for r in LH[1:] if edge("lh", r) is not None]
+        w_out = [("w256", r, edge("w256", r), 0) for r in W256 if r[0] != "AdamW" and edge("w256", r) is not None]
+        adamw = [(k, r, edge(k, r), 0) for k, rows in (("lh", LH), ("w256", W256)) for r in rows
+                 if r[0] == "AdamW" and edge(k, r) is not None]
+        late = adamw + seed_at_best("lh", LH, False) + seed_at_best("w256", W256, True) + seed_at_best("w256", W256, False)
+        pick = None
+        for a, b in ((lh_seed, w_third), (lh_out, w_out)):
+            a, b = _pending(a), _pending(b)
+            pick = a if b is None or (a is not None and started["lh"] <= started["w256"]) else b
+            if pick is not None:
+                break
+        pick = pick or _pending(late)
+        if pick is None:
+            return None
+        running.add(pick[1])
+        started[pick[0][0]] += 1
+        return pick[0]
+
 def _alive(d):
     return subprocess.run(["pgrep", "-f", "--", f"--out {d} "], capture_output=True).returncode == 0
 
@@ -151,27 +190,28 @@ def reeval(d):
         subprocess.run([sys.executable, "scripts/reeval_windows.py", d, "--out", f"{RUNS}/reeval-scratch.jsonl"],
                        cwd=RE, env=dict(env, PYTHONPATH=f"{RE}/src"))
 
-def worker(lock, adopt=None):
+def worker(lock, adopt=None, pick=next_task):
     # a run left by an earlier driver: wait for it (it holds this worker's core), then re-evaluate it
     if adopt is not None:
         while _alive(adopt):
             time.sleep(30)
         reeval(adopt)
-    while (t := next_task(lock)) is not None:
+    while (t := pick(lock)) is not None:
         run(*t)
         # re-evaluate on the common windows at once, so the next outward step is judged there
         reeval(out_dir(t[0], t[1][0], t[2], t[3]))
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 3 and sys.argv[3] == "bracket":
+    if len(sys.argv) > 3 and sys.argv[3] in ("bracket", "close"):
+        pick = next_task if sys.argv[3] == "bracket" else next_close
         lock = threading.Lock()
         # adopt the runs an earlier driver left running, so a restart neither kills nor doubles them
         ps = subprocess.run(["pgrep", "-af", "--", f"--out {RUNS}/"], capture_output=True, text=True).stdout
         left = sorted({w.split()[0] for w in ps.split("--out ")[1:]})
         running.update(left)
         n = int(os.environ.get("WORKERS", "2"))
-        ts = [threading.Thread(target=worker, args=(lock, left[i] if i < len(left) else None)) for i in range(n)]
+        ts = [threading.Thread(target=worker, args=(lock, left[i] if i < len(left) else None, pick)) for i in range(n)]
         [t.start() for t in ts]
         [t.join() for t in ts]
         print("DRIVER_DONE", flush=True)
