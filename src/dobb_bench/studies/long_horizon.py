@@ -232,6 +232,26 @@ def _over_seeds(recs: list[dict], muon: dict) -> list[str]:
     return out
 
 
+def _later_seeds(later: dict, steps: int, width: int, best: dict, muon: dict | None) -> tuple[str, list[dict]]:
+    """The seeds other than 0 that both the row (at its seed-0 best lr) and Muon (at Muon's) have:
+    each seed's gap to Muon, paired over the window groups, and the mean gap over all the seeds
+    (seed 0 included). Muon's own cell lists its other seeds without a gap."""
+    if muon is None:
+        return "—", []
+    lr_of = lambda r: float(f"{r['lr']:.4g}")
+    mine = later.get((steps, width, best["run"], lr_of(best)), {})
+    if best is muon:
+        return (", ".join(f"seed {sd}" for sd in sorted(mine)) or "—"), list(mine.values())
+    ref = later.get((steps, width, "Muon", lr_of(muon)), {})
+    both = sorted(set(mine) & set(ref))
+    if not both:
+        return "—", []
+    gaps = [paired(mine[sd]["common_groups"], ref[sd]["common_groups"])[0] for sd in both]
+    g0 = paired(best["common_groups"], muon["common_groups"])[0]
+    text = ", ".join(f"seed {sd}: {g:+.3f}" for sd, g in zip(both, gaps))
+    return f"{text}; mean {statistics.mean([g0, *gaps]):+.3f}", [mine[sd] for sd in both]
+
+
 def best_on_common() -> tuple[str, list[dict]]:
     """Each row at its own best lr, judged on the common windows at seed 0, against Muon at its own
     best lr (paired over the 32 window groups, +- 2 standard errors of the window sampling), and
@@ -239,13 +259,21 @@ def best_on_common() -> tuple[str, list[dict]]:
 
     A 64-window eval moves the differences between a row's lrs by about 0.01 nats, as much as the
     lr steps themselves change the loss here, so a row's best lr is chosen on the 2,048 windows.
-    A best lr is bracketed when a worse lr lies on each side of it."""
-    recs = [r for r in _reeval_records() if r["seed"] == 0]
+    A best lr is bracketed when a worse lr lies on each side of it. Where the row and Muon both ran
+    another seed at their seed-0 best lrs, that seed's paired gap and the mean over seeds follow."""
+    every = _reeval_records()
+    recs = [r for r in every if r["seed"] == 0]
+    # other seeds, by (setting, row, lr): paired with Muon's at the seed-0 best lrs of both
+    later: dict = {}
+    for r in every:
+        if r["seed"] != 0:
+            later.setdefault((r["steps"], r["model"]["width"], r["run"], float(f"{r['lr']:.4g}")), {})[r["seed"]] = r
     order = {label: i for i, (label, *_) in enumerate(ROWS)}
     settings = sorted({(r["steps"], r["model"]["width"]) for r in recs}, key=lambda k: (-k[0], k[1]))
     out = ["| setting | row | lrs run: loss on the common windows (seed 0) | best lr | rank | "
-           "gap to Muon at its best lr [+- 2 SE] | gap to Muon: 800 steps, width 128 -> here |",
-           "|---|---|---|---|---|---|---|"]
+           "gap to Muon at its best lr [+- 2 SE] | other seeds at both best lrs: gap to Muon; mean over seeds | "
+           "gap to Muon: 800 steps, width 128 -> here |",
+           "|---|---|---|---|---|---|---|---|"]
     used = []
     short = {label: _short(ref_label, studies)[1] for label, ref_label, studies in ROWS}
     for steps, width in settings:
@@ -270,9 +298,10 @@ def best_on_common() -> tuple[str, list[dict]]:
                 g, se, _ = paired(b["common_groups"], muon["common_groups"])
                 gap = f"{g:+.3f} [{g - 2 * se:+.3f}, {g + 2 * se:+.3f}]"
             change = "" if run == "Muon" else _gap_change(run, short, here)
+            seeds, more = _later_seeds(later, steps, width, b, muon)
             out.append(f"| {steps} steps, width {width} | {run} | {cells} | {blr:.3g}{edge} | {ranks[run]} | {gap} "
-                       f"| {change} |")
-            used += list(by.values())
+                       f"| {seeds} | {change} |")
+            used += list(by.values()) + more
     revs = sorted({(r.get("provenance") or {}).get("git_rev", "")[:7] for r in used})
     runs = sorted({r.get("run_git_rev", "")[:7] for r in used})
     text = "\n".join(out) + "\n"
