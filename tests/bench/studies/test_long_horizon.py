@@ -1,6 +1,7 @@
 """dobb_bench.studies.long_horizon: the tables against hand-built records (ranks both ways, best lr,
 bracketing, seeds at the best lr, the 800-step references, the common windows), and
-scripts/reeval_windows.py, which writes the common-windows record, on a real tiny run."""
+scripts/reeval_windows.py, which writes the common-windows record, on a real tiny run, and
+the choices of the scripts/long_horizon.py driver over a fake runs folder."""
 import importlib.util
 import json
 from pathlib import Path
@@ -153,3 +154,71 @@ def test_best_on_common_picks_each_rows_lr_on_the_common_windows(tmp_path, monke
     assert rows[2][1:] == ["SOAP", "0.005: **1.250**", "0.005 (edge)", "1", "-0.050 [-0.050, -0.050]", "—", "—"]
     assert rows[3][:2] == ["3200 steps, width 256", "Muon"] and rows[3][4:] == ["1", "", "—", ""]
     assert len(used) == 9 and "seed 2" not in text
+
+
+DRIVER = Path(__file__).resolve().parents[3] / "scripts" / "long_horizon.py"
+
+
+def _driver(tmp_path, monkeypatch, finished):
+    """scripts/long_horizon.py over a fake runs folder: ``finished`` maps (kind, label, j, seed) to
+    (logged loss, common-window loss or None)."""
+    monkeypatch.setattr("sys.argv", ["long_horizon.py", str(tmp_path / "wt"), str(tmp_path / "runs")])
+    spec = importlib.util.spec_from_file_location("long_horizon_driver", DRIVER)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.REEVAL = [str(tmp_path / "reeval.jsonl")]
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for (kind, label, j, seed), (logged, common) in finished.items():
+        d = Path(mod.out_dir(kind, label, j, seed))
+        d.mkdir(parents=True)
+        (d / "results.jsonl").write_text(json.dumps({"final_val_loss": logged}) + "\n")
+        if common is not None:
+            lines.append(json.dumps({"run_dir": d.name, "common_val_loss": common}) + "\n")
+    (tmp_path / "reeval.jsonl").write_text("".join(lines))
+    return mod
+
+
+def test_driver_judges_on_the_common_windows_and_steps_out_from_an_edge(tmp_path, monkeypatch):
+    """The best lr is taken on the common windows only when every finished lr of the row has them;
+    the next lr out is one index past the best when the best sits at an edge, else none."""
+    m = _driver(tmp_path, monkeypatch, {
+        ("lh", "Muon", 1, 0): (1.30, 1.25), ("lh", "Muon", 2, 0): (1.28, 1.27),  # logged and common disagree
+        ("lh", "SOAP", 1, 0): (1.30, 1.25), ("lh", "SOAP", 2, 0): (1.28, None),  # one not re-evaluated
+        ("lh", "Dobb B=1", -1, 0): (1.4, 1.4), ("lh", "Dobb B=1", 0, 0): (1.3, 1.3), ("lh", "Dobb B=1", 1, 0): (1.5, 1.5)})
+    row = {r[0]: r for r in m.LH}
+    assert m.best_j("lh", row["Muon"]) == ([1, 2], 1) and m.edge("lh", row["Muon"]) == 0
+    assert m.best_j("lh", row["SOAP"]) == ([1, 2], 2) and m.edge("lh", row["SOAP"]) == 3
+    assert m.edge("lh", row["Dobb B=1"]) is None  # bracketed
+    assert m.best_j("lh", row["AdamW"]) is None and m.edge("lh", row["AdamW"]) is None
+
+
+def test_driver_close_mode_order(tmp_path, monkeypatch):
+    """`close`: a second seed at each bracketed 20-tokens row's best lr, taking turns with the third
+    width-256 lr of the rows that have fewer than three; then the outward steps, AdamW's last."""
+    fin = {}
+    for label, _, j0 in [r for r in _rows_of(tmp_path, monkeypatch)]:
+        for j, v in ((j0 - 1, 1.31), (j0, 1.30), (j0 + 1, 1.32)):  # every 20-tokens row bracketed at j0 ...
+            fin[("lh", label, j, 0)] = (v, v)
+    fin[("lh", "Two-sided B=1 Bo=4", 0 - 1, 0)] = (1.29, 1.29)  # ... but this one, best at its lower edge
+    fin[("lh", "Muon", 2, 1)] = (1.3, 1.3)  # Muon's second seed already at its best lr
+    fin.update({("w256", "Muon", j, 0): (v, v) for j, v in ((1, 1.4), (2, 1.41), (3, 1.42))})
+    fin.update({("w256", "Dobb B=1", j, 0): (v, v) for j, v in ((-1, 1.4), (0, 1.41))})
+    fin.update({("w256", "AdamW", j, 0): (v, v) for j, v in ((-3, 1.49), (-2, 1.5), (-1, 1.51))})
+    m = _driver(tmp_path, monkeypatch, fin)
+    import threading
+    lock, picks = threading.Lock(), []
+    while (t := m.next_close(lock)) is not None and len(picks) < 12:
+        picks.append((t[0], t[1][0], t[2], t[3]))
+    assert picks[:3] == [("lh", "AdamW", -1, 1), ("w256", "Dobb B=1", -2, 0), ("lh", "SOAP", 2, 1)]
+    assert ("lh", "Muon", 2, 1) not in picks
+    lh_seeds = [p for p in picks if p[0] == "lh" and p[3] == 1]
+    assert len(lh_seeds) == 7 and lh_seeds[-1] == ("lh", "Two-sided B=1 Bo=4", -1, 1)  # not bracketed: last
+    out = picks.index(("lh", "Two-sided B=1 Bo=4", -2, 0))
+    assert max(picks.index(p) for p in lh_seeds[:-1]) < out < picks.index(lh_seeds[-1])
+    assert picks.index(("w256", "Muon", 0, 0)) > 2
+    assert picks.index(("w256", "AdamW", -4, 0)) > out  # AdamW's steps after every matrix row's
+
+
+def _rows_of(tmp_path, monkeypatch):
+    return _driver(tmp_path / "rows", monkeypatch, {}).LH
