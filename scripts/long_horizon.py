@@ -144,11 +144,32 @@ def next_task(lock):
         started[pick[0][0]] += 1
         return pick[0]
 
+def _leads(seeds=(0, 1), margin=-0.01):
+    """Muon and the 20-tokens rows that lead it at every one of ``seeds`` (each row at its seed-0 best
+    lr, paired on the common windows) by ``margin`` on average: the leads a third seed should test.
+    Empty until every such run has been re-evaluated."""
+    muon = next(r for r in LH if r[0] == "Muon")
+    mj = (best_j("lh", muon) or (None, None))[1]
+    ref = [common("lh", "Muon", mj, sd) for sd in seeds]
+    if mj is None or None in ref:
+        return []
+    out = []
+    for r in LH:
+        got = best_j("lh", r)
+        if r is muon or got is None or edge("lh", r) is not None:
+            continue
+        mine = [common("lh", r[0], got[1], sd) for sd in seeds]
+        if None not in mine:
+            gaps = [a - b for a, b in zip(mine, ref)]
+            if max(gaps) < 0 and sum(gaps) / len(gaps) <= margin:
+                out.append((r, got[1]))
+    return [(muon, mj)] + out if out else []
+
 def next_close(lock):
     """`close`: what the issue still asks first. Taking turns between the two settings: the third
     width-256 lr of each row that has fewer than three, and a second 20-tokens seed at each
-    bracketed row's best lr (the first second seeds ran at the 800-step lrs, which moved); then
-    the outward steps at either setting (AdamW last: its bracket decides no ordering); then the
+    bracketed row's best lr (the first second seeds ran at the 800-step lrs, which moved); then a
+    third seed for Muon and each row that leads it at both seeds (`_leads`); then the outward steps at either setting (AdamW last: its bracket decides no ordering); then the
     second seeds of the rows bracketed by then, at 20 tokens and at width 256."""
     with lock:
         def n_lrs(kind, r):
@@ -169,8 +190,9 @@ def next_close(lock):
         adamw = [(k, r, edge(k, r), 0) for k, rows in (("lh", LH), ("w256", W256)) for r in rows
                  if r[0] == "AdamW" and edge(k, r) is not None]
         late = adamw + seed_at_best("lh", LH, False) + seed_at_best("w256", W256, True) + seed_at_best("w256", W256, False)
+        third = [("lh", r, j, 2) for r, j in _leads()]
         pick = None
-        for a, b in ((lh_seed, w_third), (lh_out, w_out)):
+        for a, b in ((lh_seed, w_third), (third, []), (lh_out, w_out)):
             a, b = _pending(a), _pending(b)
             pick = a if b is None or (a is not None and started["lh"] <= started["w256"]) else b
             if pick is not None:

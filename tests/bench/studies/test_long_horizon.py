@@ -222,3 +222,19 @@ def test_driver_close_mode_order(tmp_path, monkeypatch):
 
 def _rows_of(tmp_path, monkeypatch):
     return _driver(tmp_path / "rows", monkeypatch, {}).LH
+
+
+def test_driver_third_seed_goes_to_rows_that_lead_muon_at_both_seeds(tmp_path, monkeypatch):
+    fin = {}
+    for label, by_seed in (("Muon", (1.30, 1.28)), ("SOAP", (1.28, 1.27)),  # leads by 0.02 and 0.01
+                           ("Dobb B=1", (1.28, 1.29)),  # leads at seed 0 only
+                           ("MuonBP R=4 P=5", (1.295, 1.275))):  # leads at both, by 0.005 on average
+        for j, extra in ((0, 0.01), (1, 0.0), (2, 0.02)):  # bracketed at j=1
+            for sd, v in enumerate(by_seed):
+                if sd == 0 or j == 1:
+                    fin[("lh", label, j, sd)] = (v + extra, v + extra)
+    m = _driver(tmp_path, monkeypatch, fin)
+    assert [(r[0], j) for r, j in m._leads()] == [("Muon", 1), ("SOAP", 1)]
+    import threading
+    picks = [m.next_close(threading.Lock()) for _ in range(2)]
+    assert [(t[1][0], t[2], t[3]) for t in picks] == [("Muon", 1, 2), ("SOAP", 1, 2)]
