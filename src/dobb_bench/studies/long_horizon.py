@@ -21,7 +21,7 @@ from pathlib import Path
 
 from dobb_bench.reports import records as R
 from dobb_bench.reports.tables import _loss, paired, setting_line
-from dobb_bench.studies.shard_local import best_lr, runs_of
+from dobb_bench.studies.shard_local import T95, best_lr, runs_of
 
 STUDY = "long-horizon"
 # row label (as run here), label and studies of its 800-step, width-128 runs
@@ -235,7 +235,8 @@ def _over_seeds(recs: list[dict], muon: dict) -> list[str]:
 def _later_seeds(later: dict, steps: int, width: int, best: dict, muon: dict | None) -> tuple[str, list[dict]]:
     """The seeds other than 0 that both the row (at its seed-0 best lr) and Muon (at Muon's) have:
     each seed's gap to Muon, paired over the window groups, and the mean gap over all the seeds
-    (seed 0 included). Muon's own cell lists its other seeds without a gap."""
+    (seed 0 included); from three seeds on, whether that mean is beyond the seed noise by a 95%
+    paired t-test over the per-seed gaps. Muon's own cell lists its other seeds without a gap."""
     if muon is None:
         return "—", []
     lr_of = lambda r: float(f"{r['lr']:.4g}")
@@ -249,7 +250,14 @@ def _later_seeds(later: dict, steps: int, width: int, best: dict, muon: dict | N
     gaps = [paired(mine[sd]["common_groups"], ref[sd]["common_groups"])[0] for sd in both]
     g0 = paired(best["common_groups"], muon["common_groups"])[0]
     text = ", ".join(f"seed {sd}: {g:+.3f}" for sd, g in zip(both, gaps))
-    return f"{text}; mean {statistics.mean([g0, *gaps]):+.3f}", [mine[sd] for sd in both]
+    every = [g0, *gaps]
+    mean = statistics.mean(every)
+    text += f"; mean {mean:+.3f}"
+    if len(every) >= 3:  # two seeds say nothing about the seed noise of a gap
+        se = statistics.stdev(every) / len(every) ** 0.5
+        beyond = abs(mean) > T95.get(len(every) - 1, 1.96) * se
+        text += f" over {len(every)} seeds, {'beyond' if beyond else 'within'} seed noise"
+    return text, [mine[sd] for sd in both]
 
 
 def best_on_common() -> tuple[str, list[dict]]:

@@ -135,7 +135,10 @@ def test_best_on_common_picks_each_rows_lr_on_the_common_windows(tmp_path, monke
             _re("Muon", 1, 1.10, [1.1, 1.1, 1.1, 1.1], lr=0.0141),  # seed 1 off Muon's best lr: not used
             _re("Muon", 1, 1.32, [1.3, 1.3, 1.3, 1.38], lr=0.01),
             _re("AdamW", 1, 1.36, [1.35, 1.35, 1.35, 1.39], lr=0.005),  # seed-1 gap +0.04
-            _re("AdamW", 2, 1.50, [1.5, 1.5, 1.5, 1.5], lr=0.005),  # no Muon seed 2: not paired
+            _re("AdamW", 4, 1.50, [1.5, 1.5, 1.5, 1.5], lr=0.005),  # no Muon seed 4: not paired
+            _re("SOAP", 1, 1.28, [1.28] * 4, lr=0.005), _re("SOAP", 2, 1.29, [1.29] * 4, lr=0.005),
+            _re("Muon", 2, 1.33, [1.33] * 4, lr=0.01), _re("SOAP", 3, 1.3, [1.3] * 4, lr=0.005),
+            _re("Muon", 3, 1.305, [1.305] * 4, lr=0.01),
             _re("AdamW", 0, 1.40, [1.31, 1.49, 1.41, 1.39], lr=0.005),  # gap +0.1, SE .005774
             _re("AdamW", 0, 1.45, [1.4, 1.5, 1.45, 1.45], lr=0.00707),
             _re("SOAP", 0, 1.25, [1.15, 1.35, 1.25, 1.25], lr=0.005, own=1.2),
@@ -150,10 +153,13 @@ def test_best_on_common_picks_each_rows_lr_on_the_common_windows(tmp_path, monke
     assert rows[0] == ["8300 steps, width 128", "AdamW", "0.005: **1.400**, 0.00707: 1.450", "0.005 (edge)", "3",
                        "+0.100 [+0.088, +0.112]", "seed 1: +0.040; mean +0.070", "+0.400 -> +0.100 (shrank)"]
     assert rows[1] == ["8300 steps, width 128", "Muon", "0.00707: 1.350, 0.01: **1.300**, 0.0141: 1.330", "0.01", "2",
-                       "", "seed 1", ""]
-    assert rows[2][1:] == ["SOAP", "0.005: **1.250**", "0.005 (edge)", "1", "-0.050 [-0.050, -0.050]", "—", "—"]
+                       "", "seed 1, seed 2, seed 3", ""]
+    # SOAP's gaps -0.05, -0.04, -0.04, -0.005: mean -0.034, SE 0.0103, t(3) 3.182 -> 0.033: beyond
+    assert rows[2][1:] == ["SOAP", "0.005: **1.250**", "0.005 (edge)", "1", "-0.050 [-0.050, -0.050]",
+                           "seed 1: -0.040, seed 2: -0.040, seed 3: -0.005; mean -0.034 over 4 seeds, beyond seed noise",
+                           "—"]
     assert rows[3][:2] == ["3200 steps, width 256", "Muon"] and rows[3][4:] == ["1", "", "—", ""]
-    assert len(used) == 9 and "seed 2" not in text
+    assert len(used) == 14 and "seed 4" not in text
 
 
 DRIVER = Path(__file__).resolve().parents[3] / "scripts" / "long_horizon.py"
