@@ -169,8 +169,9 @@ def next_close(lock):
     """`close`: what the issue still asks first. Taking turns between the two settings: the third
     width-256 lr of each row that has fewer than three, and a second 20-tokens seed at each
     bracketed row's best lr (the first second seeds ran at the 800-step lrs, which moved); then a
-    third seed for Muon and each row that leads it at both seeds (`_leads`); then the outward steps at either setting (AdamW last: its bracket decides no ordering); then the
-    second seeds of the rows bracketed by then, at 20 tokens and at width 256."""
+    third seed for Muon and each row that leads it at both seeds (`_leads`); then the outward steps
+    of the matrix rows at either setting; then the second seeds of the rows bracketed by then, at
+    20 tokens and at width 256; AdamW's outward steps last (its bracket decides no ordering)."""
     with lock:
         def n_lrs(kind, r):
             got = best_j(kind, r)
@@ -189,7 +190,9 @@ def next_close(lock):
         w_out = [("w256", r, edge("w256", r), 0) for r in W256 if r[0] != "AdamW" and edge("w256", r) is not None]
         adamw = [(k, r, edge(k, r), 0) for k, rows in (("lh", LH), ("w256", W256)) for r in rows
                  if r[0] == "AdamW" and edge(k, r) is not None]
-        late = adamw + seed_at_best("lh", LH, False) + seed_at_best("w256", W256, True) + seed_at_best("w256", W256, False)
+        # AdamW's outward steps after the width-256 second seeds: its bracket decides no ordering
+        late = (seed_at_best("lh", LH, False) + seed_at_best("w256", W256, True) + adamw
+                + seed_at_best("w256", W256, False))
         third = [("lh", r, j, 2) for r, j in _leads()]
         pick = None
         for a, b in ((lh_seed, w_third), (third, []), (lh_out, w_out)):

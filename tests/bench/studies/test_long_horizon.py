@@ -210,11 +210,12 @@ def test_driver_close_mode_order(tmp_path, monkeypatch):
     fin[("lh", "Muon", 2, 1)] = (1.3, 1.3)  # Muon's second seed already at its best lr
     fin.update({("w256", "Muon", j, 0): (v, v) for j, v in ((1, 1.4), (2, 1.41), (3, 1.42))})
     fin.update({("w256", "Dobb B=1", j, 0): (v, v) for j, v in ((-1, 1.4), (0, 1.41))})
+    fin.update({("w256", "Two-sided B=1 Bo=4", j, 0): (v, v) for j, v in ((-2, 1.42), (-1, 1.4), (0, 1.41))})
     fin.update({("w256", "AdamW", j, 0): (v, v) for j, v in ((-3, 1.49), (-2, 1.5), (-1, 1.51))})
     m = _driver(tmp_path, monkeypatch, fin)
     import threading
     lock, picks = threading.Lock(), []
-    while (t := m.next_close(lock)) is not None and len(picks) < 12:
+    while (t := m.next_close(lock)) is not None and len(picks) < 20:
         picks.append((t[0], t[1][0], t[2], t[3]))
     assert picks[:3] == [("lh", "AdamW", -1, 1), ("w256", "Dobb B=1", -2, 0), ("lh", "SOAP", 2, 1)]
     assert ("lh", "Muon", 2, 1) not in picks
@@ -223,7 +224,8 @@ def test_driver_close_mode_order(tmp_path, monkeypatch):
     out = picks.index(("lh", "Two-sided B=1 Bo=4", -2, 0))
     assert max(picks.index(p) for p in lh_seeds[:-1]) < out < picks.index(lh_seeds[-1])
     assert picks.index(("w256", "Muon", 0, 0)) > 2
-    assert picks.index(("w256", "AdamW", -4, 0)) > out  # AdamW's steps after every matrix row's
+    # AdamW's steps after every matrix row's outward steps and the bracketed rows' width-256 seeds
+    assert picks.index(("w256", "AdamW", -4, 0)) > max(out, picks.index(("w256", "Two-sided B=1 Bo=4", -1, 1)))
 
 
 def _rows_of(tmp_path, monkeypatch):
