@@ -11,6 +11,7 @@ at an edge of its finished ones and the width-256 neighbours; then the same outw
 width 256, then a second width-256 seed at each row's best lr. Two workers pull the next task
 when one finishes, so each choice sees every run finished by then.
 `close`: what the issue still asks first (see next_close), then the same outward steps and seeds.
+`frontier`: table:frontier-20's rows not yet run at 20 tokens (FR; see next_frontier).
 `noise-first`: the width-256 rows at seed 0, then the 20-tokens rows at seed 1 (their 800-step
 lr unless a neighbour already beat it), then the neighbouring lrs: the order used once the
 compute left in a session could not cover the whole grid and the seed spread mattered most.
@@ -29,6 +30,20 @@ LH = [
     ("Two-sided B=1 Bo=1", "dobb:side=both", 0),
     ("Two-sided B=1 Bo=4", "dobb:side=both:blocks=1:out_blocks=4", 0),
 ]
+# table:frontier-20's rows never run at 20 tokens per parameter (issue 39) and the new Dobb forms;
+# the 800-step grid index is where the shard-local study found each best. Products are fp32 on
+# every row (ns_dtype=float32): the earlier long-horizon rows ran on a host whose "auto" meant fp32.
+FR = [
+    ("Dobb B=4", "dobb:blocks=4", -1),
+    ("Two-sided B=4 Bo=4", "dobb:side=both:blocks=4:out_blocks=4", -1),
+    ("DASH 32", "dash:block_size=32", 1),
+    ("Dion2 1/4 per shard R=4", "dion2:select=shard:blocks=4:ns_dtype=float32", 4),
+    ("MuonBP R=4 P=10", "muonbp:blocks=4:period=10:ns_dtype=float32", 6),
+    # as its authors run it: b2=0.95, and its AdamW part at lr/8, which puts it at 0.01 where
+    # SPlus's 800-step best lr (0.08) is, the lr of the other rows' AdamW parts there
+    ("SPlus Bo=4 authors", "splus:out_blocks=4:b2=0.95:adamw_lr_ratio=0.125", 8),
+]
+SHIFT = 2  # the 20-tokens best lrs sat one to three grid steps below the 800-step ones
 W256 = [r for r in LH if r[0] in ("AdamW", "Muon", "Row-block Muon R=4", "Dobb B=1", "Two-sided B=1 Bo=4")]
 BASE = "dobb-bench compare --jobs 1 --layers 2 --context 64 --no-progress --checkpoint-every 500".split()
 LHA = BASE + ["--steps", "8300", "--eval-every", "250"]
@@ -207,6 +222,26 @@ def next_close(lock):
         started[pick[0][0]] += 1
         return pick[0]
 
+def next_frontier(lock, rows=None):
+    """`frontier`: the rows of FR at 20 tokens. Each row's centre lr (800-step best less SHIFT
+    grid steps) at seed 0, then both neighbours, then outward steps until bracketed (judged on
+    the common windows), then seeds 1 and 2 at each bracketed row's best lr."""
+    rows = FR if rows is None else rows
+    with lock:
+        c = lambda r: r[2] - SHIFT
+        centre = [("lh", r, c(r), 0) for r in rows]
+        near = [("lh", r, c(r) + d, 0) for d in (-1, 1) for r in rows]
+        out = [("lh", r, edge("lh", r), 0) for r in rows if edge("lh", r) is not None]
+        seeds = [("lh", r, best_j("lh", r)[1], sd) for sd in (1, 2) for r in rows
+                 if best_j("lh", r) is not None and edge("lh", r) is None]
+        pick = _pending(centre) or _pending(near) or _pending(out) or _pending(seeds)
+        if pick is None:
+            return None
+        running.add(pick[1])
+        started["lh"] += 1
+        return pick[0]
+
+
 def _alive(d):
     return subprocess.run(["pgrep", "-f", "--", f"--out {d} "], capture_output=True).returncode == 0
 
@@ -228,8 +263,8 @@ def worker(lock, adopt=None, pick=next_task):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 3 and sys.argv[3] in ("bracket", "close"):
-        pick = next_task if sys.argv[3] == "bracket" else next_close
+    if len(sys.argv) > 3 and sys.argv[3] in ("bracket", "close", "frontier"):
+        pick = {"bracket": next_task, "close": next_close, "frontier": next_frontier}[sys.argv[3]]
         lock = threading.Lock()
         # adopt the runs an earlier driver left running, so a restart neither kills nor doubles them
         ps = subprocess.run(["pgrep", "-af", "--", f"--out {RUNS}/"], capture_output=True, text=True).stdout

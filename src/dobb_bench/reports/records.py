@@ -36,11 +36,23 @@ def compact(final: dict, evals: list[dict]) -> dict:
     rec["seed"] = (final.get("train") or {}).get("seed")
     rec["curve"] = [[e["step"], None if e.get("val_loss") is None else round(e["val_loss"], 5)]
                     for e in evals]
+    if any("weight_norms" in e for e in evals):
+        # [step, largest matrix RMS, largest top singular value] on the raw weights
+        rec["norm_curve"] = [[e["step"], _r(e["weight_norms"].get("max_rms")), _r(e["weight_norms"].get("max_top_sv"))]
+                             for e in evals if "weight_norms" in e]
+        last = next(e for e in reversed(evals) if "weight_norms" in e)
+        rec["final_norms"] = {k: [_r(a), _r(b)] for k, (a, b) in last["weight_norms"]["matrices"].items()}
+    if any(e.get("eval_weights", "raw") != "raw" and "val_loss_raw" in e for e in evals):
+        rec["raw_curve"] = [[e["step"], _r(e.get("val_loss_raw"))] for e in evals if "val_loss_raw" in e]
     losses = final.get("train_losses") or []
     stride = max(1, len(losses) // 50)  # ~50 points of the train curve are enough to plot it
     rec["train_curve"] = [[i + 1, round(v, 4)] for i, v in enumerate(losses)
                           if (i + 1) % stride == 0 and v is not None and math.isfinite(v)]
     return rec
+
+
+def _r(v, digits: int = 5):
+    return None if v is None or not math.isfinite(v) else round(v, digits)
 
 
 def _key(rec: dict) -> str:

@@ -39,7 +39,7 @@ from dobb_bench.training.checkpoint_io import (COMPLETE, FAULT_ENV, UnsafeCheckp
 from dobb_bench.training.config import TrainConfig, lr_factor
 from dobb_bench.training.data import BatchSampler, Corpus, eval_offsets
 from dobb_bench.training.dist_env import DistEnv, _sync, setup_dist
-from dobb_bench.training.evaluate import eval_weights, evaluate
+from dobb_bench.training.evaluate import eval_weights, evaluate, weight_norms
 from dobb_bench.training.model import GPT, ModelConfig
 from dobb_bench.training.run_checkpoint import CKPT_DIR, CKPT_FILE, RunCheckpoints  # noqa: F401 (re-exported)
 from dobb_bench.training.run_stats import _peak_mem_mb, _state_bytes, optimizer_options, write_jsonl  # noqa: F401
@@ -159,13 +159,18 @@ class Run(RunCheckpoints):
         finally:
             if weights != "raw":
                 self.optimizer.train()
+        # an optimizer that validates an average is also scored on the weights it trains (SPlus's
+        # authors report the average; the raw weights show what the average is worth)
+        raw = loss if weights == "raw" else evaluate(self.model, self.corpus, self.eval_offsets, self.seq_len,
+                                                     self.cfg.eval_batch_size, self.env)
+        norms = weight_norms(self.model)  # raw weights: after train() swapped any average out
         bpb = loss / math.log(2) / self.corpus.bytes_per_token if self.corpus.bytes_per_token else None
         train = self.acc[0] / self.acc[1] if self.acc[1] else None
         self.acc = [0.0, 0]
         tokens = self.step * self.cfg.batch_size * self.seq_len
         return {"type": "eval", **self.meta, "step": self.step, "tokens": tokens, "val_loss": loss,
                 "val_bpb": bpb, "train_loss": train, "lr_now": self.scheduler.get_last_lr()[0],
-                "eval_weights": weights}
+                "eval_weights": weights, "val_loss_raw": raw, "weight_norms": norms}
 
     def _write_metrics(self, final: dict | None = None) -> None:
         if self.out is not None and self.env.rank == 0:

@@ -30,3 +30,26 @@ def test_eval_weights():
         eval_weights = "iterate-ema"
 
     assert eval_weights(Averaging()) == "iterate-ema" and eval_weights(object()) == "raw"
+
+
+def test_weight_norms_are_each_hidden_matrix_rms_and_top_singular_value(tiny_model_cfg):
+    from dobb_bench.training.evaluate import weight_norms
+
+    model = GPT(tiny_model_cfg, seed=0)
+    with torch.no_grad():  # a known spectrum in one matrix: singular values 3, 2, 1, 0...
+        w = model.blocks[0].mlp.fc.weight
+        u, _ = torch.linalg.qr(torch.randn(w.shape[0], w.shape[1], dtype=torch.float64))
+        v, _ = torch.linalg.qr(torch.randn(w.shape[1], w.shape[1], dtype=torch.float64))
+        s = torch.zeros(w.shape[1], dtype=torch.float64)
+        s[:3] = torch.tensor([3.0, 2.0, 1.0])
+        w.copy_((u * s) @ v.T)
+    got = weight_norms(model)
+    hidden = {f"blocks.{n}": p for n, p in model.blocks.named_parameters() if p.ndim == 2}
+    assert set(got["matrices"]) == set(hidden) and len(hidden) >= 4
+    rms, top = got["matrices"]["blocks.0.mlp.fc.weight"]
+    assert abs(top - 3.0) < 1e-5 and abs(rms - (14.0 / w.numel()) ** 0.5) < 1e-7
+    for name, p in hidden.items():
+        a = np.linalg.norm(p.detach().double().numpy(), 2)
+        assert abs(got["matrices"][name][1] - a) < 1e-6 * a
+    assert got["max_top_sv"] == max(v[1] for v in got["matrices"].values())
+    assert got["max_rms"] == max(v[0] for v in got["matrices"].values())
