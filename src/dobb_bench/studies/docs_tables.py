@@ -23,11 +23,11 @@ from dobb_bench.reports import records as R
 from dobb_bench.reports.figure_check import scan
 from dobb_bench.reports.report import _pyplot, _typed
 from dobb_bench.reports.tables import _group, _loss, stats
-from dobb_bench.studies import (family_dash, family_soap, long_horizon, main_job, operating_point, refresh_width,
+from dobb_bench.studies import (family_dash, family_soap, frontier, long_horizon, main_job, operating_point, refresh_width,
                                 shard_local, two_sided)
 
 _STUDIES = (main_job, operating_point, family_dash, family_soap, two_sided, refresh_width, shard_local, long_horizon,
-            projection)
+            frontier, projection)
 TABLES = {}
 for _module in _STUDIES:
     _clash = set(TABLES) & set(_module.TABLES)
