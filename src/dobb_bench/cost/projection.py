@@ -17,7 +17,7 @@ Per rank and per ``optimizer.step()``, a method's time is the sum of six terms (
 - **launch**: a per-kernel cost times the kernels the step launches. The counts per matrix, per
   group and per extra shape are the library's own, from a profiler trace
   (``dobb_bench.cost.kernels``; in the inputs under ``kernels``); the AdamW part of every method
-  (embeddings, norms, biases) is torch's single-tensor path, 7 kernels a tensor (DTensor parameters);
+  (embeddings, norms, biases) is charged torch's single-tensor path (the one DTensor parameters take);
 - **QR**: a cost per Householder QR factorization (cuSOLVER runs each as a sequence of panel
   kernels; a batched call of ``b`` blocks is ``b`` of them): Dobb's refresh blocks, Dion's factor.
 
@@ -513,6 +513,11 @@ def _fmt(ms: float) -> str:
 TERM_KEYS = ("hbm_ms", "matmul_ms", "link_ms", "latency_ms", "launch_ms", "qr_ms")
 
 
+def _pct(rec: dict, key: str) -> str:
+    hw = (rec.get("inputs") or load_inputs())["hardware"]["h100-sxm"]
+    return f"{100 * _v(hw.get(key, 1.0)):.0f}%"
+
+
 def projection_markdown(rec: dict) -> str:
     layouts = list(dict.fromkeys(r["layout"] for r in rec["rows"]))
     out = ["| model | method | " + " | ".join(f"{x} ms" for x in layouts) + " | terms at " + layouts[0]
@@ -527,7 +532,8 @@ def projection_markdown(rec: dict) -> str:
     prov = rec.get("provenance") or {}
     fit = rec.get("fitted", {})
     out += ["", f"Per rank, amortized over the refresh (Dobb, T = 9) or full-step (MuonBP, P = 5) period; "
-            f"H100 SXM, 8 GPUs a node, products at 60% (bf16) / 80% (fp32) of peak, "
+            f"H100 SXM, 8 GPUs a node, products at {_pct(rec, 'bf16_efficiency')} (bf16) / "
+            f"{_pct(rec, 'fp32_efficiency')} (fp32) of peak, "
             f"{1e6 * fit.get('kernel_s', 0):.2f} us a kernel and {1e6 * fit.get('qr_s', 0):.2f} us a QR factorization "
             f"(fitted, see the calibration). Record `{RECORD.relative_to(ROOT)}` (revision {str(prov.get('git_rev'))[:7]}, "
             f"dirty {prov.get('git_dirty')}); command `{prov.get('command')}`; inputs "
@@ -673,7 +679,12 @@ def user_projection(spec: dict, gpus: int, tp: int, dtype: str, mfu: float, toke
         res = project(m, mats, other, lay, hw, True, inputs["kernels"]["methods"], tensors)
         rows.append({"method": label, **res, "share": res["amortized_ms"] / (fwd_bwd_ms + res["amortized_ms"])})
     return {"params": params, "matrices": len(mats), "other_tensors": tensors, "layout": {"fs": lay.fs, "tp": tp},
-            "fwd_bwd_ms": fwd_bwd_ms, "fitted": fitted, "hardware": hardware, "rows": rows}
+            "fwd_bwd_ms": fwd_bwd_ms, "fitted": fitted, "hardware": hardware, "rows": rows,
+            "efficiency": {"bf16": hw.bf16_eff, "fp32": hw.fp32_eff}}
+
+
+def inputs_fit(args) -> list[dict]:
+    return load_inputs(args.inputs).get("fit", []) or [{"case": "the inputs", "published": "fixed"}]
 
 
 def user_text(res: dict, args) -> str:
@@ -692,9 +703,11 @@ def user_text(res: dict, args) -> str:
             f"- per rank, per optimizer.step(); the six terms add (no overlap); Dobb amortized over T = 9 "
             f"(refresh = the periodic step), MuonBP over P = 5 (owner-compute full step = the periodic step);",
             f"- {hw}: the datasheet rates in src/dobb_bench/cost/projection_inputs.json; products in {args.dtype} at "
-            f"{'60' if args.dtype == 'bf16' else '80'}% of peak (Dobb's refresh and Dion in fp32 at 80%);",
+            f"{100 * res['efficiency'][args.dtype]:.0f}% of peak (Dobb's refresh and Dion in fp32 at "
+            f"{100 * res['efficiency']['fp32']:.0f}%);",
             f"- {1e6 * fit.get('kernel_s', 0):.3g} us a kernel and {1e6 * fit.get('qr_s', 0):.3g} us a QR "
-            f"factorization, fitted on the paper's Table 23 (AdamW; Dobb's refresh); kernel counts per matrix from "
+            f"factorization, fitted on {'; '.join(f['case'] + ': ' + f['published'] for f in inputs_fit(args))}; "
+            f"kernel counts per matrix from "
             f"the library's own step (dobb_bench.cost.kernels), eager, no torch.compile;",
             f"- FSDP2 over {res['layout']['fs']} ranks (dim 0), TP {args.tp} inside a node; owner-compute Muon on the "
             f"library's greedy owner plan (the busiest owner sets the time); Dobb's statistic all-reduce in the "
