@@ -179,7 +179,7 @@ STEP_METHODS = [
     ("Muon", "muon", {}, {"kind": "gather-muon"}),
     ("Row-block Muon R=4", "block-muon", {"axis": 0, "blocks": 4}, {"kind": "row-block-muon", "blocks": 4}),
     ("MuonBP P=5", "muonbp", {"period": 5}, {"kind": "muonbp", "period": 5}),
-    ("Dion2 1/4", "dion2", {"fraction": 0.25}, {"kind": "dion2-shard", "fraction": 0.25}),
+    ("Dion2 1/4 per shard", "dion2", {"fraction": 0.25, "select": "shard"}, {"kind": "dion2-shard", "fraction": 0.25}),
     ("Dobb B=1", "dobb", {"blocks": 1, "refresh_every": 9, "stagger": False},
      {"kind": "dobb", "blocks": 1, "refresh_every": 9, "kernels": "dobb-b1"}),
     ("Dobb B=4", "dobb", {"blocks": 4, "refresh_every": 9, "stagger": False},

@@ -54,7 +54,7 @@ METHODS: dict[str, tuple[str, dict]] = {
     "muon": ("muon", {}),
     "row-block-muon": ("block-muon", {"axis": 0, "blocks": 4}),
     "muonbp": ("muonbp", {"period": 5}),
-    "dion2": ("dion2", {"fraction": 0.25}),
+    "dion2": ("dion2", {"fraction": 0.25, "select": "shard"}),
     "dion": ("dion", {"rank_fraction": 0.25}),
     "dobb-b1": ("dobb", {"blocks": 1, "refresh_every": 3, "stagger": False}),
     "dobb-b4": ("dobb", {"blocks": 4, "refresh_every": 3, "stagger": False}),
