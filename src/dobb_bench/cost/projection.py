@@ -662,10 +662,14 @@ def user_projection(spec: dict, gpus: int, tp: int, dtype: str, mfu: float, toke
         raise ValueError(f"--dtype {dtype!r}: bf16 or fp32")
     if hardware not in inputs["hardware"]:
         raise ValueError(f"--hardware {hardware!r}: one of {', '.join(inputs['hardware'])}")
-    mats, other = model_matrices(spec)
-    tensors = other_tensors(spec)
+    bad = [k for k in ("width", "layers", "heads", "kv_heads", "ffn", "vocab", "head_dim")
+           if k in spec and not (isinstance(spec[k], int) and spec[k] >= 1)]
+    if bad:
+        raise ValueError(f"the model's {', '.join(bad)} must be positive integers")
     if spec["kind"] == "llama" and (spec["width"] % spec["heads"] and not spec.get("head_dim")):
         raise ValueError("hidden_size must be a multiple of num_attention_heads (or give head_dim)")
+    mats, other = model_matrices(spec)
+    tensors = other_tensors(spec)
     fitted = fit_constants(inputs)
     hw = Hardware.from_inputs(inputs["hardware"][hardware], fitted)
     if dtype == "fp32":  # products in fp32 at its peak; NS5 operands move as 4 bytes

@@ -270,6 +270,10 @@ def test_project_config_command_and_its_errors(tmp_path, capsys):
         assert main(["project", "--inputs", str(path), "--hardware", "round", *bad]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("dobb-bench project: error:"), err
+    (tmp_path / "zero.json").write_text(json.dumps({**json.loads((tmp_path / "config.json").read_text()),
+                                                     "num_hidden_layers": 0}))
+    assert main(["project", "--config", str(tmp_path / "zero.json"), "--gpus", "2"]) == 2
+    assert "positive integers" in capsys.readouterr().err
     (tmp_path / "bert.json").write_text(json.dumps({"model_type": "bert"}))
     assert main(["project", "--config", str(tmp_path / "bert.json"), "--gpus", "2"]) == 2
     assert "not supported" in capsys.readouterr().err
