@@ -249,15 +249,15 @@ def plain_summary(finals: list[dict], shapes: list[tuple[int, int]], noise: floa
     """Where each Dobb row lands against AdamW, Muon and Dion (nearest payload), in plain words.
 
     One row per label (its first run: compare's row at its own lr). Verdicts follow the Findings'
-    noise rule (``dobb_bench.reports.tables.noise``): with one seed no spread is known, so a
+    noise rule (``dobb_bench.reports.tables.noise``, whose floor ``ONE_SEED_NOISE`` is defined
+    here): with one seed no spread is known, so a
     difference under ``noise`` (0.1 nats) is within noise, and neither a lead nor a gap closure is
     claimed from it. That bar is a floor, not a bound: a run that leaves the loss plateau late can
     differ from its other seeds by more (docs/results.md).
     """
     from dobb_bench.cost.payload import relative_payload
-    from dobb_bench.reports.tables import noise as noise_rule
 
-    noise = noise_rule(None, None) if noise is None else noise
+    noise = ONE_SEED_NOISE if noise is None else noise  # tables.noise(None, None): one seed, no spread known
     rows = {}
     for f in finals:
         rows.setdefault(f["run"], f)
