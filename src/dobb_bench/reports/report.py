@@ -60,6 +60,7 @@ def results_markdown(finals: list[dict], *, grid: bool, shared_lr: float | None,
         return None if v == math.inf else v
 
     adamw, muon = ref_loss("AdamW"), ref_loss("Muon")
+    one_seed = len({(f.get("train") or {}).get("seed") for f in finals}) == 1
     for label, runs in by_label.items():
         best = min(runs, key=_loss)
         shared = at_own_lr(label, runs)
@@ -74,7 +75,9 @@ def results_markdown(finals: list[dict], *, grid: bool, shared_lr: float | None,
         else:
             cells += [_fmt(ref["lr"], ".3g"), _cell_loss(ref)]
         gc = gap_closure(_loss(ref), adamw, muon) if _loss(ref) < math.inf else None
-        cells += ["—" if gc is None or label in ("AdamW", "Muon") else f"{100 * gc:.0f}%",
+        near = gc is not None and one_seed and min(abs(_loss(ref) - adamw), abs(_loss(ref) - muon)) <= ONE_SEED_NOISE
+        cells += ["—" if gc is None or label in ("AdamW", "Muon") else f"{100 * gc:.0f}%"
+                  + (" (within noise)" if near else ""),
                   block_widths(ref["optimizer"], ref.get("hparams", {}), ref.get("model", {})) or "—"]
         cells += [_fmt(ref.get("final_val_bpb"), ".4f"), _fmt(ref.get("tokens_per_s"), ".0f"),
                   _fmt(ref.get("opt_ms_per_step"), ".2f"), _fmt(ref.get("peak_mem_mb"), ".0f"),

@@ -91,3 +91,19 @@ def test_summary_names_the_dtype_each_row_ran():
     last = report.plain_summary(finals, [(128, 128)]).splitlines()[-1]
     assert "different dtypes (Muon float32, Dobb B=4 bfloat16)" in last and "do not compare like with like" in last
     assert "AdamW" not in last and "Old" not in last
+
+
+def test_results_table_marks_a_one_seed_gap_closure_within_noise():
+    """One seed: a row within 0.1 nats of Muon (or AdamW) gets its gap closure marked, never bare."""
+    model, train = {"width": 128, "layers": 2}, {"seed": 0, "steps": 800}
+
+    def row(run, name, loss, lr):
+        return {"run": run, "optimizer": name, "hparams": {}, "final_val_loss": loss, "diverged": False,
+                "model": model, "train": train, "lr": lr}
+
+    finals = [row("AdamW", "adamw", 2.0, 0.003536), row("Muon", "muon", 1.5, 0.01),
+              row("Two-sided B=1 Bo=1", "dobb", 1.479, 0.005), row("Dobb B=4", "dobb", 1.7, 0.003536)]
+    md = report.results_markdown(finals, grid=False, shared_lr=None, row_lrs={f["run"]: f["lr"] for f in finals})
+    assert "| Two-sided B=1 Bo=1 | 0.005 | 1.4790 | 104% (within noise) |" in md
+    assert "| Dobb B=4 | 0.00354 | 1.7000 | 60% |" in md
+    assert "at each row's own lr (one seed: a loss difference under 0.1 nats" in md
