@@ -40,7 +40,11 @@ ROWS = (
     ("Row-block Muon R=4", "Row-block Muon-fp32 R=4", (STUDY,), "block-muon:axis=0:blocks=4:ns_dtype=float32"),
     ("MuonBP R=4 P=5", "MuonBP-fp32 R=4 P=5", (STUDY,), "muonbp:blocks=4:period=5:ns_dtype=float32"),
     ("MuonBP R=4 P=10", "MuonBP-fp32 R=4 P=10", (STUDY,), "muonbp:blocks=4:period=10:ns_dtype=float32"),
-    ("SPlus Bo=4", "SPlus Bo=4", (STUDY,), "splus:out_blocks=4"),
+    # SPlus as its authors run it: b2=0.95 (every training script of theirs) and its AdamW part at
+    # lr/8, 0.01 at its 800-step best 0.08, where the other rows' AdamW parts run; before: b2=0.999
+    # and the AdamW part at lr/50
+    ("SPlus Bo=4, authors' setup", "SPlus Bo=4 authors", (STUDY,), "splus:out_blocks=4:b2=0.95:adamw_lr_ratio=0.125"),
+    ("SPlus Bo=4, earlier setup", "SPlus Bo=4", (STUDY,), "splus:out_blocks=4"),
     ("Dion2 1/4 per shard", "Dion2-fp32 1/4 per shard R=4", (STUDY,), "dion2:select=shard:blocks=4:ns_dtype=float32"),
     ("DASH, 32 x 32 tiles", "DASH 32", ("family-dash", STUDY), "dash:block_size=32"),
 )
@@ -99,6 +103,10 @@ def state_per_param(spec: str) -> float:
     return total / sum(m * n for m, n in LAYER0)
 
 
+# a spec whose step costs what another's does (b2 and the AdamW part's lr change no product or byte)
+TIMED_AS = {"splus:out_blocks=4:b2=0.95:adamw_lr_ratio=0.125": "splus:out_blocks=4"}
+
+
 def _timing_ratios() -> tuple[dict[str, float], list[str]]:
     """``{spec: step time / owner-compute Muon's}`` from the committed timing records, and their paths."""
     ratios, paths = {}, []
@@ -151,7 +159,7 @@ def frontier() -> tuple[str, list[dict]]:
             results[name] = (m, sd, n)
             used += list(at.values()) + [r for (x, s), r in runs.items() if s == 0]
             nbytes, when = communication(spec)
-            ratio = ratios.get("torch-adamw" if spec == "adamw" else spec)  # timed as torch's own AdamW
+            ratio = ratios.get("torch-adamw" if spec == "adamw" else TIMED_AS.get(spec, spec))  # AdamW: torch's own
             grid_txt = ", ".join(f"{x:.3g}" for x in grid)
             mark = "" if bracketed else " (edge)"
             lines.append(
@@ -162,6 +170,7 @@ def frontier() -> tuple[str, list[dict]]:
                 + f" | {_fmt_bytes(nbytes)} | {'—' if ratio is None else f'{ratio:.2f}'} | {state_per_param(spec):.1f} |")
     body = "\n".join(lines) + "\n"
     body += _reading(results)
+    body += _raw_note(ROWS)
     uniq = list({id(r): r for r in used}.values())
     return body + setting_line(uniq), uniq
 
@@ -190,6 +199,21 @@ def paired_text(vals: list, ref: list) -> str:
     same = all(x > 0 for x in d) or all(x < 0 for x in d)
     verdict = "beyond noise" if beyond else "within noise" + (" (same sign at every seed)" if same else "")
     return f"{mean:+.3f} ({' / '.join(f'{x:+.3f}' for x in d)}), {verdict}"
+
+
+def _raw_note(rows) -> str:
+    """For a row validated on its iterate average (SPlus), the same runs' raw weights at the last
+    eval (``raw_curve`` in the records, kept from the runs that recorded it)."""
+    out = []
+    for name, label, studies, _ in rows:
+        runs = runs_of(label, studies)
+        lr = best_lr(runs)[0]
+        raw = {s: r["raw_curve"][-1][1] for (x, s), r in runs.items() if x == lr and r.get("raw_curve")}
+        if raw:
+            avg = {s: _loss(runs[(lr, s)]) for s in raw}
+            out.append(f"{name} at lr {lr:.3g}, raw weights against its iterate average: "
+                       + ", ".join(f"seed {s}: {raw[s]:.3f} against {avg[s]:.3f}" for s in sorted(raw)))
+    return ("\n" + "; ".join(out) + ".\n") if out else ""
 
 
 def _reading(results: dict[str, tuple]) -> str:
