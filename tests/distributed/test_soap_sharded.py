@@ -6,8 +6,8 @@ cross several basis refreshes. Cases: synthetic DTensors (``Shard(0)``/``Shard(1
 stacked, uneven shards 5,5,5,3 and empty ones 1,1,0,0 over 4 ranks, a one-sided matrix, a
 ``blocks=2`` group), real FSDP2 (``fully_shard``) and tensor parallelism (``fc1`` column-, ``fc2``
 row-parallel; ``head`` plain, computed locally) on the tiny float64 model of ``_common``, and a
-distributed checkpoint (``torch.distributed.checkpoint``) saved on 2 ranks mid-run and resumed on 2
-and on 4. Derived payload per step and rank (float64, 8 bytes an entry): the first step (no update)
+distributed checkpoint (``torch.distributed.checkpoint``) saved on 2 ranks before the first step and
+mid-run, resumed on 2 and on 4, and saved again on 4 and resumed on 2. Derived payload per step and rank (float64, 8 bytes an entry): the first step (no update)
 ``8 sum_i |my shard of i|`` in one all-to-all per param group, then ``8 (sum_i |my shard of i| +
 sum_{i I own} m_i n_i)`` in two per group, all tagged ``"owner"``.
 """
@@ -182,26 +182,32 @@ def _sd(model, opt):
 
 
 def _dcp_first(rank, world, path):
-    """2 ranks: save after SAVE_AT steps, then finish; the finished weights are the reference."""
+    """2 ranks: save before the first step and after SAVE_AT steps, then finish; the finished weights
+    are the reference."""
     model, opt = _make(world)
     run = batches()
+    dcp.save(_sd(model, opt), checkpoint_id=os.path.join(path, "start"))
     train(model, opt, run[:SAVE_AT], (rank, world))
     sd = _sd(model, opt)
     keys = sorted((fqn, k, type(v).__name__) for fqn, st in sd["optim"]["state"].items() for k, v in st.items())
-    dcp.save(sd, checkpoint_id=path)
+    dcp.save(sd, checkpoint_id=os.path.join(path, "mid"))
     train(model, opt, run[SAVE_AT:], (rank, world))
     return {"W": full_params(model), "same_keys": same_on_all_ranks(keys)}
 
 
-def _dcp_resume(rank, world, path):
+def _dcp_resume(rank, world, src, start, dst=None):
+    """Load ``src`` (taken after ``start`` steps), optionally save it again at once to ``dst``, and
+    finish the run."""
     model, opt = _make(world)
     sd = _sd(model, opt)
-    dcp.load(sd, checkpoint_id=path)
+    dcp.load(sd, checkpoint_id=src)
     set_model_state_dict(model, sd["model"])
     set_optimizer_state_dict(model, opt, sd["optim"])
+    if dst is not None:
+        dcp.save(_sd(model, opt), checkpoint_id=dst)
     mats = opt.param_groups[0]["params"]
     steps = [opt.state[p]["step"] for p in mats]
-    train(model, opt, batches()[SAVE_AT:], (rank, world))
+    train(model, opt, batches()[start:], (rank, world))
     return {"W": full_params(model), "steps": steps, "held": _held(opt, mats),
             "owners": [opt.owners[p] for p in mats]}
 
@@ -311,20 +317,30 @@ def test_dcp_resume_2_to_2_is_exact(checkpoint):
     path, first = checkpoint
     ref = first[0]["W"]
     assert all(r["same_keys"] for r in first)
-    for r in spawn(_dcp_resume, 2, path):
+    for r in spawn(_dcp_resume, 2, os.path.join(path, "mid"), SAVE_AT):
         assert r["steps"] == [SAVE_AT] * 3
         assert max_diff(r["W"], ref) < 1e-12
 
 
-def test_dcp_resume_2_to_4_reshards_exactly(checkpoint):
+def test_dcp_before_the_first_step_resumes_exactly(checkpoint):
+    path, first = checkpoint
+    for r in spawn(_dcp_resume, 2, os.path.join(path, "start"), 0):
+        assert r["steps"] == [0] * 3
+        assert max_diff(r["W"], first[0]["W"]) < 1e-12
+
+
+def test_dcp_resume_2_to_4_and_4_to_2_reshard(checkpoint):
+    """Saved on 2 ranks, loaded on 4 (other owners) and saved there at once, that loaded on 2."""
     path, first = checkpoint
     ref = first[0]["W"]
-    results = spawn(_dcp_resume, 4, path)
+    results = spawn(_dcp_resume, 4, os.path.join(path, "mid"), SAVE_AT, os.path.join(path, "mid4"))
     owners = results[0]["owners"]
     for rank, r in enumerate(results):
         assert r["steps"] == [SAVE_AT] * 3
         assert max_diff(r["W"], ref) < 1e-10  # 4 ranks sum the gradients in another order than 2
         assert all((h > 0) == (o == rank) for h, o in zip(r["held"], owners))
+    for r in spawn(_dcp_resume, 2, os.path.join(path, "mid4"), SAVE_AT):
+        assert max_diff(r["W"], ref) < 1e-12  # the 2-rank run from the state that went through 4 ranks
 
 
 def test_state_dict_round_trip_in_place():
