@@ -5,11 +5,12 @@ run: the owner must reproduce it from the gathered shards). ``precondition_frequ
 cross several basis refreshes. Cases: synthetic DTensors (``Shard(0)``/``Shard(1)``, equal shapes
 stacked, uneven shards 5,5,5,3 and empty ones 1,1,0,0 over 4 ranks, a one-sided matrix, a
 ``blocks=2`` group), real FSDP2 (``fully_shard``) and tensor parallelism (``fc1`` column-, ``fc2``
-row-parallel; ``head`` plain, computed locally) on the tiny float64 model of ``_common``, and a
+row-parallel; ``head`` plain, computed locally) on the float64 model of ``_common`` (square, see ``WIDTH``), and a
 distributed checkpoint (``torch.distributed.checkpoint``) saved on 2 ranks before the first step and
-mid-run, resumed on 2 and on 4, and saved again on 4 and resumed on 2. Derived payload per step and rank (float64, 8 bytes an entry): the first step (no update)
-``8 sum_i |my shard of i|`` in one all-to-all per param group, then ``8 (sum_i |my shard of i| +
-sum_{i I own} m_i n_i)`` in two per group, all tagged ``"owner"``.
+mid-run, resumed on 2 and on 4, and saved again on 4 and resumed on 2. Derived payload per step and
+rank (float64, 8 bytes an entry): the first step (no update) ``8 sum_i |my shard of i|`` in one
+all-to-all per param group, then ``8 (sum_i |my shard of i| + sum_{i I own} m_i n_i)`` in two per
+group, all tagged ``"owner"``.
 """
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ import traceback
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
@@ -34,6 +34,7 @@ from _spawn import spawn, spawn_once
 from dobb import SOAP
 from dobb.baselines.soap import OWNED_KEYS, soap_cost
 from dobb.meter import PayloadMeter
+from dobb.sharding import chunk_sizes
 
 pytestmark = pytest.mark.slow
 STEPS, LR, WD = 6, 0.02, 0.1
@@ -251,7 +252,7 @@ def test_sharded_payload_is_derived_count(run):
     assert all(r["owners"] == owners for r in results)  # one plan, computed identically
     assert sorted(set(owners)) == list(range(world))
     for rank, r in enumerate(results):
-        assert r["local"] == [C_chunk(s[d], world, rank) * s[1 - d] for s, d, _ in CASES]
+        assert r["local"] == [chunk_sizes(s[d], world)[rank] * s[1 - d] for s, d, _ in CASES]
         mine = sum(math.prod(s) for (s, _, _), o in zip(CASES, owners) if o == rank)
         # per param group: gradients to the owners, then (not on the first step) the updates back
         assert r["log"][0] == (2, 8 * sum(r["local"]), ["all_to_all"] * 2)
@@ -261,11 +262,6 @@ def test_sharded_payload_is_derived_count(run):
 
     total = sum(r["log"][1][1] for r in results)
     assert total == 8 * sum(payload_entries("soap", *s, shards=world) for s, _, _ in CASES)
-
-
-def C_chunk(length, parts, rank):
-    from dobb.sharding import chunk_sizes
-    return chunk_sizes(length, parts)[rank]
 
 
 def test_owner_alone_holds_the_state(run):

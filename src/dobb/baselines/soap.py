@@ -33,13 +33,13 @@ computed by owners, as ``OwnerMuon`` computes Muon. At construction every sharde
 rank of its mesh (``collectives.plan_owners``, longest first by the cost ``soap_cost``, so every rank
 plans the same owners). The owner alone keeps that matrix's state: ``M`` (whole), ``V``, ``L``, ``R``
 and the bases; the other ranks keep the same keys as empty placeholders, and the step count. Each
-step, one ``all_to_all`` sends every rank's gradient shards to their owners (cast to the state
-dtype); each owner runs the step above on its whole matrices, batched as without sharding; a second
-``all_to_all`` returns every rank its shards of the updates (none on the first step, which has no
-update). Both are tagged ``"owner"`` (``collectives.collective_kind``). The numbers are those of the
-unsharded step on the same matrices. Payload per step and rank ``r`` (``e`` bytes of the state
-dtype): ``e * (sum_i |shard_r(i)| + sum_{i owned by r} m_i n_i)``, i.e. ``2 e m n`` per matrix over
-all ranks. Other layouts (2-D meshes, ``Replicate``, ``Partial``, ``_StridedShard``) are refused at
+step, per param group and state dtype, one ``all_to_all`` sends every rank's gradient shards to their
+owners (cast to the state dtype); each owner runs the step above on its whole matrices, batched as
+without sharding; a second ``all_to_all`` returns every rank its shards of the updates (none on the
+first step, which has no update). Both are tagged ``"owner"`` (``collectives.collective_kind``).
+The numbers are those of the unsharded step on the same matrices. Payload per step and rank ``r``
+(``e`` bytes of the state dtype): ``e * (sum_i |shard_r(i)| + sum_{i owned by r} m_i n_i)``, i.e.
+``2 e m n`` per matrix over all ranks. Other layouts (2-D meshes, ``Replicate``, ``Partial``, ``_StridedShard``) are refused at
 construction with a ``ValueError``; plain tensors are computed locally as without sharding.
 
 Checkpoints: ``state_dict()`` gives each owner-held tensor as a DTensor ``Shard`` of its whole shape
@@ -496,7 +496,8 @@ class SOAP(MatrixOptimizer):
                     dim = v.placements[0].dim if key == "momentum" else 1
                     if value.device_mesh != v.device_mesh or tuple(value.placements) != (Shard(dim),):
                         value = value.redistribute(v.device_mesh, [Shard(dim)])
-                    groups[(_mesh_ranks(v), dtype)].append((sid, key, v, (self.owners[v], value.to_local(), shape, dim)))
+                    item = (self.owners[v], value.to_local(), shape, dim)
+                    groups[(_mesh_ranks(v), dtype)].append((sid, key, v, item))
                 else:
                     saved[key] = value.to(dtype) if here else torch.zeros(0, dtype=dtype, device=value.device)
         for (_, dtype), rows in groups.items():

@@ -445,7 +445,8 @@ STATE_FORMULAS: dict[str, Callable[..., float]] = {
 
 def _state_soap(m, n, hp, mn, out_shards, in_shards):
     """fp32 first and (rotated) second moments, plus fp32 L, R and their bases for every column
-    block on each preconditioned side (whole matrices: SOAP does not shard)."""
+    block on each preconditioned side, for the whole matrix (under sharding all of it on the
+    matrix's owner rank and none on the others, so a rank holds the sum over the matrices it owns)."""
     blocks, limit = int(hp["blocks"]), int(hp["max_precondition_dim"])
     nb = n // blocks
     left = m if hp["sides"] in ("both", "output") and m <= limit else 0
