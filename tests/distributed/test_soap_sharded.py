@@ -225,7 +225,17 @@ def _fresh_state_dict_round_trip(rank, world):
     opt.load_state_dict(sd)
     diff = max(float((opt.state[p][k] - b[k]).abs().max()) if b[k].numel() else 0.0
                for p, b in zip(mats, before) for k in OWNED_KEYS)
-    return {"diff": diff, "placements": placements}
+    # a state saved with other blocks is refused before any exchange, naming the parameter
+    other = fsdp_square(init_device_mesh("cpu", (world,)))
+    named = [{"params": [(f"{m}.weight", getattr(other, m).weight) for m in Net.matrices], "blocks": 2},
+             {"params": [p for n, p in other.named_parameters() if not n.endswith("fc1.weight")
+                         and not n.endswith("fc2.weight") and not n.endswith("head.weight")], "algorithm": "adamw"}]
+    try:
+        SOAP(named, lr=LR, **MODEL_OPTS).load_state_dict(sd)
+        refused = "loaded"
+    except ValueError as e:
+        refused = str(e)
+    return {"diff": diff, "placements": placements, "refused": refused}
 
 
 @pytest.fixture(scope="module")
@@ -343,3 +353,5 @@ def test_state_dict_round_trip_in_place():
     for r in spawn(_fresh_state_dict_round_trip, 2):
         assert r["diff"] == 0.0
         assert r["placements"] == ["(Shard(dim=0),)", "(Shard(dim=1),)"]
+        assert r["refused"].startswith("fc1.weight: saved state 'exp_avg_sq' has shape (1, 16, 16)")
+        assert "needs (2, 16, 8)" in r["refused"]
