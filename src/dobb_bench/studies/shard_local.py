@@ -12,7 +12,8 @@ derived formulas:
   GPT-2 Small layer 0's six matrices with rows sharded over 4 ranks;
 - the FSDP2 step: ``optimizer.step()`` amortized over each row's cycle, on GPT-2 Small layer 0 and
   4 gloo ranks, as a ratio to owner-compute Muon timed side by side in the same run (the
-  ``timing.jsonl`` records under ``docs/results/cost/shard-local/``);
+  ``timing.jsonl`` records under ``docs/results/cost/shard-local/``: ``fsdp4`` every row,
+  ``fsdp4-splus`` SPlus over its 100-step cycle, ``fsdp4-soap`` SOAP owner-computed);
 - state: ``dobb_bench.cost.payload.derived_state_bytes`` per parameter of those matrices.
 """
 from __future__ import annotations
@@ -27,7 +28,11 @@ from dobb_bench.reports.tables import _loss, noise, paired, setting_line, stats
 from dobb_bench.specs import parse_spec
 
 STUDY = "shard-local"
-TIMING = ("cost/shard-local/fsdp4/timing.jsonl", "cost/shard-local/fsdp4-splus/timing.jsonl")
+TIMING = ("cost/shard-local/fsdp4/timing.jsonl", "cost/shard-local/fsdp4-splus/timing.jsonl",
+          "cost/shard-local/fsdp4-soap/timing.jsonl")
+# the rows a record may set (a record not listed sets every row it timed): fsdp4-soap timed AdamW
+# and owner-compute Muon beside SOAP only to have SOAP's ratio measured side by side
+TIMING_ROWS = {"cost/shard-local/fsdp4-soap/timing.jsonl": ("soap",)}
 OWNER = "owner-muon:ns_dtype=float32"
 LAYER0 = [(768, 768)] * 4 + [(3072, 768), (768, 3072)]  # GPT-2 Small layer 0 (fused qkv as 3)
 
@@ -119,8 +124,9 @@ def _timing_ratios() -> tuple[dict[str, float], list[str]]:
             rec = json.loads(line)
             if rec.get("kind") == "run":
                 mat = rec["ratio_matrix"]
-                for label, row in mat.items():  # a later record wins: fsdp4-splus times SPlus's
-                    if OWNER in row:  # whole 100-step cycle, fsdp4 one step
+                # a later record wins: fsdp4-splus times SPlus's whole 100-step cycle, fsdp4 one step
+                for label, row in mat.items():
+                    if OWNER in row and label in TIMING_ROWS.get(rel, (label,)):
                         ratios[label] = row[OWNER]
     return ratios, paths
 
