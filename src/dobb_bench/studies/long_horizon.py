@@ -21,7 +21,8 @@ from pathlib import Path
 
 from dobb_bench.reports import records as R
 from dobb_bench.reports.tables import _loss, paired, setting_line
-from dobb_bench.studies.shard_local import T95, best_lr, runs_of
+from dobb_bench.studies.define import beyond_noise
+from dobb_bench.studies.shard_local import best_lr, runs_of
 
 STUDY = "long-horizon"
 # row label (as run here), label and studies of its 800-step, width-128 runs
@@ -255,7 +256,7 @@ def _later_seeds(later: dict, steps: int, width: int, best: dict, muon: dict | N
     text += f"; mean {mean:+.3f}"
     if len(every) >= 3:  # two seeds say nothing about the seed noise of a gap
         se = statistics.stdev(every) / len(every) ** 0.5
-        beyond = abs(mean) > T95.get(len(every) - 1, 1.96) * se
+        beyond = beyond_noise(mean, se, len(every))
         text += f" over {len(every)} seeds, {'beyond' if beyond else 'within'} seed noise"
     return text, [mine[sd] for sd in both]
 

@@ -24,8 +24,9 @@ from pathlib import Path
 
 from dobb_bench.cost.payload import derived_state_bytes, dp_stat_entries, payload_entries
 from dobb_bench.reports import records as R
-from dobb_bench.reports.tables import _loss, noise, paired, setting_line, stats
+from dobb_bench.reports.tables import _loss, noise, setting_line, stats
 from dobb_bench.specs import parse_spec
+from dobb_bench.studies.define import paired_gap  # the paired t-test, written once
 
 STUDY = "shard-local"
 TIMING = ("cost/shard-local/fsdp4/timing.jsonl", "cost/shard-local/fsdp4-splus/timing.jsonl",
@@ -179,22 +180,6 @@ def frontier() -> tuple[str, list[dict]]:
     body += _raw_note(ROWS)
     uniq = list({id(r): r for r in used}.values())
     return body + setting_line(uniq), uniq
-
-
-# two-sided 95% quantiles of Student's t by degrees of freedom (a paired t-test on a few seeds)
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
-
-
-def paired_gap(vals: list, ref: list) -> tuple[float, list[float], bool] | None:
-    """``vals - ref`` seed by seed (a seed gives both rows the same initial weights, data order and
-    held-out windows, so the windows' sampling, most of a seed's spread, cancels): the mean, the
-    per-seed gaps, and whether the mean is beyond paired noise, a 95% paired t-test (``|mean| >
-    t(n-1) * std / sqrt(n)``). None with fewer than two seeds in common."""
-    got = paired(vals, ref)
-    if got is None:
-        return None
-    mean, se, d = got
-    return mean, d, abs(mean) > T95.get(len(d) - 1, 1.96) * se
 
 
 def paired_text(vals: list, ref: list) -> str:

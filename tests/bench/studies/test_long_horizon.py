@@ -1,7 +1,8 @@
 """dobb_bench.studies.long_horizon: the tables against hand-built records (ranks both ways, best lr,
 bracketing, seeds at the best lr, the 800-step references, the common windows), and
 scripts/reeval_windows.py, which writes the common-windows record, on a real tiny run, and
-the choices of the scripts/long_horizon.py driver over a fake runs folder."""
+the orders of the grid's bracket and close modes over a fake runs folder (the rule itself:
+test_define.py)."""
 import importlib.util
 import json
 from pathlib import Path
@@ -10,7 +11,9 @@ import pytest
 import torch
 
 from dobb_bench.cli import main as cli_main
+from dobb_bench.studies import define as D
 from dobb_bench.studies import long_horizon as L
+from dobb_bench.studies import long_horizon_runs as H
 
 
 def _rec(run, lr, loss, seed=0, steps=8300, width=128, diverged=False):
@@ -195,48 +198,48 @@ def test_best_on_common_picks_each_rows_lr_on_the_common_windows(tmp_path, monke
     assert len(used) == 14 and "seed 4" not in text
 
 
-DRIVER = Path(__file__).resolve().parents[3] / "scripts" / "long_horizon.py"
-
-
-def _driver(tmp_path, monkeypatch, finished):
-    """scripts/long_horizon.py over a fake runs folder: ``finished`` maps (kind, label, j, seed) to
-    (logged loss, common-window loss or None)."""
-    monkeypatch.setattr("sys.argv", ["long_horizon.py", str(tmp_path / "wt"), str(tmp_path / "runs")])
-    spec = importlib.util.spec_from_file_location("long_horizon_driver", DRIVER)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    mod.REEVAL = [str(tmp_path / "reeval.jsonl")]
+# ----- the long-horizon grid's orders (scripts/long_horizon.py's bracket and close modes) over a fake runs folder
+def _runs(tmp_path, finished):
+    """A fake runs folder: ``finished`` maps (kind, label, j, seed) to (logged loss, common-window loss or None)."""
+    runs = D.RunsFolder(str(tmp_path / "runs"), [str(tmp_path / "reeval.jsonl")])
     tmp_path.mkdir(parents=True, exist_ok=True)
     lines = []
     for (kind, label, j, seed), (logged, common) in finished.items():
-        d = Path(mod.out_dir(kind, label, j, seed))
+        d = Path(runs.out_dir(kind, label, j, seed))
         d.mkdir(parents=True)
         (d / "results.jsonl").write_text(json.dumps({"final_val_loss": logged}) + "\n")
         if common is not None:
             lines.append(json.dumps({"run_dir": d.name, "common_val_loss": common}) + "\n")
     (tmp_path / "reeval.jsonl").write_text("".join(lines))
-    return mod
+    return runs
 
 
-def test_driver_judges_on_the_common_windows_and_steps_out_from_an_edge(tmp_path, monkeypatch):
+def test_driver_judges_on_the_common_windows_and_steps_out_from_an_edge(tmp_path):
     """The best lr is taken on the common windows only when every finished lr of the row has them;
     the next lr out is one index past the best when the best sits at an edge, else none."""
-    m = _driver(tmp_path, monkeypatch, {
+    m = _runs(tmp_path, {
         ("lh", "Muon", 1, 0): (1.30, 1.25), ("lh", "Muon", 2, 0): (1.28, 1.27),  # logged and common disagree
         ("lh", "SOAP", 1, 0): (1.30, 1.25), ("lh", "SOAP", 2, 0): (1.28, None),  # one not re-evaluated
         ("lh", "Dobb B=1", -1, 0): (1.4, 1.4), ("lh", "Dobb B=1", 0, 0): (1.3, 1.3), ("lh", "Dobb B=1", 1, 0): (1.5, 1.5)})
-    row = {r[0]: r for r in m.LH}
-    assert m.best_j("lh", row["Muon"]) == ([1, 2], 1) and m.edge("lh", row["Muon"]) == 0
-    assert m.best_j("lh", row["SOAP"]) == ([1, 2], 2) and m.edge("lh", row["SOAP"]) == 3
-    assert m.edge("lh", row["Dobb B=1"]) is None  # bracketed
-    assert m.best_j("lh", row["AdamW"]) is None and m.edge("lh", row["AdamW"]) is None
+    row = {r.label: r for r in H.LH}
+    assert D.best_j(m, "lh", row["Muon"]) == ([1, 2], 1) and D.edge(m, "lh", row["Muon"]) == 0
+    assert D.best_j(m, "lh", row["SOAP"]) == ([1, 2], 2) and D.edge(m, "lh", row["SOAP"]) == 3
+    assert D.edge(m, "lh", row["Dobb B=1"]) is None  # bracketed
+    assert D.best_j(m, "lh", row["AdamW"]) is None and D.edge(m, "lh", row["AdamW"]) is None
 
 
-def test_driver_close_mode_order(tmp_path, monkeypatch):
+def _picks(driver, pick, n=20):
+    out = []
+    while (t := pick(driver)) is not None and len(out) < n:
+        out.append((t[0], t[1].label, t[2], t[3]))
+    return out
+
+
+def test_driver_close_mode_order(tmp_path):
     """`close`: a second seed at each bracketed 20-tokens row's best lr, taking turns with the third
     width-256 lr of the rows that have fewer than three; then the outward steps, AdamW's last."""
     fin = {}
-    for label, _, j0 in [r for r in _rows_of(tmp_path, monkeypatch)]:
+    for label, _, j0 in H.LH:
         for j, v in ((j0 - 1, 1.31), (j0, 1.30), (j0 + 1, 1.32)):  # every 20-tokens row bracketed at j0 ...
             fin[("lh", label, j, 0)] = (v, v)
     fin[("lh", "Two-sided B=1 Bo=4", 0 - 1, 0)] = (1.29, 1.29)  # ... but this one, best at its lower edge
@@ -245,11 +248,8 @@ def test_driver_close_mode_order(tmp_path, monkeypatch):
     fin.update({("w256", "Dobb B=1", j, 0): (v, v) for j, v in ((-1, 1.4), (0, 1.41))})
     fin.update({("w256", "Two-sided B=1 Bo=4", j, 0): (v, v) for j, v in ((-2, 1.42), (-1, 1.4), (0, 1.41))})
     fin.update({("w256", "AdamW", j, 0): (v, v) for j, v in ((-3, 1.49), (-2, 1.5), (-1, 1.51))})
-    m = _driver(tmp_path, monkeypatch, fin)
-    import threading
-    lock, picks = threading.Lock(), []
-    while (t := m.next_close(lock)) is not None and len(picks) < 20:
-        picks.append((t[0], t[1][0], t[2], t[3]))
+    m = _runs(tmp_path, fin)
+    picks = _picks(D.Driver(m, "wt", H.SETTINGS), H.next_close)
     assert picks[:3] == [("lh", "AdamW", -1, 1), ("w256", "Dobb B=1", -2, 0), ("lh", "SOAP", 2, 1)]
     assert ("lh", "Muon", 2, 1) not in picks
     lh_seeds = [p for p in picks if p[0] == "lh" and p[3] == 1]
@@ -261,11 +261,7 @@ def test_driver_close_mode_order(tmp_path, monkeypatch):
     assert picks.index(("w256", "AdamW", -4, 0)) > max(out, picks.index(("w256", "Two-sided B=1 Bo=4", -1, 1)))
 
 
-def _rows_of(tmp_path, monkeypatch):
-    return _driver(tmp_path / "rows", monkeypatch, {}).LH
-
-
-def test_driver_third_seed_goes_to_rows_that_lead_muon_at_both_seeds(tmp_path, monkeypatch):
+def test_driver_third_seed_goes_to_rows_that_lead_muon_at_both_seeds(tmp_path):
     fin = {}
     for label, by_seed in (("Muon", (1.30, 1.28)), ("SOAP", (1.28, 1.27)),  # leads by 0.02 and 0.01
                            ("Dobb B=1", (1.28, 1.29)),  # leads at seed 0 only
@@ -274,8 +270,8 @@ def test_driver_third_seed_goes_to_rows_that_lead_muon_at_both_seeds(tmp_path, m
             for sd, v in enumerate(by_seed):
                 if sd == 0 or j == 1:
                     fin[("lh", label, j, sd)] = (v + extra, v + extra)
-    m = _driver(tmp_path, monkeypatch, fin)
-    assert [(r[0], j) for r, j in m._leads()] == [("Muon", 1), ("SOAP", 1)]
-    import threading
-    picks = [m.next_close(threading.Lock()) for _ in range(2)]
-    assert [(t[1][0], t[2], t[3]) for t in picks] == [("Muon", 1, 2), ("SOAP", 1, 2)]
+    m = _runs(tmp_path, fin)
+    assert [(r.label, j) for r, j in H.leads(m)] == [("Muon", 1), ("SOAP", 1)]
+    d = D.Driver(m, "wt", H.SETTINGS)
+    picks = [H.next_close(d) for _ in range(2)]
+    assert [(t[1].label, t[2], t[3]) for t in picks] == [("Muon", 1, 2), ("SOAP", 1, 2)]

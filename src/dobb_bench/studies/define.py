@@ -1,0 +1,454 @@
+"""One way to define a study: its rows, lrs, seeds, steps, model and eval windows, run in parts.
+
+A ``Study`` declares what to run; a ``RunsFolder`` holds what has run (one ``--out`` folder per
+run, ``{runs}/{kind}-{slug}-j{j}-s{seed}``, so a finished run is skipped and a killed one resumes
+from its checkpoint, ``dobb-bench compare --checkpoint-every``); ``Driver`` runs the next run the
+rule asks for on each of a few workers and re-evaluates every finished run on the common windows
+(``scripts/reeval_windows.py``) before the rule looks at it again; ``collect`` adds the finished
+runs to the study's records (``dobb_bench.reports.records.collect``).
+
+The bracket-and-seed rule, written once here (``next_run``):
+
+1. each row at its centre lr at seed 0, then its lrs either side (``Study.near``);
+2. while a row's best seed-0 lr sits at an edge of its finished lrs, the next lr out;
+3. once bracketed: seed 1 at the best lr, and at each neighbour worse than the best by less than
+   two standard errors of the window noise (paired over the common windows' groups), since one
+   seed cannot tell those apart; the row's lr is then chosen on the mean of seeds 0 and 1;
+4. the remaining seeds at the chosen lr.
+
+A best lr is judged on the common windows when every finished lr of the row has been
+re-evaluated there (a 64-window eval moves the differences between lrs by about 0.01 nats), else
+on the logged losses. ``paired_gap`` and ``beyond_noise`` are the paired t-test of the tables.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, NamedTuple
+
+from dobb_bench.reports.tables import paired
+
+# ----------------------------------------------------------------------------- the paired t-test
+# two-sided 95% quantiles of Student's t by degrees of freedom (a paired t-test on a few seeds)
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+def beyond_noise(mean: float, se: float, n: int) -> bool:
+    """A 95% two-sided t-test over ``n`` paired differences: ``|mean| > t(n-1) * se``."""
+    return abs(mean) > T95.get(n - 1, 1.96) * se
+
+
+def paired_gap(vals: list, ref: list) -> tuple[float, list[float], bool] | None:
+    """``vals - ref`` seed by seed (a seed gives both rows the same initial weights, data order and
+    held-out windows, so the windows' sampling, most of a seed's spread, cancels): the mean, the
+    per-seed gaps, and whether the mean is beyond paired noise, a 95% paired t-test (``|mean| >
+    t(n-1) * std / sqrt(n)``). None with fewer than two seeds in common."""
+    got = paired(vals, ref)
+    if got is None:
+        return None
+    mean, se, d = got
+    return mean, d, beyond_noise(mean, se, len(d))
+
+
+# ----------------------------------------------------------------------------- the definition
+def grid_lr(j: int) -> float:
+    """The lr grid every study shares: 5e-3 times sqrt(2) to the ``j``."""
+    return 5e-3 * 2 ** (j / 2)
+
+
+def grid_index(lr: float) -> int:
+    """The grid index of an lr on the grid (to 4 significant digits); ValueError off the grid."""
+    j = round(2 * math.log2(lr / 5e-3))
+    if f"{grid_lr(j):.4g}" != f"{lr:.4g}":
+        raise ValueError(f"lr {lr!r} is not on the grid 5e-3 * 2 ** (j / 2)")
+    return j
+
+
+class Row(NamedTuple):
+    """One row: its label (as it appears in records), its optimizer spec and the grid index its lrs
+    start from (``j``: where an earlier study found its best; ``Study.shift`` moves it)."""
+    label: str
+    spec: str
+    j: int
+
+    @property
+    def slug(self) -> str:
+        return self.label.replace(" ", "").replace("=", "").replace("-", "")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """The model, steps and eval of a study; ``kind`` prefixes its run folders."""
+    kind: str
+    steps: int
+    eval_every: int
+    width: int | None = None  # None: compare's default (128)
+    layers: int = 2
+    context: int = 64
+    checkpoint_every: int = 500
+
+    def args(self) -> list[str]:
+        """``dobb-bench compare`` less seed, lr, --out and --optimizers."""
+        out = ["dobb-bench", "compare", "--jobs", "1", "--layers", str(self.layers), "--context", str(self.context),
+               "--no-progress", "--checkpoint-every", str(self.checkpoint_every)]
+        if self.width is not None:
+            out += ["--width", str(self.width)]
+        return out + ["--steps", str(self.steps), "--eval-every", str(self.eval_every)]
+
+
+@dataclass(frozen=True)
+class Study:
+    """A study: rows at a setting, the seeds each row ends with, the lrs it starts from and the
+    records study its runs are collected into. ``lrs``: grid offsets from each row's centre run at
+    seed 0 first (the centre first, then the others in order), or grid lrs (values) to run for every row.
+    ``windows``: the common windows every finished run is re-evaluated on (``scripts/reeval_windows.py``)."""
+    name: str
+    setting: Setting
+    rows: tuple[Row, ...]
+    seeds: tuple[int, ...] = (0, 1, 2)
+    shift: int = 0  # the centre is ``row.j - shift``
+    lrs: tuple = (0, -1, 1)
+    span: int = 6  # a row's finished lrs are looked for within ``row.j -+ span``
+    records: str = "long-horizon"
+    windows: tuple[int, int] = (2048, 12345)  # --windows, --window-seed of the re-evaluation
+
+    def centre(self, row: Row) -> int:
+        return row.j - self.shift
+
+    def first_lrs(self, row: Row) -> list[int]:
+        """The grid indices a row runs at seed 0 before the rule looks at it."""
+        if all(isinstance(x, int) for x in self.lrs):
+            return [self.centre(row) + d for d in self.lrs]
+        return [grid_index(float(x)) for x in self.lrs]
+
+    def row(self, label: str) -> Row:
+        return next(r for r in self.rows if r.label == label)
+
+
+Task = tuple  # (kind, row, j, seed)
+REPO = str(Path(__file__).resolve().parents[3])
+
+
+# ----------------------------------------------------------------------------- what has run
+class RunsFolder:
+    """The runs of one or more studies under ``root``: each run its own ``--out``; the common-window
+    losses from the re-evaluation records ``reeval`` (lines with ``run_dir``, ``common_val_loss``
+    and ``common_groups``). Read at every call: other workers write while the rule reads."""
+
+    def __init__(self, root: str, reeval: Iterable[str] = ()):
+        self.root = str(root)
+        self.reeval = list(reeval)
+
+    @classmethod
+    def of(cls, runs: str, repo: str) -> "RunsFolder":
+        """``runs`` with its re-evaluation records: ``repo``'s committed one and the folder's scratch
+        (where ``Driver.reeval`` writes)."""
+        return cls(runs, [f"{repo}/docs/results/checks/reeval-windows/reeval.jsonl", f"{runs}/reeval-scratch.jsonl"])
+
+    def out_dir(self, kind: str, label: str, j: int, seed: int) -> str:
+        slug = Row(label, "", 0).slug
+        return f"{self.root}/{kind}-{slug}-j{j}-s{seed}"
+
+    def loss(self, kind: str, label: str, j: int, seed: int) -> float | None:
+        """The logged final loss of a finished run (inf when it diverged), None when not finished."""
+        for f in glob.glob(self.out_dir(kind, label, j, seed) + "/results.jsonl"):
+            for line in open(f):
+                r = json.loads(line)
+                if "final_val_loss" in r:
+                    return float("inf") if r.get("diverged") else r["final_val_loss"]
+        return None
+
+    def _reeval(self, kind, label, j, seed) -> dict | None:
+        name = os.path.basename(self.out_dir(kind, label, j, seed))
+        for f in self.reeval:
+            if os.path.exists(f):
+                for line in open(f):
+                    r = json.loads(line)
+                    if r.get("run_dir") == name:
+                        return r
+        return None
+
+    def common(self, kind: str, label: str, j: int, seed: int) -> float | None:
+        """A finished run's loss on the common windows, if re-evaluated."""
+        r = self._reeval(kind, label, j, seed)
+        return None if r is None else r["common_val_loss"]
+
+    def groups(self, kind: str, label: str, j: int, seed: int) -> list[float] | None:
+        """A re-evaluated run's loss per window group (the pairing of a gap's standard error)."""
+        r = self._reeval(kind, label, j, seed)
+        return None if r is None else r.get("common_groups")
+
+
+# ----------------------------------------------------------------------------- the rule
+def best_j(runs: RunsFolder, kind: str, row: Row, seed: int = 0, span: int = 6) -> tuple[list[int], int] | None:
+    """A row's finished lr indices at ``seed`` and the best of them, judged on the common windows when
+    every finished lr has been re-evaluated there, else on the logged losses; None when none has
+    finished."""
+    js = [j for j in range(row.j - span, row.j + span + 1) if runs.loss(kind, row.label, j, seed) is not None]
+    if not js:
+        return None
+    c = [runs.common(kind, row.label, j, seed) for j in js]
+    v = c if None not in c else [runs.loss(kind, row.label, j, seed) for j in js]
+    return js, js[v.index(min(v))]
+
+
+def edge(runs: RunsFolder, kind: str, row: Row, seed: int = 0, span: int = 6) -> int | None:
+    """The next lr index out from a row's best finished lr when that lr is at an edge, else None."""
+    got = best_j(runs, kind, row, seed, span)
+    if got is None:
+        return None
+    js, best = got
+    return best - 1 if best == min(js) else best + 1 if best == max(js) else None
+
+
+def close_neighbours(runs: RunsFolder, kind: str, row: Row, best: int) -> list[int]:
+    """The seed-0 neighbours of ``best`` (one grid step either side) worse than it by less than two
+    standard errors of the window noise: their gap to the best, paired over the common windows'
+    groups. A neighbour not re-evaluated yet is not called close."""
+    ref = runs.groups(kind, row.label, best, 0)
+    out = []
+    for j in (best - 1, best + 1):
+        mine = runs.groups(kind, row.label, j, 0)
+        got = None if ref is None or mine is None else paired(mine, ref)
+        if got is not None and got[0] < 2 * got[1]:
+            out.append(j)
+    return out
+
+
+def _value(runs: RunsFolder, kind: str, label: str, j: int, seeds: Iterable[int]) -> list[float | None]:
+    c = [runs.common(kind, label, j, sd) for sd in seeds]
+    return c if None not in c else [runs.loss(kind, label, j, sd) for sd in seeds]
+
+
+def chosen_j(runs: RunsFolder, kind: str, row: Row, span: int = 6) -> int | None:
+    """The row's lr once bracketed at seed 0: its best, or, where neighbours are within the window
+    noise of it, the one of them with the lowest mean over seeds 0 and 1 (on the common windows when
+    all of them have been re-evaluated); None while not bracketed or while a seed-1 run is missing."""
+    got = best_j(runs, kind, row, 0, span)
+    if got is None or edge(runs, kind, row, 0, span) is not None:
+        return None
+    best = got[1]
+    cands = [best] + close_neighbours(runs, kind, row, best)
+    if len(cands) == 1:
+        return best
+    if any(runs.loss(kind, row.label, j, 1) is None for j in cands):
+        return None
+    c = [[runs.common(kind, row.label, j, sd) for sd in (0, 1)] for j in cands]
+    if any(None in x for x in c):
+        c = [[runs.loss(kind, row.label, j, sd) for sd in (0, 1)] for j in cands]
+    means = [sum(x) / 2 for x in c]
+    return cands[means.index(min(means))]
+
+
+def stages(study: Study, runs: RunsFolder, rows: Iterable[Row] | None = None) -> list[list[Task]]:
+    """The rule's runs in the order they are wanted, stage by stage; a stage is taken up only when the
+    stages before it have nothing left to start."""
+    rows = list(study.rows if rows is None else rows)
+    kind, span = study.setting.kind, study.span
+    later = [sd for sd in study.seeds if sd != 0]
+    first = [[(kind, r, study.first_lrs(r)[0], 0) for r in rows],
+             [(kind, r, j, 0) for k in range(1, len(study.lrs)) for r in rows for j in [study.first_lrs(r)[k]]]]
+    out = [(kind, r, e, 0) for r in rows if (e := edge(runs, kind, r, 0, span)) is not None]
+    close: list[Task] = []
+    if later:
+        for r in rows:
+            got = best_j(runs, kind, r, 0, span)
+            if got is not None and edge(runs, kind, r, 0, span) is None:
+                close += [(kind, r, j, later[0]) for j in [got[1]] + close_neighbours(runs, kind, r, got[1])]
+    seeds = [(kind, r, j, sd) for sd in later for r in rows if (j := chosen_j(runs, kind, r, span)) is not None]
+    return first + [out, close, seeds]
+
+
+def plan_status(study: Study, runs: RunsFolder) -> list[dict]:
+    """Per row: its finished seed-0 lrs with their losses, its best, whether bracketed, the chosen lr
+    and the seeds finished there (what ``dobb-bench study NAME status`` prints)."""
+    kind, out = study.setting.kind, []
+    for r in study.rows:
+        got = best_j(runs, kind, r, 0, study.span)
+        js = got[0] if got else []
+        ch = chosen_j(runs, kind, r, study.span)
+        out.append({"row": r.label, "lrs": {j: _value(runs, kind, r.label, j, (0,))[0] for j in js},
+                    "best": got[1] if got else None, "edge": edge(runs, kind, r, 0, study.span),
+                    "chosen": ch,
+                    "seeds": [sd for sd in study.seeds if ch is not None and runs.loss(kind, r.label, ch, sd) is not None]})
+    return out
+
+
+# ----------------------------------------------------------------------------- running
+@dataclass
+class Driver:
+    """Runs tasks on ``workers`` threads: each pulls the next task (``pick(driver)``, under the lock)
+    when its last one finished and was re-evaluated, so each choice sees every run finished by then.
+    Runs left running by an earlier driver are adopted: waited for and re-evaluated, never doubled."""
+    runs: RunsFolder
+    worktree: str
+    settings: dict  # kind -> Setting
+    reeval_worktree: str | None = None
+    workers: int = 2
+    running: set = field(default_factory=set)  # every --out started by this driver or adopted
+    active: set = field(default_factory=set)  # the --out folders being run or re-evaluated now
+    started: dict = field(default_factory=dict)  # kind -> runs started
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    wait_s: float = 30.0
+
+    def env(self, worktree: str | None = None) -> dict:
+        return dict(os.environ, PYTHONPATH=f"{worktree or self.worktree}/src", OMP_NUM_THREADS="1")
+
+    def command(self, task: Task) -> list[str]:
+        kind, row, j, seed = task
+        return self.settings[kind].args() + ["--seed", str(seed), "--lr", repr(grid_lr(j)),
+                                              "--out", self.runs.out_dir(kind, row.label, j, seed),
+                                              "--optimizers", f"{row.spec}@{row.label}"]
+
+    def pending(self, tasks: Iterable[Task]) -> Task | None:
+        """The first task neither finished nor started: marked started (call under the lock)."""
+        for t in tasks:
+            key = self.runs.out_dir(t[0], t[1].label, t[2], t[3])
+            if key not in self.running and self.runs.loss(t[0], t[1].label, t[2], t[3]) is None:
+                return t
+        return None
+
+    def take(self, task: Task | None) -> Task | None:
+        if task is not None:
+            self.running.add(self.runs.out_dir(task[0], task[1].label, task[2], task[3]))
+            self.started[task[0]] = self.started.get(task[0], 0) + 1
+        return task
+
+    def run(self, task: Task) -> None:
+        kind, row, j, seed = task
+        if self.runs.loss(kind, row.label, j, seed) is not None:
+            return
+        args = self.command(task)
+        print(" ".join(args), flush=True)
+        subprocess.run(args, cwd=self.worktree, env=self.env())
+        print("done", kind, row.label, j, seed, self.runs.loss(kind, row.label, j, seed), flush=True)
+
+    def reeval(self, d: str) -> None:
+        """Re-evaluates a finished run on the common windows (``scripts/reeval_windows.py``)."""
+        if os.path.exists(d + "/results.jsonl"):
+            re_wt = self.reeval_worktree or self.worktree
+            subprocess.run([sys.executable, "scripts/reeval_windows.py", d, "--out", f"{self.runs.root}/reeval-scratch.jsonl"],
+                           cwd=re_wt, env=self.env(re_wt))
+
+    def alive(self, d: str) -> bool:
+        return subprocess.run(["pgrep", "-f", "--", f"--out {d} "], capture_output=True).returncode == 0
+
+    def left_running(self) -> list[str]:
+        """The --out folders of compare runs under this runs folder that an earlier driver left running."""
+        ps = subprocess.run(["pgrep", "-af", "--", f"--out {self.runs.root}/"], capture_output=True, text=True).stdout
+        return sorted({w.split()[0] for w in ps.split("--out ")[1:]})
+
+    def worker(self, pick: Callable, adopt: str | None = None) -> None:
+        if adopt is not None:
+            while self.alive(adopt):
+                time.sleep(self.wait_s)
+            self.reeval(adopt)
+            with self.lock:
+                self.active.discard(adopt)
+        while True:
+            with self.lock:
+                t = pick(self)
+                if t is not None:
+                    key = self.runs.out_dir(t[0], t[1].label, t[2], t[3])
+                    self.active.add(key)
+                busy = bool(self.active)
+            if t is None:
+                if not busy:  # nothing to start and nothing running that could unlock more
+                    return
+                time.sleep(self.wait_s)  # another worker's run may let the rule ask for more
+                continue
+            try:
+                self.run(t)
+                # re-evaluate on the common windows at once, so the next choice is judged there
+                self.reeval(key)
+            finally:
+                with self.lock:
+                    self.active.discard(key)
+
+    def drive(self, pick: Callable) -> None:
+        left = self.left_running()
+        self.running.update(left)
+        self.active.update(left[:self.workers])  # the adopted runs a worker waits for
+        ts = [threading.Thread(target=self.worker, args=(pick, left[i] if i < len(left) else None))
+              for i in range(self.workers)]
+        [t.start() for t in ts]
+        [t.join() for t in ts]
+        print("DRIVER_DONE", flush=True)
+
+
+def rule(study: Study, rows: Iterable[Row] | None = None) -> Callable:
+    """The pick of the bracket-and-seed rule over ``study``: the first pending task of the first stage
+    that has one."""
+    def pick(d: Driver) -> Task | None:
+        for stage in stages(study, d.runs, rows):
+            t = d.pending(stage)
+            if t is not None:
+                return d.take(t)
+        return None
+    return pick
+
+
+def collect(study: Study, runs: RunsFolder, records_dir=None) -> list[dict]:
+    """Adds every finished run of ``study`` under ``runs`` to its records study."""
+    from dobb_bench.reports import records as R
+    new = []
+    kind = study.setting.kind
+    for r in study.rows:
+        for j in range(r.j - study.span, r.j + study.span + 1):
+            for seed in study.seeds:
+                d = runs.out_dir(kind, r.label, j, seed)
+                if runs.loss(kind, r.label, j, seed) is not None and glob.glob(d + "/runs/*/metrics.jsonl"):
+                    new += R.collect(d, study.records, records_dir, runs=[r.label])
+    return new
+
+
+# ----------------------------------------------------------------------------- the CLI
+def _studies() -> dict[str, Study]:
+    from dobb_bench.studies.long_horizon_runs import STUDIES
+    return STUDIES
+
+
+def cmd_study(args) -> int:
+    from dobb_bench.errors import CliError
+    studies = _studies()
+    if args.name not in studies:
+        raise CliError(f"no study {args.name!r}: one of {', '.join(studies)}")
+    study = studies[args.name]
+    runs = RunsFolder.of(args.runs, args.repo)
+    if args.action == "status":
+        for s in plan_status(study, runs):
+            lrs = ", ".join(f"j{j}: {v:.4f}" if v is not None else f"j{j}: —" for j, v in s["lrs"].items())
+            where = ("not started" if s["best"] is None else f"best j{s['best']}"
+                     + (f", next out j{s['edge']}" if s["edge"] is not None else ", bracketed"))
+            chosen = "" if s["chosen"] is None else f"; chosen j{s['chosen']}, seeds {s['seeds']}"
+            print(f"{s['row']}: {where}{chosen} ({lrs})")
+        return 0
+    if args.action == "collect":
+        print(f"{len(collect(study, runs))} records added to {study.records}")
+        return 0
+    if not args.worktree:
+        raise CliError("study run needs --worktree: a clean worktree of the revision to measure")
+    Driver(runs, args.worktree, {study.setting.kind: study.setting}, args.reeval_worktree or args.worktree,
+           args.workers).drive(rule(study))
+    return 0
+
+
+def add_parsers(sub) -> None:
+    p = sub.add_parser("study", help="run a defined study in parts, show where it stands, or collect it")
+    p.add_argument("name", help="the study (dobb_bench.studies.long_horizon_runs.STUDIES)")
+    p.add_argument("action", choices=("run", "status", "collect"))
+    p.add_argument("--runs", required=True, help="the runs folder: one --out per run")
+    p.add_argument("--worktree", help="a clean worktree of the revision to measure (run)")
+    p.add_argument("--reeval-worktree", help="a clean worktree holding scripts/reeval_windows.py (default --worktree)")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--repo", default=REPO, help="the checkout whose docs hold the committed re-evaluation "
+                   "record (default: this package's)")
+    p.set_defaults(func=cmd_study)

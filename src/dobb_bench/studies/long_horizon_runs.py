@@ -1,0 +1,189 @@
+"""The long-horizon grids as ``define.Study`` definitions, and the orders the grid was run in.
+
+Two settings: 8,300 steps (about 20 tokens per parameter, folders ``lh-*``) and width 256 at
+3,200 steps (``w256-*``); ``dobb_bench.studies.long_horizon`` makes their tables. Three row lists:
+
+- ``LH``: the issue's 20-tokens rows, each starting at its 800-step best grid index;
+- ``W256``: five of them at width 256;
+- ``FR``: table:frontier-20's rows never run at 20 tokens (issue 39) and the new Dobb forms, their
+  800-step grid index where the shard-local study found each best, started ``SHIFT`` grid steps
+  lower (the 20-tokens best lrs sat one to three grid steps below the 800-step ones).
+
+``MODES`` are what ``scripts/long_horizon.py WORKTREE RUNS_DIR MODE`` runs: ``frontier`` is the
+bracket-and-seed rule of ``define`` over FR; ``bracket`` and ``close`` are the orders the LH and
+W256 grids were run in (kept so a restarted driver picks what it picked before), written on the
+same ``best_j``/``edge``; ``seed1``, ``noise-first``, ``lh`` and ``w256`` are the first, static lists.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+from dobb_bench.studies.define import Driver, Row, RunsFolder, Setting, Study, best_j, edge, rule
+
+LH = (
+    Row("AdamW", "adamw", -1),
+    Row("Muon", "muon", 2),
+    Row("SOAP", "soap", 2),
+    Row("MuonBP R=4 P=5", "muonbp:blocks=4:period=5", 3),
+    Row("Row-block Muon R=4", "block-muon:axis=0:blocks=4", 2),
+    Row("Dobb B=1", "dobb:blocks=1", 0),
+    Row("Two-sided B=1 Bo=1", "dobb:side=both", 0),
+    Row("Two-sided B=1 Bo=4", "dobb:side=both:blocks=1:out_blocks=4", 0),
+)
+# Products are fp32 on every FR row (ns_dtype=float32): the earlier long-horizon rows ran on a host
+# whose "auto" meant fp32.
+FR = (
+    Row("Dobb B=4", "dobb:blocks=4", -1),
+    Row("Two-sided B=4 Bo=4", "dobb:side=both:blocks=4:out_blocks=4", -1),
+    Row("DASH 32", "dash:block_size=32", 1),
+    Row("Dion2 1/4 per shard R=4", "dion2:select=shard:blocks=4:ns_dtype=float32", 4),
+    Row("MuonBP R=4 P=10", "muonbp:blocks=4:period=10:ns_dtype=float32", 6),
+    # as its authors run it: b2=0.95, and its AdamW part at lr/8, which puts it at 0.01 where
+    # SPlus's 800-step best lr (0.08) is, the lr of the other rows' AdamW parts there
+    Row("SPlus Bo=4 authors", "splus:out_blocks=4:b2=0.95:adamw_lr_ratio=0.125", 8),
+)
+SHIFT = 2
+W256 = tuple(r for r in LH if r.label in ("AdamW", "Muon", "Row-block Muon R=4", "Dobb B=1", "Two-sided B=1 Bo=4"))
+
+TWENTY_TOKENS = Setting("lh", steps=8300, eval_every=250)
+WIDTH_256 = Setting("w256", steps=3200, eval_every=200, width=256)
+SETTINGS = {s.kind: s for s in (TWENTY_TOKENS, WIDTH_256)}
+
+STUDIES = {
+    "long-horizon": Study("long-horizon", TWENTY_TOKENS, LH),
+    "width-256": Study("width-256", WIDTH_256, W256),
+    "frontier-20": Study("frontier-20", TWENTY_TOKENS, FR, shift=SHIFT),
+}
+
+
+# ----------------------------------------------------------------------------- the orders run before
+def first_tasks():
+    """Each row at its 800-step best; then neighbours below, above (seed 0)."""
+    yield from (("lh", r, r.j, 0) for r in LH)
+    yield from (("w256", r, r.j, 0) for r in W256)
+    yield from (("lh", r, r.j - 1, 0) for r in LH)
+    yield from (("lh", r, r.j + 1, 0) for r in LH)
+    yield from (("w256", r, r.j - 1, 0) for r in W256)
+    yield from (("w256", r, r.j + 1, 0) for r in W256)
+
+
+def seed1(runs: RunsFolder):
+    """Seed 1 at each row's best finished seed-0 lr (logged losses)."""
+    for kind, rows in (("lh", LH), ("w256", W256)):
+        for r in rows:
+            done = [(runs.loss(kind, r.label, j, 0), j) for j in range(r.j - 3, r.j + 4)]
+            done = [(v, j) for v, j in done if v is not None]
+            if done:
+                yield kind, r, min(done)[1], 1
+
+
+def _turns(d: Driver, a, b, strict: bool):
+    """The first pending of ``a`` and of ``b``, taking turns between the two settings."""
+    a, b = d.pending(a), d.pending(b)
+    lh, w = d.started.get("lh", 0), d.started.get("w256", 0)
+    return a if b is None or (a is not None and (lh < w if strict else lh <= w)) else b
+
+
+def next_bracket(d: Driver):
+    """`bracket`: the issue's 20-tokens grid first; then the 20-tokens outward steps and the width-256
+    grid, taking turns (rows whose best lr keeps moving would otherwise starve the width-256 grid);
+    then the width-256 outward steps and second seeds."""
+    R = d.runs
+    grid = (("lh", r, j, 0) for r in LH for j in (r.j - 1, r.j, r.j + 1))
+    # AdamW last: it is far behind every matrix row, so its bracket decides no ordering
+    lh_out = [("lh", r, edge(R, "lh", r), 0) for r in LH[1:] + LH[:1] if edge(R, "lh", r) is not None]
+    # width 256: the lower neighbours, then outward steps, then the higher neighbours
+    w_out = [("w256", r, edge(R, "w256", r), 0) for r in W256[1:] + W256[:1] if edge(R, "w256", r) is not None]
+    w_grid = [("w256", r, r.j - 1, 0) for r in W256] + w_out + [("w256", r, r.j + 1, 0) for r in W256]
+    seeds = [("w256", r, best_j(R, "w256", r)[1], 1) for r in W256 if best_j(R, "w256", r) is not None]
+    pick = d.pending(grid)
+    if pick is None:
+        pick = _turns(d, lh_out, w_grid, strict=True)
+    return d.take(pick or d.pending(w_out) or d.pending(seeds))
+
+
+def leads(R: RunsFolder, seeds=(0, 1), margin=-0.01):
+    """Muon and the 20-tokens rows that lead it at every one of ``seeds`` (each row at its seed-0 best
+    lr, paired on the common windows) by ``margin`` on average: the leads a third seed should test.
+    Empty until every such run has been re-evaluated."""
+    muon = next(r for r in LH if r.label == "Muon")
+    mj = (best_j(R, "lh", muon) or (None, None))[1]
+    ref = [R.common("lh", "Muon", mj, sd) for sd in seeds]
+    if mj is None or None in ref:
+        return []
+    out = []
+    for r in LH:
+        got = best_j(R, "lh", r)
+        if r is muon or got is None or edge(R, "lh", r) is not None:
+            continue
+        mine = [R.common("lh", r.label, got[1], sd) for sd in seeds]
+        if None not in mine:
+            gaps = [a - b for a, b in zip(mine, ref)]
+            if max(gaps) < 0 and sum(gaps) / len(gaps) <= margin:
+                out.append((r, got[1]))
+    return [(muon, mj)] + out if out else []
+
+
+def next_close(d: Driver):
+    """`close`: taking turns between the two settings, the third width-256 lr of each row that has
+    fewer than three and a second 20-tokens seed at each bracketed row's best lr; then a third seed
+    for Muon and each row that leads it at both seeds (``leads``); then the outward steps of the
+    matrix rows at either setting; then the second seeds of the rows bracketed by then; AdamW's
+    outward steps last (its bracket decides no ordering)."""
+    R = d.runs
+
+    def n_lrs(kind, r):
+        got = best_j(R, kind, r)
+        return 0 if got is None else len(got[0])
+
+    def seed_at_best(kind, rows, bracketed):
+        out = []
+        for r in rows:
+            got = best_j(R, kind, r)
+            if got is not None and (edge(R, kind, r) is None) == bracketed:
+                out.append((kind, r, got[1], 1))
+        return out
+
+    w_third = [("w256", r, edge(R, "w256", r), 0) for r in W256
+               if n_lrs("w256", r) < 3 and edge(R, "w256", r) is not None]
+    lh_seed = seed_at_best("lh", LH, True)
+    lh_out = [("lh", r, edge(R, "lh", r), 0) for r in LH[1:] if edge(R, "lh", r) is not None]
+    w_out = [("w256", r, edge(R, "w256", r), 0) for r in W256 if r.label != "AdamW" and edge(R, "w256", r) is not None]
+    adamw = [(k, r, edge(R, k, r), 0) for k, rows in (("lh", LH), ("w256", W256)) for r in rows
+             if r.label == "AdamW" and edge(R, k, r) is not None]
+    late = (seed_at_best("lh", LH, False) + seed_at_best("w256", W256, True) + adamw
+            + seed_at_best("w256", W256, False))
+    third = [("lh", r, j, 2) for r, j in leads(R)]
+    pick = None
+    for a, b in ((lh_seed, w_third), (third, []), (lh_out, w_out)):
+        pick = _turns(d, a, b, strict=False)
+        if pick is not None:
+            break
+    return d.take(pick or d.pending(late))
+
+
+PICKS = {"bracket": next_bracket, "close": next_close, "frontier": rule(STUDIES["frontier-20"])}
+
+
+def static(d: Driver, only: str | None) -> list:
+    """The static lists of the first runs: ``seed1``, ``noise-first``, ``lh``, ``w256`` or all."""
+    if only == "seed1":
+        return list(seed1(d.runs))
+    if only == "noise-first":
+        return [("w256", r, r.j, 0) for r in W256] + [t for t in seed1(d.runs) if t[0] == "lh"] + list(first_tasks())
+    return [t for t in first_tasks() if only is None or t[0] == only]
+
+
+def main(worktree: str, runs: str, mode: str | None, repo: str, reeval_worktree: str | None = None,
+         workers: int = 2) -> int:
+    """``scripts/long_horizon.py``: ``mode`` one of ``PICKS`` (pulled one run at a time, each
+    re-evaluated when done) or of the static lists."""
+    d = Driver(RunsFolder.of(runs, repo), worktree, SETTINGS, reeval_worktree or worktree, workers)
+    if mode in PICKS:
+        d.drive(PICKS[mode])
+        return 0
+    with cf.ThreadPoolExecutor(workers) as ex:
+        list(ex.map(d.run, static(d, mode)))
+    print("DRIVER_DONE", flush=True)
+    return 0
+
