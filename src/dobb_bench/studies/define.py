@@ -58,6 +58,16 @@ def paired_gap(vals: list, ref: list) -> tuple[float, list[float], bool] | None:
     return mean, d, beyond_noise(mean, se, len(d))
 
 
+def best_of(grid: Iterable[tuple[float, float]]) -> tuple[float | None, bool]:
+    """The lr of the lowest loss among ``(lr, loss)`` and whether it is bracketed (a worse lr on
+    each side); ``(None, False)`` for an empty grid. The tables' reading of a seed-0 grid."""
+    grid = sorted(grid)
+    if not grid:
+        return None, False
+    i = min(range(len(grid)), key=lambda k: grid[k][1])
+    return grid[i][0], 0 < i < len(grid) - 1
+
+
 # ----------------------------------------------------------------------------- the definition
 def grid_lr(j: int) -> float:
     """The lr grid every study shares: 5e-3 times sqrt(2) to the ``j``."""
@@ -146,6 +156,7 @@ class RunsFolder:
     def __init__(self, root: str, reeval: Iterable[str] = ()):
         self.root = str(root)
         self.reeval = list(reeval)
+        self._cache: dict = {}
 
     @classmethod
     def of(cls, runs: str, repo: str) -> "RunsFolder":
@@ -167,14 +178,31 @@ class RunsFolder:
         return None
 
     def _reeval(self, kind, label, j, seed) -> dict | None:
+        """The first re-evaluation record of the run (files in order, lines in order)."""
         name = os.path.basename(self.out_dir(kind, label, j, seed))
         for f in self.reeval:
-            if os.path.exists(f):
-                for line in open(f):
-                    r = json.loads(line)
-                    if r.get("run_dir") == name:
-                        return r
+            r = self._index(f).get(name)
+            if r is not None:
+                return r
         return None
+
+    def _index(self, path: str) -> dict:
+        """``{run_dir: first record}`` of one re-evaluation file, re-read when the file changes."""
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return {}
+        key = (st.st_mtime_ns, st.st_size)
+        got = self._cache.get(path)
+        if got is None or got[0] != key:
+            index: dict = {}
+            with open(path) as fh:
+                for line in fh:
+                    if line.strip():
+                        r = json.loads(line)
+                        index.setdefault(r.get("run_dir"), r)
+            got = self._cache[path] = (key, index)
+        return got[1]
 
     def common(self, kind: str, label: str, j: int, seed: int) -> float | None:
         """A finished run's loss on the common windows, if re-evaluated."""
@@ -316,6 +344,14 @@ class Driver:
                 return t
         return None
 
+    def first(self, stages: Iterable[Iterable[Task]]) -> Task | None:
+        """The first pending task of the first stage that has one."""
+        for stage in stages:
+            t = self.pending(stage)
+            if t is not None:
+                return t
+        return None
+
     def take(self, task: Task | None) -> Task | None:
         if task is not None:
             self.running.add(self.runs.out_dir(task[0], task[1].label, task[2], task[3]))
@@ -388,11 +424,7 @@ def rule(study: Study, rows: Iterable[Row] | None = None) -> Callable:
     """The pick of the bracket-and-seed rule over ``study``: the first pending task of the first stage
     that has one."""
     def pick(d: Driver) -> Task | None:
-        for stage in stages(study, d.runs, rows):
-            t = d.pending(stage)
-            if t is not None:
-                return d.take(t)
-        return None
+        return d.take(d.first(stages(study, d.runs, rows)))
     return pick
 
 

@@ -26,7 +26,8 @@ import statistics
 from dobb_bench.reports import records as R
 from dobb_bench.reports.tables import paired
 from dobb_bench.studies import long_horizon as LH
-from dobb_bench.studies.shard_local import OWNER, T95, _fmt_bytes, _timing_ratios, communication, state_per_param
+from dobb_bench.studies.define import beyond_noise, best_of
+from dobb_bench.studies.shard_local import OWNER, _fmt_bytes, _timing_ratios, communication, state_per_param
 
 STEPS, WIDTH = 8300, 128
 # (row as labelled in the runs, spec whose step was timed in table:shard-local)
@@ -67,11 +68,7 @@ def _common() -> dict[str, dict[float, dict[int, dict]]]:
 
 def choose(by_lr: dict[float, dict[int, dict]]) -> tuple[float | None, bool]:
     """The seed-0 best lr on the common windows and whether it is bracketed."""
-    grid = sorted((lr, s[0]["common_val_loss"]) for lr, s in by_lr.items() if 0 in s)
-    if not grid:
-        return None, False
-    i = min(range(len(grid)), key=lambda k: grid[k][1])
-    return grid[i][0], 0 < i < len(grid) - 1
+    return best_of((lr, s[0]["common_val_loss"]) for lr, s in by_lr.items() if 0 in s)
 
 
 def verdict(gaps: dict[int, float]) -> tuple[float, str]:
@@ -85,7 +82,7 @@ def verdict(gaps: dict[int, float]) -> tuple[float, str]:
 
     def beyond(xs):
         se = statistics.stdev(xs) / len(xs) ** 0.5
-        return abs(statistics.fmean(xs)) > T95.get(len(xs) - 1, 1.96) * se, statistics.fmean(xs) / se if se else math.inf
+        return beyond_noise(statistics.fmean(xs), se, len(xs)), statistics.fmean(xs) / se if se else math.inf
 
     all_ok, t_all = beyond(d)
     later = [gaps[s] for s in seeds if s != 0]

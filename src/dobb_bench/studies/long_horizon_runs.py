@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 
-from dobb_bench.studies.define import Driver, Row, RunsFolder, Setting, Study, best_j, edge, rule
+from dobb_bench.studies.define import Driver, Row, RunsFolder, Setting, Study, best_j, edge, stages
 
 LH = (
     Row("AdamW", "adamw", -1),
@@ -162,7 +162,28 @@ def next_close(d: Driver):
     return d.take(pick or d.pending(late))
 
 
-PICKS = {"bracket": next_bracket, "close": next_close, "frontier": rule(STUDIES["frontier-20"])}
+# the earlier rows with two seeds get a third at their bracketed best lr (their runs are in
+# another runs folder, so the lr is named here; table:long-horizon-best gives it)
+LH_SEED2 = (("Row-block Muon R=4", 0), ("MuonBP R=4 P=5", 0), ("Dobb B=1", -1), ("AdamW", -2))
+
+
+def fp32(row: Row) -> Row:
+    """The row with fp32 Newton-Schulz products, as its earlier runs had on a host without native
+    bf16 (there "auto" meant fp32; on a host with AVX512-BF16 it means bf16)."""
+    if row.spec.split(":")[0] in ("muon", "muonbp", "block-muon") and "ns_dtype" not in row.spec:
+        return row._replace(spec=row.spec + ":ns_dtype=float32")
+    return row
+
+
+def next_frontier(d: Driver):
+    """`frontier`: the bracket-and-seed rule over FR (``define.stages``), with the third seeds of
+    ``LH_SEED2`` taken up right after FR's centre lrs."""
+    third = [("lh", fp32(r), j, 2) for label, j in LH_SEED2 for r in LH if r.label == label]
+    first, *rest = stages(STUDIES["frontier-20"], d.runs)
+    return d.take(d.first([first, third, *rest]))
+
+
+PICKS = {"bracket": next_bracket, "close": next_close, "frontier": next_frontier}
 
 
 def static(d: Driver, only: str | None) -> list:

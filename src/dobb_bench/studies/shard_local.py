@@ -26,7 +26,7 @@ from dobb_bench.cost.payload import derived_state_bytes, dp_stat_entries, payloa
 from dobb_bench.reports import records as R
 from dobb_bench.reports.tables import _loss, noise, setting_line, stats
 from dobb_bench.specs import parse_spec
-from dobb_bench.studies.define import paired_gap  # the paired t-test, written once
+from dobb_bench.studies.define import best_of, paired_gap  # the rule's pieces, written once
 
 STUDY = "shard-local"
 TIMING = ("cost/shard-local/fsdp4/timing.jsonl", "cost/shard-local/fsdp4-splus/timing.jsonl",
@@ -80,11 +80,8 @@ def runs_of(label: str, studies: tuple[str, ...]) -> dict[tuple[float, int], dic
 
 def best_lr(runs: dict[tuple[float, int], dict]) -> tuple[float | None, bool, list[float]]:
     """The seed-0 best lr, whether a worse lr lies on each side of it, and the seed-0 grid."""
-    grid = sorted((lr, _loss(r)) for (lr, s), r in runs.items() if s == 0 and _loss(r) is not None)
-    if not grid:
-        return None, False, []
-    i = min(range(len(grid)), key=lambda k: grid[k][1])
-    return grid[i][0], 0 < i < len(grid) - 1, [lr for lr, _ in grid]
+    grid = [(lr, _loss(r)) for (lr, s), r in runs.items() if s == 0 and _loss(r) is not None]
+    return (*best_of(grid), sorted(lr for lr, _ in grid))
 
 
 def communication(spec: str, sharded: str = "output", shards: int = 4) -> tuple[float, str]:

@@ -131,20 +131,22 @@ def test_the_paired_t_test_is_one_function(monkeypatch):
 
 def _fake_compare(monkeypatch, opt):
     """Driver.run and .reeval without compare: a run's loss is a parabola in j around ``opt[label]``."""
-    done = []
+    done, specs = [], []
 
     def run(self, task):
         kind, row, j, seed = task
         done.append((row.label, j, seed))
+        specs.append(self.command(task)[-1])  # the --optimizers spec@label
         d = Path(self.runs.out_dir(kind, row.label, j, seed))
         d.mkdir(parents=True, exist_ok=True)
-        (d / "results.jsonl").write_text(json.dumps({"final_val_loss": 1.3 + 0.01 * (j - opt[row.label]) ** 2}) + "\n")
+        (d / "results.jsonl").write_text(json.dumps({"final_val_loss": 1.3 + 0.01 * (j - opt.get(row.label, j)) ** 2}) + "\n")
 
     def reeval(self, d):
         # the folder names as the driver writes them ("Dion2 1/4 ..." nests one folder deeper)
-        where = {self.runs.out_dir("lh", r.label, j, s): (r.label, j) for r in H.FR for j in range(-9, 12) for s in (0, 1, 2)}
+        where = {self.runs.out_dir("lh", r.label, j, s): (r.label, j) for r in H.FR + H.LH for j in range(-9, 12)
+                 for s in (0, 1, 2)}
         label, j = where[d]
-        loss = 1.3 + 0.01 * (j - opt[label]) ** 2
+        loss = 1.3 + 0.01 * (j - opt.get(label, j)) ** 2
         with open(Path(self.runs.root) / "reeval-scratch.jsonl", "a") as f:
             f.write(json.dumps({"run_dir": Path(d).name, "common_val_loss": loss,
                                 "common_groups": [loss + e for e in PATTERN]}) + "\n")
@@ -153,20 +155,23 @@ def _fake_compare(monkeypatch, opt):
     monkeypatch.setattr(D, "time", types.SimpleNamespace(sleep=lambda s: real(0.01)))  # a worker waiting on the other
     monkeypatch.setattr(D.Driver, "run", run)
     monkeypatch.setattr(D.Driver, "reeval", reeval)
-    return done
+    return done, specs
 
 
 def test_the_script_drives_the_frontier_rule_to_the_end(tmp_path, monkeypatch, capsys):
     """scripts/long_horizon.py WORKTREE RUNS frontier, with a fake compare: every row bracketed on two
     workers, then seeds 1 and 2 at its best; a rerun starts nothing."""
     opt = {r.label: r.j - 2 - 2 + i % 2 for i, r in enumerate(H.FR)}  # some two steps out, some one
-    done = _fake_compare(monkeypatch, opt)
+    done, specs = _fake_compare(monkeypatch, opt)
     runs = tmp_path / "runs"
     monkeypatch.setattr(sys, "argv", ["long_horizon.py", str(tmp_path / "wt"), str(runs), "frontier"])
     with pytest.raises(SystemExit) as e:
         runpy.run_path(str(SCRIPT), run_name="__main__")
     assert e.value.code == 0 and "DRIVER_DONE" in capsys.readouterr().out
     assert len(done) == len(set(done))
+    # FR's centres, then the third seeds of the earlier two-seed rows (fp32 products), then the rest
+    centres = {(r.label, r.j - 2, 0) for r in H.FR}
+    assert set(done[:6]) == centres and set(done[6:10]) == {(label, j, 2) for label, j in H.LH_SEED2}
     for r in H.FR:
         mine = {(j, s) for label, j, s in done if label == r.label}
         o, c = opt[r.label], r.j - 2
@@ -175,6 +180,7 @@ def test_the_script_drives_the_frontier_rule_to_the_end(tmp_path, monkeypatch, c
     with pytest.raises(SystemExit):
         runpy.run_path(str(SCRIPT), run_name="__main__")
     assert len(done) == n
+    assert "block-muon:axis=0:blocks=4:ns_dtype=float32@Row-block Muon R=4" in specs and "adamw@AdamW" in specs
     # the same folder as a study: status and its CLI
     st = H.STUDIES["frontier-20"]
     folder = D.RunsFolder.of(str(runs), str(tmp_path))
