@@ -38,13 +38,13 @@ def make_factory(name: str, lr: float, weight_decay: float, hparams: dict):
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    T._add_common(p)
+    T.add_common_args(p)
     p.add_argument("--optimizer", choices=NAMES, required=True)
     p.add_argument("--hparams", default="", help="key=value:key=value (compare's spec grammar)")
     p.add_argument("--label", required=True)
     args = p.parse_args(argv)
     args.argv = ["scripts/family_rows.py", *(sys.argv[1:] if argv is None else argv)]
-    model_cfg, train_cfg, (corpus, _) = T._configs(args)
+    model_cfg, train_cfg, (corpus, _) = T.run_configs(args)
     hparams = T.parse_hparams([x for x in args.hparams.split(":") if x], "--hparams")
     lr = train_cfg.lr
     several_lrs = args.lr is not None  # a grid point: its folder names the lr, as compare's grid does

@@ -96,13 +96,13 @@ def make_factory(D, lr: float, weight_decay: float, block_size: int):
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    T._add_common(p)
+    T.add_common_args(p)
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--label", help="run label (default: 'DASH package B=<block size>')")
     args = p.parse_args(argv)
     args.argv = ["scripts/peer_dash.py", *(sys.argv[1:] if argv is None else argv)]
     D = load_dash_package()
-    model_cfg, train_cfg, (corpus, _) = T._configs(args)
+    model_cfg, train_cfg, (corpus, _) = T.run_configs(args)
     label = args.label or f"DASH package {args.block_size}"
     lr = train_cfg.lr
     out = Path(args.out or "bench-out/peer-dash")

@@ -35,13 +35,13 @@ def make_factory(package: str, lr: float, weight_decay: float, extra: dict):
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    T._add_common(p)
+    T.add_common_args(p)
     p.add_argument("--package", choices=sorted(PACKAGES), default="pytorch_optimizer")
     p.add_argument("--label", help="run label (default: '<package>.SOAP all params')")
     p.add_argument("--hparams", default="", help="extra constructor keywords, key=value:key=value")
     args = p.parse_args(argv)
     args.argv = ["scripts/peer_soap.py", *(sys.argv[1:] if argv is None else argv)]
-    model_cfg, train_cfg, (corpus, _) = T._configs(args)
+    model_cfg, train_cfg, (corpus, _) = T.run_configs(args)
     extra = T.parse_hparams([x for x in args.hparams.split(":") if x], "--hparams")
     label = args.label or f"{PACKAGES[args.package]} all params" + "".join(f" {k}={v}" for k, v in extra.items())
     lr = train_cfg.lr

@@ -85,3 +85,17 @@ def test_mkldnn_native_reads_onednn():
         assert isinstance(getattr(torch.ops.mkldnn, name)(), bool)  # raises on a torch without them
     assert P.mkldnn_native(torch.bfloat16) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
     assert P.mkldnn_native(torch.float32) is False
+
+
+def test_strided_shard_type_is_the_placement_sharding_reads():
+    """``_StridedShard`` is still the placement ``dobb.sharding`` tells apart by type (its
+    ``is_shard()`` is not to be relied on) and reads ``.dim`` of, and the package imports it only
+    through ``_torch_private``."""
+    from pathlib import Path
+
+    cls = P.strided_shard_type()
+    x = cls(1, split_factor=2)
+    assert cls.__name__ == "_StridedShard" and isinstance(x, cls) and x.dim == 1 and x.split_factor == 2
+    src = Path(dobb.__file__).parent
+    users = [p.name for p in src.rglob("*.py") if "import _StridedShard" in p.read_text() and p.name != "_torch_private.py"]
+    assert users == []

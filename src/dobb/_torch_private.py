@@ -1,7 +1,7 @@
 """Every private torch API this package uses, in one place.
 
 torch may rename or change any of these between releases without notice; keeping them here makes
-the list short to read and ``tests/test__torch_private.py`` checks each one (its presence, its
+the list short to read and ``tests/test_torch_private.py`` checks each one (its presence, its
 signature where we call it, and its behaviour where that is cheap), so a torch that changes one
 fails there, by name, instead of somewhere inside a step.
 
@@ -20,6 +20,9 @@ fails there, by name, instead of somewhere inside a step.
 - ``torch_newton_schulz``: ``torch.optim._muon._zeropower_via_newtonschulz`` (torch >= 2.9;
   ``None`` before), which Muon calls for one bf16 matrix to match ``torch.optim.Muon`` bitwise.
 - ``mkldnn_native``: ``torch.ops.mkldnn._is_mkldnn_bf16_supported``/``_fp16_supported``.
+- ``strided_shard_type``: ``torch.distributed.tensor.placement_types._StridedShard``, the placement
+  FSDP2 and TP give an axis sharded twice (``dobb.sharding`` reads it); imported when first asked
+  for, so ``import dobb`` does not load ``torch.distributed.tensor``.
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ except ImportError:  # pragma: no cover - depends on the installed torch
     torch_newton_schulz = None
 
 __all__ = ["adamw_init_group", "fused_adamw_devices", "current_graph_task_id", "HigherOrderOperator",
-           "TorchDispatchMode", "tree_flatten", "torch_newton_schulz", "mkldnn_native"]
+           "TorchDispatchMode", "tree_flatten", "torch_newton_schulz", "mkldnn_native", "strided_shard_type"]
 
 
 def adamw_init_group(opt: torch.optim.Optimizer, group: dict[str, Any], params: list, grads: list,
@@ -70,3 +73,10 @@ def mkldnn_native(dtype: torch.dtype) -> bool:
     except (AttributeError, RuntimeError):
         return False
     return False
+
+
+def strided_shard_type() -> type:
+    """``torch.distributed.tensor.placement_types._StridedShard`` (a ``Shard`` subclass)."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard

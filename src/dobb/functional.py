@@ -227,8 +227,8 @@ def qr_householder(p: Tensor) -> Tensor:
     """Orthonormal factor of a batch of square matrices (LAPACK Householder QR).
 
     On CPU ``Q`` is formed from ``geqrf``'s reflectors directly: the LAPACK calls of ``linalg.qr``
-    (bitwise the same ``Q``) without the triangular ``R`` it also builds, which was about a fifth
-    of a 3072-wide refresh (docs/timing.md, "A refresh that scales"). Elsewhere ``linalg.qr``.
+    (bitwise the same ``Q``) without the triangular ``R`` it also builds and a refresh never reads
+    (what that saves: docs/timing.md, "A refresh that scales"). Elsewhere ``linalg.qr``.
     """
     if p.device.type == "cpu":
         return torch.linalg.householder_product(*torch.geqrf(p))
@@ -455,11 +455,10 @@ def matmul_dtype(dtype: torch.dtype, device: torch.device, product: "str | torch
 
     ``product`` a dtype: that dtype, on every device (so a test or a user can force either path on
     any host). ``"auto"``: the basis dtype on accelerators; fp32 on every CPU for a sub-fp32 basis.
-    On a CPU without native bf16 torch's bf16 products are a scalar loop much slower than fp32; on
-    a CPU with AVX512-BF16/AMX the main job's training loop was still faster with fp32 products,
-    since at these block sizes the bf16 casts cost more than the products save (both measured in
-    ``docs/timing.md``). One CPU rule also gives every host the numerics of the committed
-    records. The stored basis, and so Table 18's memory, is unchanged.
+    On a CPU without native bf16 torch's bf16 products are a scalar loop; with AVX512-BF16/AMX,
+    at these block sizes the casts to and from bf16 cost more than the products save (both
+    measured in ``docs/timing.md``). One CPU rule also gives every host the numerics of the
+    committed records. The stored basis, and so Table 18's memory, is unchanged.
     """
     if product != "auto":
         return product

@@ -4,7 +4,7 @@ To add an optimizer (five lines of work):
 1. write its class: a ``dobb._base.MatrixOptimizer`` subclass with ``algorithm`` and ``Options`` (its typed
    options: a frozen dataclass, see ``dobb._hparams``);
 2. add one ``Entry(name, Class, label, payload=..., state=...)`` line to ``_ENTRIES`` below (``preset``: fixed kwargs of a variant);
-3. ``payload``/``state`` name formulas in ``dobb_bench.payload.PAYLOAD_FORMULAS``/``STATE_FORMULAS`` (add one there if none fits);
+3. ``payload``/``state`` name formulas in ``dobb_bench.cost.payload.PAYLOAD_FORMULAS``/``STATE_FORMULAS`` (add one there if none fits);
 4. export the class from ``dobb/__init__.py``; ``tests/test_registry.py`` then builds, validates and steps it.
 
 An entry's accepted hyperparameters, with their defaults, are read from its class' ``Options``
@@ -50,7 +50,7 @@ class Entry:
 
     ``preset``: constructor kwargs the name fixes (a variant of a class). ``defaults``: builder
     defaults the user may override (AdamW's betas). ``payload``/``state``: names of the formulas
-    of ``dobb_bench.payload`` (cross-shard entries per step; state bytes per matrix).
+    of ``dobb_bench.cost.payload`` (cross-shard entries per step; state bytes per matrix).
     ``blocks_side``: the matrix axis the optimizer cuts into ``blocks`` (``"input"``/``"output"``;
     ``side``/``axis`` hyperparameters override it), ``None`` when it does not block.
     """

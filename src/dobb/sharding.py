@@ -35,8 +35,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from ._torch_private import strided_shard_type
 from .functional import block_sizes, identity_blocks
 from .layout import MatrixLayout, is_dtensor, to_local
 
@@ -161,7 +161,7 @@ def dtensor_layout(param: torch.Tensor, side: str, blocks: int, stat_group="defa
             )
         if pl.is_replicate():
             continue
-        if not (pl.is_shard() or isinstance(pl, _StridedShard)):
+        if not (pl.is_shard() or isinstance(pl, strided_shard_type())):
             raise ValueError(f"unsupported placement {pl} on mesh dim {d}")
         dim = pl.dim % 2
         if dim != axis:

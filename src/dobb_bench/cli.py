@@ -33,7 +33,7 @@ _COMMAND_MODULES = [  # dotted under dobb_bench; the order is the help's
     "cost.looptime",            # looptime
     "cost.roofline",            # roofline
     "cost.projection",          # project
-    "studies.define",           # study
+    "studies.study_command",    # study
 ]
 
 

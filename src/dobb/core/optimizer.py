@@ -78,12 +78,13 @@ class Dobb(MatrixOptimizer):
             ``"output_grad"`` (capture hooks are registered on it).
         blocks: number of diagonal blocks ``B`` of the blocked axis (contiguous, nearly equal,
             first ``size % B`` blocks one longer; under sharding, cut at shard boundaries first).
-            Choosing it (docs/results.md, "Operating point"; docs/timing.md): fewer blocks give a
-            lower loss, more blocks a cheaper step. Unsharded, block Muon at the same ``blocks`` has
-            the lower loss: Dobb's advantage is a step that stays shard-local under FSDP2/TP. At
-            ``blocks=1`` on wide matrices ``split_refresh=True`` and ``refresh_width`` cut the
-            refresh (docs/timing.md, "A refresh that scales"). For Muon's loss with Dobb's
-            collectives use ``side="both"`` (docs/results.md, "Two-sided Dobb").
+            It trades loss against step cost: a block sees only its own share of the statistic,
+            and a smaller block is cheaper to refresh and stays on its shard under FSDP2/TP (the
+            measured trade-off, and how Dobb compares with block Muon at equal ``blocks``:
+            docs/results.md, "Operating point"; docs/timing.md). At ``blocks=1`` on wide matrices
+            ``split_refresh=True`` and ``refresh_width`` cut the refresh (docs/timing.md, "A refresh
+            that scales"). ``side="both"`` orthogonalizes on both sides with Dobb's collectives
+            (docs/results.md, "Two-sided Dobb").
         refresh_every: refresh period ``T`` (the first step always refreshes).
         refresh_width: None (default: every matrix refreshes every ``T`` steps) or a block width
             ``w``: a matrix whose widest block (either side, global size) is ``s`` wide refreshes
@@ -108,7 +109,8 @@ class Dobb(MatrixOptimizer):
             ``"identity"`` followed by orthogonal iteration.
         stagger: spread refreshes over the cycle (each step refreshes about ``1/T`` of the
             matrices' work, same per-matrix period) to flatten the refresh-step spike. Default
-            True: the loss is unchanged and the spike cut (docs/timing.md, "Refresh spike").
+            True: only the phase of each matrix's refresh moves, not its period (its effect on the
+            loss and the spike: docs/timing.md, "Refresh spike").
         check_finite: raise ``ValueError`` naming the parameter when a gradient holds NaN/Inf,
             before any state changes. The decision is taken by all ranks that share the step
             together (one flag all-reduce, folded into the statistic reduction on refresh steps), so
@@ -124,8 +126,8 @@ class Dobb(MatrixOptimizer):
             ``ProcessGroup``, or None for this rank's data alone). Mesh dim names/indices select
             DTensor mesh dims.
         product_dtype: dtype of the projection products ``U_b Q_b`` and ``C_b Q_b^T``: ``"auto"``
-            (the basis dtype on accelerators, fp32 on every CPU: faster there with and without
-            native bf16; see ``functional.matmul_dtype``) or a dtype that forces it.
+            (the basis dtype on accelerators, fp32 on every CPU; why: ``functional.matmul_dtype``)
+            or a dtype that forces it.
         transposed: the group's weights are stored ``(in, out)`` (Hugging Face ``Conv1D``;
             ``dobb.param_groups`` sets it): blocks, statistics and sharding follow the input axis.
 

@@ -246,8 +246,9 @@ def _put_bases(bv: torch.Tensor, q: torch.Tensor, idx: torch.Tensor | None, keep
 
 
 # ----------------------------------------------------------------------------- the basis solve
-# cost of an exact eigh block relative to one round of Q <- qr(A Q), for the owner plan's balance
-# (measured by scripts/refresh_kernels.py; docs/timing.md)
+# cost of an exact eigh block relative to one round of Q <- qr(A Q), for the owner plan's balance:
+# a round figure, so that a plan does not move with one host's timings (the measured ratios:
+# scripts/refresh_kernels.py, docs/timing.md)
 EIGH_COST = 2.0
 
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from dobb_bench.errors import CliError
 
-_COLWISE = ("q", "k", "v", "qkv", "fc")  # output axis sharded under TP (column parallel)
+COLWISE = ("q", "k", "v", "qkv", "fc")  # output axis sharded under TP (column parallel)
 
 
 def _generator(device, seed: int) -> torch.Generator:
@@ -96,7 +96,7 @@ class DistContext:
             from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
             for name, lin in zip(bank.names, bank.module):
-                style = (ColwiseParallel() if name.rsplit(".", 1)[-1] in _COLWISE
+                style = (ColwiseParallel() if name.rsplit(".", 1)[-1] in COLWISE
                          else RowwiseParallel(input_layouts=Replicate()))
                 parallelize_module(lin, self.mesh["tp"], style)
         if self.fs > 1 or (self.dp > 1 and self.tp > 1):
@@ -113,7 +113,7 @@ class DistContext:
 
     def shards(self, name: str) -> tuple[int, int]:
         """``(ranks splitting the rows, ranks splitting the columns)`` of a matrix of the set."""
-        colwise = name.rsplit(".", 1)[-1] in _COLWISE
+        colwise = name.rsplit(".", 1)[-1] in COLWISE
         fsdp = self.fs if (self.fs > 1 or (self.dp > 1 and self.tp > 1)) else 1
         return (fsdp * (self.tp if colwise else 1), 1 if colwise else self.tp)
 

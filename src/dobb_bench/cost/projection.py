@@ -45,8 +45,8 @@ from pathlib import Path
 
 from dobb.baselines.dion import dion_rank
 from dobb_bench.cost import payload as P
-from dobb_bench.cost.matrices import _COLWISE
-from dobb_bench.cost.roofline import _traffic as step_cost  # bytes and FLOPs only (no state bytes)
+from dobb_bench.cost.matrices import COLWISE
+from dobb_bench.cost.roofline import traffic as step_cost  # bytes and FLOPs only (no state bytes)
 from dobb.collectives import plan_owners
 from dobb_bench.cost.shapes import gpt2_param_count, matrix_shapes, preset
 
@@ -117,7 +117,7 @@ def model_matrices(spec: dict) -> tuple[list[Matrix], int]:
     """The hidden matrices of a model and the count of its other (AdamW) parameters."""
     if spec["kind"] == "gpt2" and "preset" in spec:
         shapes = matrix_shapes(spec["preset"])
-        mats = [Matrix(nm, m, n, nm.rsplit(".", 1)[-1] in _COLWISE) for nm, (m, n) in shapes]
+        mats = [Matrix(nm, m, n, nm.rsplit(".", 1)[-1] in COLWISE) for nm, (m, n) in shapes]
         return mats, gpt2_param_count(spec["preset"]) - sum(x.m * x.n for x in mats)
     if spec["kind"] == "gpt2":  # from a config.json: q, k, v, o d x d, fc f x d, proj d x f
         d, f, L = spec["width"], spec["ffn"], spec["layers"]
@@ -583,9 +583,9 @@ TABLES = {"projected-step": table_projected, "projected-calibration": table_cali
 
 
 def plot(rec: dict, path: Path) -> Path:
-    from dobb_bench.reports.report import _pyplot
+    from dobb_bench.reports.report import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     models = list(dict.fromkeys(r["model"] for r in rec["rows"]))
     methods = list(dict.fromkeys(r["method"] for r in rec["rows"]))
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), sharey=True)

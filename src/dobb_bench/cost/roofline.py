@@ -35,12 +35,12 @@ def step_cost(name: str, m: int, n: int, hp: dict | None = None) -> dict:
 
     State bytes: the one derived formula, ``dobb_bench.cost.payload.derived_state_bytes`` (fp32 weights).
     """
-    cost = _traffic(name, m, n, hp)
+    cost = traffic(name, m, n, hp)
     cost["state_bytes"] = derived_state_bytes(name, m, n, hp)
     return cost
 
 
-def _traffic(name: str, m: int, n: int, hp: dict | None = None) -> dict:
+def traffic(name: str, m: int, n: int, hp: dict | None = None) -> dict:
     """Minimum bytes moved and FLOPs of one optimizer step on an ``m x n`` fp32 matrix.
 
     Bytes: every weight-sized fp32 buffer the update must read or write once (AdamW: read

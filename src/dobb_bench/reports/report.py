@@ -23,7 +23,7 @@ def _fmt(x, spec: str) -> str:
     return format(x, spec)
 
 
-def _loss(f: dict) -> float:
+def final_loss(f: dict) -> float:
     v = f.get("final_val_loss")
     return math.inf if v is None or f.get("diverged") or not math.isfinite(v) else v
 
@@ -56,13 +56,13 @@ def results_markdown(finals: list[dict], *, grid: bool, shared_lr: float | None,
         runs = by_label.get(label)
         if not runs:
             return None
-        v = _loss(at_own_lr(label, runs) or min(runs, key=_loss))
+        v = final_loss(at_own_lr(label, runs) or min(runs, key=final_loss))
         return None if v == math.inf else v
 
     adamw, muon = ref_loss("AdamW"), ref_loss("Muon")
     one_seed = len({(f.get("train") or {}).get("seed") for f in finals}) == 1
     for label, runs in by_label.items():
-        best = min(runs, key=_loss)
+        best = min(runs, key=final_loss)
         shared = at_own_lr(label, runs)
         ref = shared or best
         cells = [label]
@@ -74,8 +74,8 @@ def results_markdown(finals: list[dict], *, grid: bool, shared_lr: float | None,
             cells += [_fmt(best["lr"], ".3g"), _cell_loss(best)]
         else:
             cells += [_fmt(ref["lr"], ".3g"), _cell_loss(ref)]
-        gc = gap_closure(_loss(ref), adamw, muon) if _loss(ref) < math.inf else None
-        near = gc is not None and one_seed and min(abs(_loss(ref) - adamw), abs(_loss(ref) - muon)) <= ONE_SEED_NOISE
+        gc = gap_closure(final_loss(ref), adamw, muon) if final_loss(ref) < math.inf else None
+        near = gc is not None and one_seed and min(abs(final_loss(ref) - adamw), abs(final_loss(ref) - muon)) <= ONE_SEED_NOISE
         cells += ["—" if gc is None or label in ("AdamW", "Muon") else f"{100 * gc:.0f}%"
                   + (" (within noise)" if near else ""),
                   block_widths(ref["optimizer"], ref.get("hparams", {}), ref.get("model", {})) or "—"]
@@ -112,7 +112,7 @@ def _cell_loss(f: dict | None) -> str:
     return "diverged" if f.get("diverged") else _fmt(f.get("final_val_loss"), ".4f")
 
 
-def _pyplot():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -123,7 +123,7 @@ def _pyplot():
 
 def plot_curves(records: list[dict], path: Path) -> str:
     """Validation loss vs step, one line per run (label, plus lr when a label has several)."""
-    plt = _pyplot()
+    plt = pyplot()
     curves: dict[tuple, list] = defaultdict(list)
     for r in records:
         if r.get("type") == "eval" and r.get("val_loss") is not None:
@@ -162,18 +162,18 @@ def plot_payload(finals: list[dict], shapes: list[tuple[int, int]], path: Path) 
         return "payload scatter skipped: dobb_bench.cost.payload.relative_payload is not available"
     points = []
     for f in finals:
-        if _loss(f) == math.inf:
+        if final_loss(f) == math.inf:
             continue
         try:
-            ratio = relative_payload(f["optimizer"], _typed(f.get("hparams", {})), shapes)
+            ratio = relative_payload(f["optimizer"], typed_hparams(f.get("hparams", {})), shapes)
         except (ValueError, KeyError, TypeError) as exc:
             return f"payload scatter skipped: {exc}"
-        points.append((f["run"], ratio, _loss(f)))
+        points.append((f["run"], ratio, final_loss(f)))
     best = {}
     for label, ratio, loss in points:  # one point per label: its best lr
         if label not in best or loss < best[label][1]:
             best[label] = (ratio, loss)
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4.5))
     for label, (ratio, loss) in best.items():
         ax.scatter([ratio], [loss])
@@ -187,7 +187,7 @@ def plot_payload(finals: list[dict], shapes: list[tuple[int, int]], path: Path) 
     return f"payload scatter: {path.name}"
 
 
-def _typed(hparams: dict) -> dict:
+def typed_hparams(hparams: dict) -> dict:
     """Hyperparameters come back from JSON as strings: typed again by the spec grammar's one rule
     (``dobb_bench.specs.parse_value``: ``"4"`` -> 4, ``"True"`` -> True, ``"torch.float32"`` -> dtype)."""
     return {k: parse_value(k, v) if isinstance(v, str) else v for k, v in hparams.items()}
@@ -208,7 +208,7 @@ def block_widths(optimizer: str, hparams: dict, model: dict) -> str | None:
     side = _BLOCKED.get(optimizer)
     if side is None:
         return None
-    hp = _typed(hparams)
+    hp = typed_hparams(hparams)
     if "side" in hp:
         side = hp["side"]
     if optimizer == "block-muon" and str(hp.get("axis", 1)) == "0":
@@ -233,7 +233,7 @@ def block_widths(optimizer: str, hparams: dict, model: dict) -> str | None:
 
 def block_width_note(optimizer: str, hparams: dict | None = None) -> str:
     side = _BLOCKED.get(optimizer)
-    side = _typed(hparams or {}).get("side", side)
+    side = typed_hparams(hparams or {}).get("side", side)
     if side == "both":
         return ("input axis: attention and MLP-in / MLP-out; output axis: attention-out and MLP-out / "
                 "MLP-in / fused qkv")
@@ -264,12 +264,12 @@ def plain_summary(finals: list[dict], shapes: list[tuple[int, int]], noise: floa
     rows = {}
     for f in finals:
         rows.setdefault(f["run"], f)
-    loss = {k: _loss(f) for k, f in rows.items()}
+    loss = {k: final_loss(f) for k, f in rows.items()}
     adamw, muon = loss.get("AdamW"), loss.get("Muon")
     pay = {}
     for k, f in rows.items():
         try:
-            pay[k] = relative_payload(f["optimizer"], _typed(f.get("hparams", {})), shapes)
+            pay[k] = relative_payload(f["optimizer"], typed_hparams(f.get("hparams", {})), shapes)
         except (ValueError, KeyError, TypeError):
             pay[k] = None
     dions = [k for k, f in rows.items() if f["optimizer"] == "dion" and loss[k] < math.inf]
@@ -351,3 +351,6 @@ def _cost(k: str, rows: dict[str, dict], pay: dict[str, float | None]) -> str:
     if pay.get(k) is not None:
         bits.append(f"FSDP payload {pay[k]:.3f} of Muon's")
     return ", ".join(bits)
+
+# the old private names, for dobb_bench.studies.main_job until it imports the public ones
+_pyplot = pyplot

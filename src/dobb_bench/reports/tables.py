@@ -28,7 +28,7 @@ from dobb_bench.reports.report import ONE_SEED_NOISE, block_widths, gap_closure 
 GAP_ADAMW_SEEDS = (0, 1, 2)
 
 
-def _loss(r):
+def final_loss(r):
     v = r.get("final_val_loss")
     return None if v is None or r.get("diverged") else v
 
@@ -63,7 +63,7 @@ def noise(std_a: float | None, std_b: float | None) -> float:
     return max([ONE_SEED_NOISE] + [2 * x for x in known])
 
 
-def _group(recs, key):
+def group_by(recs, key):
     out = defaultdict(list)
     for r in recs:
         out[key(r)].append(r)
@@ -79,7 +79,7 @@ def _find(groups: dict, name: str):
 MUON_REFS = ("Muon", "Muon-fp32")
 
 
-def _muon(table: dict, steps=None):
+def muon_ref(table: dict, steps=None):
     for name in MUON_REFS:
         v = table.get(name if steps is None else (name, steps))
         if v is not None and v[2]:
@@ -89,9 +89,9 @@ def _muon(table: dict, steps=None):
 
 def seeds_table(recs: list[dict], label_order: list[str] | None = None) -> str:
     """One row per run label: lr, block widths, seeds, loss, gap closure, difference vs AdamW."""
-    by = _group(recs, lambda r: r["run"])
-    st = {k: stats([_loss(r) for r in v]) for k, v in by.items()}
-    adamw, muon = st.get("AdamW"), _muon(st)
+    by = group_by(recs, lambda r: r["run"])
+    st = {k: stats([final_loss(r) for r in v]) for k, v in by.items()}
+    adamw, muon = st.get("AdamW"), muon_ref(st)
     rows = ["| optimizer | lr | block widths | seeds | final val loss | gap closure | vs AdamW |",
             "|---|---|---|---|---|---|---|"]
     labels = [k for k in (label_order or []) if k in by] + [k for k in by if k not in (label_order or [])]
@@ -132,7 +132,7 @@ def lr_grid_table(recs: list[dict], label_order: list[str] | None = None, grid_s
     """Loss per (optimizer, lr) and each row's best lr. ``grid_seed``: the grid cells and the best lr
     come from that seed alone (a seed-0 grid with more seeds run only at the best point, whose
     mean would otherwise be compared with single seeds); a last column gives every seed at the best lr."""
-    by = _group(recs, lambda r: r["run"])
+    by = group_by(recs, lambda r: r["run"])
     first = [k for k in (label_order or []) if k in by]
     by = {k: by[k] for k in first + [k for k in by if k not in first]}
     lrs = sorted({r["lr"] for r in recs if grid_seed is None or r["seed"] == grid_seed})
@@ -143,7 +143,7 @@ def lr_grid_table(recs: list[dict], label_order: list[str] | None = None, grid_s
         cell = {}
         on_grid = [r for r in runs if grid_seed is None or r["seed"] == grid_seed]
         for lr in lrs:
-            cell[lr] = stats([_loss(r) for r in on_grid if abs(r["lr"] - lr) < 1e-12])
+            cell[lr] = stats([final_loss(r) for r in on_grid if abs(r["lr"] - lr) < 1e-12])
         done = {lr: v for lr, v in cell.items() if v[2]}
         best = min(done, key=lambda k: done[k][0]) if done else None
         cells = [("**" + fmt_ms(*cell[lr]) + "**" if lr == best else fmt_ms(*cell[lr])) if cell[lr][2]
@@ -151,7 +151,7 @@ def lr_grid_table(recs: list[dict], label_order: list[str] | None = None, grid_s
         line = f"| {label} | " + " | ".join(cells) + f" | {'' if best is None else f'{best:.3g}'} |"
         if grid_seed is not None:
             at = [r for r in runs if best is not None and abs(r["lr"] - best) < 1e-12]
-            m, sd, n = stats([_loss(r) for r in at])
+            m, sd, n = stats([final_loss(r) for r in at])
             line += f" {fmt_ms(m, sd, n)} ({n} seed{'s' if n != 1 else ''}) |" if n else " |"
         rows.append(line)
     return "\n".join(rows) + "\n" + setting_line(recs)
@@ -170,20 +170,20 @@ def pairs_table(recs: list[dict], pairs, per_seed: bool = False) -> tuple[str, l
         common = sorted(set(ra) & set(rb))
         if not common:
             continue
-        sa, sb = stats([_loss(ra[s]) for s in common]), stats([_loss(rb[s]) for s in common])
+        sa, sb = stats([final_loss(ra[s]) for s in common]), stats([final_loss(rb[s]) for s in common])
         d = sa[0] - sb[0]
         verdict = "beyond noise" if abs(d) > noise(sa[1], sb[1]) else "within noise"
         row = f"| {a} | {b} | {','.join(map(str, common))} | {fmt_ms(*sa)} | {fmt_ms(*sb)} | {d:+.3f} | {verdict} |"
         if per_seed:
-            row += " " + ", ".join(f"{_loss(ra[s]) - _loss(rb[s]):+.3f}" for s in common
-                                   if _loss(ra[s]) is not None and _loss(rb[s]) is not None) + " |"
+            row += " " + ", ".join(f"{final_loss(ra[s]) - final_loss(rb[s]):+.3f}" for s in common
+                                   if final_loss(ra[s]) is not None and final_loss(rb[s]) is not None) + " |"
         rows.append(row)
         used += [ra[s] for s in common] + [rb[s] for s in common]
     uniq = list({id(r): r for r in used}.values())
     return "\n".join(rows) + "\n" + (setting_line(uniq) if uniq else ""), uniq
 
 
-def _study(name, fn, where=None):
+def study_tables(name, fn, where=None):
     def gen():
         recs = R.load(name)
         if where is not None:
@@ -193,3 +193,9 @@ def _study(name, fn, where=None):
 
 
 SHARED_LR = 5e-3 * 2 ** -0.5  # AdamW's best point of its own grid (table lr-grid)
+
+# the old private names, for dobb_bench.studies.main_job until it imports the public ones
+_loss = final_loss
+_group = group_by
+_muon = muon_ref
+_study = study_tables

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from dobb_bench.errors import CliError
 from dobb_bench.specs import parse_spec
-from dobb_bench.training.commands_train import _add_common, _configs, run_many, validate_spec
+from dobb_bench.training.commands_train import add_common_args, run_configs, run_many, validate_spec
 
 P = "dobb:blocks=1"  # the principal Dobb setting (B=1 is the paper's ablation reference)
 
@@ -73,7 +73,7 @@ def _label(spec: str) -> str:
 
 def run_study(name: str, args) -> str:
     title, rows, ref = STUDIES[name]
-    model_cfg, train_cfg, corpus_info = _configs(args)
+    model_cfg, train_cfg, corpus_info = run_configs(args)
     seeds = list(range(args.seed, args.seed + args.seeds))
     specs = [parse_spec(s) for s, _ in rows]
     for spec in specs:
@@ -134,5 +134,5 @@ def add_parsers(sub) -> None:
     p.add_argument("--seeds", type=int, default=1, help="seeds per setting (from --seed)")
     p.add_argument("--jobs", type=int, default=1, help="runs at a time (one thread each)")
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None)
-    _add_common(p)
+    add_common_args(p)
     p.set_defaults(func=cmd_ablate)

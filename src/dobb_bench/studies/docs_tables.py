@@ -22,8 +22,8 @@ from dobb_bench.reports import best_row
 from dobb_bench.reports import claims as claims_check
 from dobb_bench.reports import records as R
 from dobb_bench.reports.figure_check import scan
-from dobb_bench.reports.report import _pyplot, _typed
-from dobb_bench.reports.tables import _group, _loss, stats
+from dobb_bench.reports.report import pyplot, typed_hparams
+from dobb_bench.reports.tables import group_by, final_loss, stats
 from dobb_bench.studies import (family_dash, family_soap, frontier, long_horizon, main_job, operating_point, refresh_width,
                                 shard_local, two_sided)
 
@@ -98,8 +98,8 @@ def plot_study(study: str, out_dir=None) -> list[str]:
         return [main_job.plot_block_width(recs, out_dir)]
     if study == "operating-point":
         return [operating_point.plot(out_dir)]
-    plt = _pyplot()
-    by = _group(recs, lambda r: r["run"])
+    plt = pyplot()
+    by = group_by(recs, lambda r: r["run"])
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, runs in by.items():
         steps = sorted({p[0] for r in runs for p in r["curve"]})
@@ -121,8 +121,8 @@ def plot_study(study: str, out_dir=None) -> list[str]:
             r0 = runs[0]
             d = r0["model"]["width"]
             shapes = [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d)] * r0["model"]["layers"]
-            x = relative_payload(r0["optimizer"], _typed(r0.get("hparams", {})), shapes, sharded=sharded, shards=4)
-            m, sd, n = stats([_loss(r) for r in runs])
+            x = relative_payload(r0["optimizer"], typed_hparams(r0.get("hparams", {})), shapes, sharded=sharded, shards=4)
+            m, sd, n = stats([final_loss(r) for r in runs])
             ax.errorbar([x], [m], yerr=[sd or 0], fmt="o", capsize=3)
             ax.annotate(label, (x, m), fontsize=7, xytext=(4, 3), textcoords="offset points")
         ax.set_title(title, fontsize=9)

@@ -27,7 +27,7 @@ from dobb_bench.reports import records as R
 from dobb_bench.reports.tables import paired
 from dobb_bench.studies import long_horizon as LH
 from dobb_bench.studies.define import beyond_noise, best_of
-from dobb_bench.studies.shard_local import OWNER, _fmt_bytes, _timing_ratios, communication, state_per_param
+from dobb_bench.studies.shard_local import OWNER, fmt_bytes, timing_ratios, communication, state_per_param
 
 STEPS, WIDTH = 8300, 128
 # (row as labelled in the runs, spec whose step was timed in table:shard-local)
@@ -60,7 +60,7 @@ def _lr(r: dict) -> float:
 def _common() -> dict[str, dict[float, dict[int, dict]]]:
     """``{row: {lr: {seed: reeval record}}}`` at this setting."""
     out: dict = {}
-    for r in LH._reeval_records():
+    for r in LH.reeval_records():
         if r["steps"] == STEPS and r["model"]["width"] == WIDTH:
             out.setdefault(r["run"], {}).setdefault(_lr(r), {})[r["seed"]] = r
     return out
@@ -129,7 +129,7 @@ def pareto(points: dict[str, tuple[float, float]]) -> set[str]:
 
 def frontier_20() -> tuple[str, list[dict]]:
     common, runs = _common(), _run_records()
-    ratios, _ = _timing_ratios()
+    ratios, _ = timing_ratios()
     ref_lr, _ = choose(common.get(REF, {}))
     ref = common.get(REF, {}).get(ref_lr, {})
     head = ("| row | communication under `Shard(0)` | lrs run: seed-0 loss, common windows | best lr | "
@@ -146,7 +146,7 @@ def frontier_20() -> tuple[str, list[dict]]:
             by_lr = common.get(name, {})
             nbytes, when = communication(spec)
             ratio = ratios.get("torch-adamw" if spec == "adamw" else spec)
-            cost = (f" | {_fmt_bytes(nbytes)} | {'—' if ratio is None else f'{ratio:.2f}'} | "
+            cost = (f" | {fmt_bytes(nbytes)} | {'—' if ratio is None else f'{ratio:.2f}'} | "
                     f"{state_per_param(spec):.1f}")
             lr, bracketed = choose(by_lr)
             if lr is None:

@@ -20,7 +20,7 @@ import statistics
 from pathlib import Path
 
 from dobb_bench.reports import records as R
-from dobb_bench.reports.tables import _loss, paired, setting_line
+from dobb_bench.reports.tables import final_loss, paired, setting_line
 from dobb_bench.studies.define import beyond_noise
 from dobb_bench.studies.shard_local import best_lr, runs_of
 
@@ -58,7 +58,7 @@ def _short(ref_label: str, studies) -> tuple[float | None, float | None]:
     """A row's 800-step, width-128 best lr (seed-0 grid) and its seed-0 loss there."""
     ref = runs_of(ref_label, studies)
     ref_lr, _, _ = best_lr(ref)
-    return ref_lr, (_loss(ref[(ref_lr, 0)]) if ref_lr is not None else None)
+    return ref_lr, (final_loss(ref[(ref_lr, 0)]) if ref_lr is not None else None)
 
 
 def _ranks(values: dict[str, float]) -> dict[str, int]:
@@ -76,14 +76,14 @@ def _table(steps: int, width: int, rows) -> tuple[str, list[dict]]:
         grid = _grid(label, keep)
         used += list(grid.values())
         lr, bracketed, _ = best_lr(grid)
-        long_[label] = _loss(grid[(lr, 0)]) if lr is not None else None
+        long_[label] = final_loss(grid[(lr, 0)]) if lr is not None else None
         cells = []
         for x in lrs:
             r = grid.get((x, 0))
-            v = None if r is None else _loss(r)
+            v = None if r is None else final_loss(r)
             cells.append("" if r is None else ("diverged" if v is None else
                                                 (f"**{v:.3f}**" if x == lr else f"{v:.3f}")))
-        at_best[label] = {s: _loss(r) for (x, s), r in grid.items() if x == lr}
+        at_best[label] = {s: final_loss(r) for (x, s), r in grid.items() if x == lr}
         lines.append((label, ref_lr, short[label], cells,
                       "" if lr is None else f"{lr:.3g}{'' if bracketed else ' (edge)'}"))
     r_short, r_long = _ranks(short), _ranks(long_)
@@ -150,7 +150,7 @@ def reeval_path() -> Path:
     return Path(R.DOCS) / "results" / "checks" / "reeval-windows" / "reeval.jsonl"
 
 
-def _reeval_records() -> list[dict]:
+def reeval_records() -> list[dict]:
     path = reeval_path()
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
@@ -159,7 +159,7 @@ def common_windows() -> tuple[str, list[dict]]:
     """Every re-evaluated checkpoint on its own 64 windows and on the common ones, with its gap to
     Muon (at the lr it was run at with the most seeds) of the same setting and seed (paired over
     the 32 window groups, +- 2 standard errors), then the spread of a 64-window eval and the seed-to-seed differences."""
-    recs = _reeval_records()
+    recs = reeval_records()
     order = {label: i for i, (label, *_) in enumerate(ROWS)}
     key = lambda r: (-r["steps"], r["model"]["width"], r["seed"], order.get(r["run"], 99))
     recs.sort(key=key)
@@ -270,7 +270,7 @@ def best_on_common() -> tuple[str, list[dict]]:
     lr steps themselves change the loss here, so a row's best lr is chosen on the 2,048 windows.
     A best lr is bracketed when a worse lr lies on each side of it. Where the row and Muon both ran
     another seed at their seed-0 best lrs, that seed's paired gap and the mean over seeds follow."""
-    every = _reeval_records()
+    every = reeval_records()
     recs = [r for r in every if r["seed"] == 0]
     # other seeds, by (setting, row, lr): paired with Muon's at the seed-0 best lrs of both
     later: dict = {}

@@ -303,9 +303,9 @@ def block_width_robust() -> tuple[str, list[dict]]:
 # ----------------------------------------------------------------------------- plot
 def plot(out_dir: Path | None = None) -> str:
     """Median loss against step time (loop and FSDP2 panels), seed range as bars, Pareto front joined."""
-    from dobb_bench.reports.report import _pyplot
+    from dobb_bench.reports.report import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     rows = operating_rows()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
     for ax, key, front, title in ((axes[0], "loop_ms", "front_loop", "training loop, 1 process (looptime)"),

@@ -110,7 +110,7 @@ def state_per_param(spec: str) -> float:
 TIMED_AS = {"splus:out_blocks=4:b2=0.95:adamw_lr_ratio=0.125": "splus:out_blocks=4"}
 
 
-def _timing_ratios() -> tuple[dict[str, float], list[str]]:
+def timing_ratios() -> tuple[dict[str, float], list[str]]:
     """``{spec: step time / owner-compute Muon's}`` from the committed timing records, and their paths."""
     ratios, paths = {}, []
     for rel in TIMING:
@@ -129,7 +129,7 @@ def _timing_ratios() -> tuple[dict[str, float], list[str]]:
     return ratios, paths
 
 
-def _fmt_bytes(b: float) -> str:
+def fmt_bytes(b: float) -> str:
     if b == 0:
         return "0"
     for unit, size in (("MB", 1e6), ("kB", 1e3)):
@@ -139,7 +139,7 @@ def _fmt_bytes(b: float) -> str:
 
 
 def frontier() -> tuple[str, list[dict]]:
-    ratios, _ = _timing_ratios()
+    ratios, _ = timing_ratios()
     used, lines = [], []
     head = ("| row | communication under `Shard(0)` | best lr (seed-0 grid) | seeds 0 / 1 / 2 | mean ± std "
             "| gap to owner-compute Muon, paired by seed | bytes per step | FSDP2 step / owner-compute Muon | "
@@ -171,7 +171,7 @@ def frontier() -> tuple[str, list[dict]]:
                 + " / ".join("—" if v is None else f"{v:.3f}" for v in vals)
                 + f" | {m:.3f}" + ("" if sd is None else f" ± {sd:.3f}") + f" ({n})"
                 + f" | {'' if name == REFS[0][0] else paired_text(vals, ref)}"
-                + f" | {_fmt_bytes(nbytes)} | {'—' if ratio is None else f'{ratio:.2f}'} | {state_per_param(spec):.1f} |")
+                + f" | {fmt_bytes(nbytes)} | {'—' if ratio is None else f'{ratio:.2f}'} | {state_per_param(spec):.1f} |")
     body = "\n".join(lines) + "\n"
     body += _reading(results)
     body += _raw_note(ROWS)
@@ -223,7 +223,7 @@ def _reading(results: dict[str, tuple]) -> str:
     if low_name != best_name:
         nbytes, when = communication(low_spec)
         text += (f" Lowest of the group, periodic communication included: {low_name} ({lm:.3f}; {when}, "
-                 f"{_fmt_bytes(nbytes)} per step).")
+                 f"{fmt_bytes(nbytes)} per step).")
     return text + f" Others against {best_name}: " + "; ".join(parts) + ".\n"
 
 
@@ -234,7 +234,7 @@ def shard1() -> tuple[str, list[dict]]:
     for name, _, _, spec in ROWS + REFS:
         _, w0 = communication(spec, "output")
         b1, w1 = communication(spec, "input")
-        lines.append(f"| {name} | {w0} | {w1} | {_fmt_bytes(b1)} |")
+        lines.append(f"| {name} | {w0} | {w1} | {fmt_bytes(b1)} |")
     return "\n".join(lines) + "\n", frontier()[1]
 
 

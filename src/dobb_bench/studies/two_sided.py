@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dobb_bench.reports import records as R
 from dobb_bench.reports.report import gap_closure
-from dobb_bench.reports.tables import SHARED_LR, _group, _loss, _muon, fmt_ms, lr_grid_table, noise, setting_line, stats
+from dobb_bench.reports.tables import SHARED_LR, group_by, final_loss, muon_ref, fmt_ms, lr_grid_table, noise, setting_line, stats
 from dobb_bench.studies.main_job import _headline
 
 REFS = ("AdamW", "Muon", "Muon-fp32", "NorMuon-fp32", "SOAP", "Dobb B=1", "Dobb B=4")
@@ -48,17 +48,17 @@ def _vs(m, s, n, ref) -> str:
 
 def _paired(runs: list[dict], ref: dict) -> str:
     """Per-seed differences from the reference row (same seed: same data order and initial weights)."""
-    diffs = [(r["seed"], _loss(r) - ref[r["seed"]]) for r in sorted(runs, key=lambda r: r["seed"])
-             if _loss(r) is not None and ref.get(r["seed"]) is not None]
+    diffs = [(r["seed"], final_loss(r) - ref[r["seed"]]) for r in sorted(runs, key=lambda r: r["seed"])
+             if final_loss(r) is not None and ref.get(r["seed"]) is not None]
     return ", ".join(f"{d:+.3f}" for _, d in diffs) if diffs and ref is not None else "—"
 
 
 def table(recs: list[dict]) -> str:
-    by = _group(recs, lambda r: r["run"])
-    st = {k: stats([_loss(r) for r in v]) for k, v in by.items()}
-    adamw, muon, dobb = st.get("AdamW"), _muon(st), st.get("Dobb B=1")
-    dobb_seeds = {r["seed"]: _loss(r) for r in by.get("Dobb B=1", [])}
-    muon_seeds = {r["seed"]: _loss(r) for r in by.get("Muon", by.get("Muon-fp32", []))}
+    by = group_by(recs, lambda r: r["run"])
+    st = {k: stats([final_loss(r) for r in v]) for k, v in by.items()}
+    adamw, muon, dobb = st.get("AdamW"), muon_ref(st), st.get("Dobb B=1")
+    dobb_seeds = {r["seed"]: final_loss(r) for r in by.get("Dobb B=1", [])}
+    muon_seeds = {r["seed"]: final_loss(r) for r in by.get("Muon", by.get("Muon-fp32", []))}
     rows = ["| optimizer | seeds | final val loss | gap closure | vs Dobb B=1 | per seed | vs Muon | per seed |",
             "|---|---|---|---|---|---|---|---|"]
     labels = [k for k in REFS if k in by] + sorted(k for k in by if k not in REFS)

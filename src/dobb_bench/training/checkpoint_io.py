@@ -23,7 +23,7 @@ COMPLETE = "COMPLETE"  # marker file: a DCP checkpoint folder is loadable only w
 FAULT_ENV = "DOBB_BENCH_FAULT"
 
 
-def _fault(where: str, count: int, rank: int) -> None:
+def inject_fault(where: str, count: int, rank: int) -> None:
     """Fault injection for the preemption tests: ``DOBB_BENCH_FAULT=RANK:step:N`` SIGKILLs that
     rank right after step N; ``RANK:save:N`` inside its N-th distributed save, after the shards
     are written and before the checkpoint is marked complete."""
@@ -32,12 +32,12 @@ def _fault(where: str, count: int, rank: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _fsync_file(path: Path) -> None:
+def fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
 
 
-def _rng_state() -> dict:
+def rng_state() -> dict:
     # Tensors and plain types only, so checkpoints load with weights_only=True.
     name, keys, pos, has_gauss, cached = np.random.get_state()
     state = {"torch": torch.get_rng_state(), "python": random.getstate(),
@@ -47,7 +47,7 @@ def _rng_state() -> dict:
     return state
 
 
-def _set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
@@ -135,7 +135,7 @@ def check_dcp_metadata(folder: Path) -> None:
         raise _unreadable(folder, "its .metadata is damaged") from None
 
 
-def _fqn_to_index(optim_sd: dict) -> dict:
+def fqn_to_index(optim_sd: dict) -> dict:
     """DCP's optimizer state dict (keyed by parameter names) in ``Optimizer.state_dict`` form.
 
     ``get_state_dict`` lists each group's parameter names in the optimizer's order, so the i-th

@@ -6,7 +6,7 @@ Why each piece:
   ``--out`` (a rerun would then race it on the same files). On Linux the kernel sends the child
   SIGTERM when its parent dies (``prctl(PR_SET_PDEATHSIG)``, set through ctypes); elsewhere a
   thread polls ``getppid()``. SIGTERM stops the run after its current step with a checkpoint
-  (``stop._StopRequest``), so even that stop is resumable.
+  (``stop.StopRequest``), so even that stop is resumable.
 - Ctrl-C: the terminal sends SIGINT to the whole process group. Children start with SIGINT
   ignored (the disposition survives exec); the parent alone catches it, sends each child SIGTERM
   and waits, so the user sees one line instead of one traceback per process.

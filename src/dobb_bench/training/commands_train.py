@@ -36,7 +36,7 @@ from dobb_bench.specs import OptimizerSpec, default_label, parse_hparams, parse_
 from dobb_bench.training import children, row_settings
 from dobb_bench.training.data import load_corpus
 from dobb_bench.training.model import GPT, PRESETS, ModelConfig, config_from_preset
-from dobb_bench.training.outdir import _check_out, _check_rows, _finished_with, _read_final  # noqa: F401 (_read_final re-exported)
+from dobb_bench.training.outdir import check_out, check_rows, finished_with, read_final  # noqa: F401 (read_final re-exported)
 from dobb_bench.training.train import METRICS_FILE, TrainConfig, run_training, setup_dist, write_jsonl
 
 GRID_BASE = 5e-3
@@ -115,7 +115,7 @@ def validate_spec(spec: OptimizerSpec, model_cfg: ModelConfig | None = None) -> 
 
 
 # ----- shared arguments -------------------------------------------------------------------------
-def _add_common(p: argparse.ArgumentParser) -> None:
+def add_common_args(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model")
     m.add_argument("--preset", choices=sorted(PRESETS), help="model size (default: small-cpu)")
     m.add_argument("--layers", type=int)
@@ -162,7 +162,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     t.add_argument("--out", help="output folder (default bench-out/<command>)")
 
 
-def _configs(args) -> tuple[ModelConfig, TrainConfig, dict]:
+def run_configs(args) -> tuple[ModelConfig, TrainConfig, dict]:
     preset = RUN_PRESETS["quick" if args.quick else "default"]
     if args.threads < 1:
         raise CliError(f"--threads must be a positive integer, got {args.threads}")
@@ -263,7 +263,7 @@ def run_many(jobs: list[tuple[OptimizerSpec, float]], args, model_cfg, train_cfg
     for i, (spec, lr) in enumerate(jobs):
         run_dir = out / "runs" / _slug(f"{spec.label}" + (f"_lr{lr:.3g}" if several else ""))
         expect = _settings(spec, lr, model_cfg, train_cfg)
-        final = _finished_with(run_dir, expect) if resume else None
+        final = finished_with(run_dir, expect) if resume else None
         if final is not None:
             _done(finals, i, final, run_dir, jobs, env, 0.0)
         else:
@@ -298,7 +298,7 @@ def run_many(jobs: list[tuple[OptimizerSpec, float]], args, model_cfg, train_cfg
             proc, pipe, i, spec, run_dir, expect, t0 = done
             proc.join()
             active.remove(done)
-            final = _read_final(run_dir, expect)
+            final = read_final(run_dir, expect)
             if proc.exitcode != 0 or final is None:
                 why = children.message(pipe) or f"exit code {proc.exitcode}"
                 raise CliError(f"run {spec.label!r} failed in its child process: {why}")
@@ -364,13 +364,13 @@ def _finish(out: Path, finals: list[dict], model_cfg: ModelConfig, *, grid: bool
 def cmd_train(args) -> int:
     spec = OptimizerSpec(args.optimizer.lower(), parse_hparams(args.hp or [], "--hp"), "")
     spec = replace(spec, label=default_label(spec.name, spec.hparams))
-    model_cfg, train_cfg, (corpus, _) = _configs(args)
+    model_cfg, train_cfg, (corpus, _) = run_configs(args)
     validate_spec(spec, model_cfg)
     out = _out(args, "train")
     env = setup_dist(train_cfg.dist, train_cfg.device)
-    _check_out(out, "train")
+    check_out(out, "train")
     if not args.no_resume:
-        _finished_with(out, _settings(spec, train_cfg.lr, model_cfg, train_cfg))
+        finished_with(out, _settings(spec, train_cfg.lr, model_cfg, train_cfg))
     final = _run_one(spec, train_cfg.lr, model_cfg, train_cfg, corpus, out, progress=not args.no_progress,
                      resume=not args.no_resume, env=env, stop_after=args.stop_after,
                      prov=provenance(getattr(args, "argv", None)))
@@ -400,7 +400,7 @@ def cmd_compare(args) -> int:
     if len({s.label for s in specs}) != len(specs):
         raise CliError("--optimizers has duplicate labels; add @Label to tell them apart")
     grid = [float(j) for j in _parse_grid(args.lr_grid)] if args.lr_grid else []
-    model_cfg, train_cfg, corpus_info = _configs(args)
+    model_cfg, train_cfg, corpus_info = run_configs(args)
     # one product dtype for every row (row_settings.product_dtype), so the step times compare alike
     dtype = (row_settings.product_dtype(train_cfg.device) if args.product_dtype == "rule"
              else getattr(torch, args.product_dtype))
@@ -412,9 +412,9 @@ def cmd_compare(args) -> int:
     jobs = [(s, lr) for s in specs for lr in [row_lr[s.label]] + [
         x for x in map(grid_lr, grid) if abs(x - row_lr[s.label]) > 1e-12]]
     out = _out(args, "compare")
-    _check_out(out, "compare")
+    check_out(out, "compare")
     if not args.no_resume:
-        _check_rows(out, jobs)
+        check_rows(out, jobs)
     t0 = time.perf_counter()
     finals = run_many(jobs, args, model_cfg, train_cfg, corpus_info, out)
     _finish(out, finals, model_cfg, grid=bool(grid), shared_lr=None, row_lrs=row_lr,
@@ -446,13 +446,13 @@ def _compare_notes(specs, row_lr: dict, lr_source: dict, dtype: torch.dtype, arg
 def cmd_sweep(args) -> int:
     spec = parse_spec(args.optimizer + "".join(f":{h}" for h in args.hp or []))
     grid = _parse_grid(args.grid)
-    model_cfg, train_cfg, corpus_info = _configs(args)
+    model_cfg, train_cfg, corpus_info = run_configs(args)
     validate_spec(spec, model_cfg)
     out = _out(args, "sweep")
     jobs = [(spec, grid_lr(j)) for j in grid]
-    _check_out(out, "sweep")
+    check_out(out, "sweep")
     if not args.no_resume:
-        _check_rows(out, jobs)
+        check_rows(out, jobs)
     finals = run_many(jobs, args, model_cfg, train_cfg, corpus_info, out)
     _finish(out, finals, model_cfg, grid=True, shared_lr=None)
     _close_dist()
@@ -487,7 +487,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--hp", action="append", metavar="KEY=VALUE", help="optimizer hyperparameter (repeatable)")
     p.add_argument("--stop-after", type=int, metavar="N",
                    help="stop after step N with a checkpoint (rerun without it to resume)")
-    _add_common(p)
+    add_common_args(p)
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("compare", help="same model/data/seed, one run per optimizer (the main job)")
@@ -500,7 +500,7 @@ def add_parsers(sub) -> None:
                    help="dtype of every row's matrix products (Muon-family ns_dtype, Dobb's product_dtype) "
                         "unless its spec sets one; default 'rule': bf16 where the device runs it natively, "
                         "fp32 elsewhere")
-    _add_common(p)
+    add_common_args(p)
     _allow_negative_lists(p)
     p.set_defaults(func=cmd_compare)
 
@@ -510,6 +510,6 @@ def add_parsers(sub) -> None:
     p.add_argument("--grid", default="-2,-1,0,1", help="grid indices j, lr_j = 5e-3*2**(j/2)")
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--jobs", type=int, default=2, help="isolated runs at a time")
-    _add_common(p)
+    add_common_args(p)
     _allow_negative_lists(p)
     p.set_defaults(func=cmd_sweep)

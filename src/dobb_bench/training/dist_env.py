@@ -51,6 +51,6 @@ def setup_dist(mode: str, device: str = "auto") -> DistEnv:
     return DistEnv(dist.get_rank(), dist.get_world_size(), dev, mode)
 
 
-def _sync(device: torch.device):
+def sync_device(device: torch.device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)

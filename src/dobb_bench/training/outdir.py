@@ -15,7 +15,7 @@ from dobb_bench.errors import CliError
 from dobb_bench.training.train import METRICS_FILE
 
 
-def _read_final(run_dir: Path, expect: dict | None = None) -> dict | None:
+def read_final(run_dir: Path, expect: dict | None = None) -> dict | None:
     """The run's final record, or None; with ``expect``, only if it was made with those settings."""
     path = run_dir / METRICS_FILE
     if not path.exists():
@@ -41,11 +41,11 @@ def _flat(d, pre: str = "") -> dict:
     return out
 
 
-def _finished_with(run_dir: Path, expect: dict) -> dict | None:
+def finished_with(run_dir: Path, expect: dict) -> dict | None:
     """The finished run in ``run_dir`` if it was made with ``expect``'s settings; None if there is
     none; a CliError naming the differing settings if it was made with others (a finished result
     is never replaced by a different configuration without the user asking: --no-resume)."""
-    final = _read_final(run_dir)
+    final = read_final(run_dir)
     if final is None:
         return None
     want = _flat(json.loads(json.dumps(expect)))
@@ -59,7 +59,7 @@ def _finished_with(run_dir: Path, expect: dict) -> dict | None:
                    "folder> to keep it, or --no-resume to retrain and replace it")
 
 
-def _check_out(out: Path, command: str) -> None:
+def check_out(out: Path, command: str) -> None:
     """Refuses an --out that would replace another command's results, and makes the folder (so a
     path under a file or without permission fails here, in one line, before any work)."""
     if command == "train" and ((out / "results.jsonl").exists() or (out / "runs").is_dir()):
@@ -78,7 +78,7 @@ def _check_out(out: Path, command: str) -> None:
                        "another --out or fix its permissions") from None
 
 
-def _check_rows(out: Path, jobs) -> None:
+def check_rows(out: Path, jobs) -> None:
     """A finished compare/sweep folder keeps its rows: ``results.md`` is rewritten only by a command
     that covers every (label, lr) it lists (more rows are fine: a finished run is reused)."""
     path = out / "results.jsonl"

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dobb_bench.training.checkpoint_io import (COMPLETE, _fault, _fqn_to_index, _fsync_file, _rng_state,
-                                               _set_rng_state, check_dcp_metadata, safe_load)
+from dobb_bench.training.checkpoint_io import (COMPLETE, inject_fault, fqn_to_index, fsync_file, rng_state,
+                                               set_rng_state, check_dcp_metadata, safe_load)
 
 __all__ = ["CKPT_FILE", "CKPT_DIR", "RunCheckpoints"]
 
@@ -28,7 +28,7 @@ class RunCheckpoints:
     curves and timings), with the run's ``fingerprint`` checked on load."""
 
     def _extra_state(self) -> dict:
-        return {"step": self.step, "scheduler": self.scheduler.state_dict(), "rng": _rng_state(),
+        return {"step": self.step, "scheduler": self.scheduler.state_dict(), "rng": rng_state(),
                 "train_losses": self.train_losses, "evals": self.evals, "acc": self.acc,
                 "timing": [self.train_time, self.opt_time, self.opt_steps_timed, self.train_cpu],
                 "diverged": self.diverged, "fingerprint": self.fingerprint()}
@@ -45,7 +45,7 @@ class RunCheckpoints:
             path = self.out / CKPT_FILE
             tmp = path.with_name(path.name + ".tmp")
             torch.save(state, tmp)
-            _fsync_file(tmp)
+            fsync_file(tmp)
             os.replace(tmp, path)
         self.env.barrier()
 
@@ -67,12 +67,12 @@ class RunCheckpoints:
         extras = [None] * self.env.world
         dist.all_gather_object(extras, self._extra_state())
         self._saves += 1
-        _fault("save", self._saves, self.env.rank)
+        inject_fault("save", self._saves, self.env.rank)
         if self.env.rank == 0:
             torch.save(extras, tmp / "extra.pt")
-            _fsync_file(tmp / "extra.pt")
+            fsync_file(tmp / "extra.pt")
             (tmp / COMPLETE).write_text(str(self.step))
-            _fsync_file(tmp / COMPLETE)
+            fsync_file(tmp / COMPLETE)
             if final.exists():
                 os.replace(final, old)
             os.replace(tmp, final)
@@ -136,7 +136,7 @@ class RunCheckpoints:
             sd = {"model": model_sd, "optimizer": optim_sd}
             dcp.load(sd, checkpoint_id=str(folder))
             set_model_state_dict(self.model, sd["model"])
-            self.optimizer.load_state_dict(_fqn_to_index(sd["optimizer"]))
+            self.optimizer.load_state_dict(fqn_to_index(sd["optimizer"]))
             if len(extras) != self.env.world:
                 raise ValueError(f"checkpoint in {self.out} was written by {len(extras)} processes, "
                                  f"not {self.env.world}")
@@ -155,4 +155,4 @@ class RunCheckpoints:
         self.train_losses, self.evals, self.acc = state["train_losses"], state["evals"], state["acc"]
         self.train_time, self.opt_time, self.opt_steps_timed, self.train_cpu = state["timing"]
         self.diverged = state["diverged"]
-        _set_rng_state(state["rng"])
+        set_rng_state(state["rng"])

@@ -17,10 +17,10 @@ from dobb.meter import state_bytes
 
 
 # the one definition of optimizer state size (dobb.meter.state_bytes), under the name train.py uses
-_state_bytes = state_bytes
+optimizer_state_bytes = state_bytes
 
 
-def _peak_mem_mb(device: torch.device) -> float:
+def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux

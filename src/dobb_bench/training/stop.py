@@ -4,10 +4,10 @@ from __future__ import annotations
 import signal
 import threading
 
-__all__ = ["_StopRequest", "_STOP"]
+__all__ = ["StopRequest", "STOP"]
 
 
-class _StopRequest:
+class StopRequest:
     """Ctrl-C (SIGINT) or SIGTERM while a single-process loop runs: honoured between steps, where
     model, optimizer, scheduler and RNG are whole, so the checkpoint written then resumes exactly.
     A second signal, or one outside the loop, raises ``KeyboardInterrupt`` at once."""
@@ -42,4 +42,4 @@ class _StopRequest:
             signal.signal(sig, handler)
 
 
-_STOP = _StopRequest()
+STOP = StopRequest()

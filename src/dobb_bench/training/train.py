@@ -35,15 +35,15 @@ import torch
 
 from dobb_bench.provenance import provenance
 from dobb_bench.training.checkpoint_io import (COMPLETE, FAULT_ENV, UnsafeCheckpoint,  # noqa: F401 (re-exported)
-                                               _fault, check_dcp_metadata, safe_load)
+                                               inject_fault, check_dcp_metadata, safe_load)
 from dobb_bench.training.config import TrainConfig, lr_factor
 from dobb_bench.training.data import BatchSampler, Corpus, eval_offsets
-from dobb_bench.training.dist_env import DistEnv, _sync, setup_dist
+from dobb_bench.training.dist_env import DistEnv, sync_device, setup_dist
 from dobb_bench.training.evaluate import eval_weights, evaluate, weight_norms
 from dobb_bench.training.model import GPT, ModelConfig
 from dobb_bench.training.run_checkpoint import CKPT_DIR, CKPT_FILE, RunCheckpoints  # noqa: F401 (re-exported)
-from dobb_bench.training.run_stats import _peak_mem_mb, _state_bytes, optimizer_options, write_jsonl  # noqa: F401
-from dobb_bench.training.stop import _STOP, _StopRequest  # noqa: F401 (re-exported)
+from dobb_bench.training.run_stats import peak_memory_mb, optimizer_state_bytes, optimizer_options, write_jsonl  # noqa: F401
+from dobb_bench.training.stop import STOP, StopRequest  # noqa: F401 (re-exported)
 
 __all__ = ["Run", "run_training", "METRICS_FILE", "CKPT_FILE", "CKPT_DIR", "TrainConfig", "lr_factor", "DistEnv",
            "setup_dist", "evaluate", "eval_weights", "write_jsonl"]
@@ -138,10 +138,10 @@ class Run(RunCheckpoints):
             loss_sum += loss.detach().double()
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
-        _sync(env.device)
+        sync_device(env.device)
         t0 = time.perf_counter()
         self.optimizer.step()
-        _sync(env.device)
+        sync_device(env.device)
         dt = time.perf_counter() - t0
         if self.step > 0:  # the first call allocates state; it is not representative
             self.opt_time += dt
@@ -182,11 +182,11 @@ class Run(RunCheckpoints):
         In one process, SIGINT/SIGTERM stop it after the current step with a checkpoint and return
         ``{"type": "interrupted", "signal": ...}``: rerunning resumes where it stopped.
         """
-        saved = _STOP.install() if self.env.world == 1 else []
+        saved = STOP.install() if self.env.world == 1 else []
         try:
             return self._run(stop_after, keep_checkpoint)
         finally:
-            _STOP.restore(saved)
+            STOP.restore(saved)
 
     def _run(self, stop_after: int | None, keep_checkpoint: bool) -> dict:
         cfg, env = self.cfg, self.env
@@ -207,7 +207,7 @@ class Run(RunCheckpoints):
             bar = tqdm(total=cfg.steps, initial=self.step, desc=self.meta.get("run", "train"),
                        leave=False, dynamic_ncols=True)
         while self.step < cfg.steps and not self.diverged:
-            if stop_after is not None and self.step >= stop_after or _STOP.signal is not None:
+            if stop_after is not None and self.step >= stop_after or STOP.signal is not None:
                 break
             t0, c0 = time.perf_counter(), time.process_time()
             loss = self._train_step()
@@ -227,13 +227,13 @@ class Run(RunCheckpoints):
                 self._write_metrics()
             if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and self.step < cfg.steps:
                 self.save_checkpoint()
-            _fault("step", self.step, env.rank)
+            inject_fault("step", self.step, env.rank)
         if bar is not None:
             bar.close()
-        if _STOP.signal is not None and self.step < cfg.steps and not self.diverged:
+        if STOP.signal is not None and self.step < cfg.steps and not self.diverged:
             self.save_checkpoint()  # whatever --checkpoint-every says: the stop must be resumable
             return {"type": "interrupted", **self.meta, "step": self.step,
-                    "signal": signal.Signals(_STOP.signal).name}
+                    "signal": signal.Signals(STOP.signal).name}
         if stop_after is not None and self.step < cfg.steps and not self.diverged:
             self.save_checkpoint()
             return {"type": "interrupted", **self.meta, "step": self.step}
@@ -257,8 +257,8 @@ class Run(RunCheckpoints):
             "tokens_per_s": steps * self.cfg.batch_size * self.seq_len / max(self.train_time, 1e-9),
             "opt_ms_per_step": 1e3 * self.opt_time / max(1, self.opt_steps_timed),
             "train_wall_s": self.train_time, "train_cpu_s": self.train_cpu,  # CPU: all threads
-            "peak_mem_mb": _peak_mem_mb(self.env.device),
-            "opt_state_mb": _state_bytes(self.optimizer.state_dict()["state"]) / 2**20,
+            "peak_mem_mb": peak_memory_mb(self.env.device),
+            "opt_state_mb": optimizer_state_bytes(self.optimizer.state_dict()["state"]) / 2**20,
             "n_params": self.inner.num_params(),
             "world": self.env.world, "device": str(self.env.device), "dist": self.env.mode,
             "threads": torch.get_num_threads(),

@@ -6,12 +6,12 @@ import signal
 
 import pytest
 
-from dobb_bench.training.stop import _StopRequest
+from dobb_bench.training.stop import StopRequest
 
 
 def test_first_signal_is_recorded_second_raises_and_handlers_are_restored():
     before = signal.getsignal(signal.SIGTERM)
-    stop = _StopRequest()
+    stop = StopRequest()
     saved = stop.install()
     try:
         assert stop.active and signal.getsignal(signal.SIGTERM) is stop
