@@ -69,6 +69,9 @@ def best_of(grid: Iterable[tuple[float, float]]) -> tuple[float | None, bool]:
 
 
 # ----------------------------------------------------------------------------- the definition
+REEVAL_WINDOWS = (2048, 12345)  # scripts/reeval_windows.py's defaults: --windows, --window-seed
+
+
 def grid_lr(j: int) -> float:
     """The lr grid every study shares: 5e-3 times sqrt(2) to the ``j``."""
     return 5e-3 * 2 ** (j / 2)
@@ -128,7 +131,7 @@ class Study:
     lrs: tuple = (0, -1, 1)
     span: int = 6  # a row's finished lrs are looked for within ``row.j -+ span``
     records: str = "long-horizon"
-    windows: tuple[int, int] = (2048, 12345)  # --windows, --window-seed of the re-evaluation
+    windows: tuple[int, int] = REEVAL_WINDOWS  # --windows, --window-seed of the re-evaluation
 
     def centre(self, row: Row) -> int:
         return row.j - self.shift
@@ -290,7 +293,8 @@ def stages(study: Study, runs: RunsFolder, rows: Iterable[Row] | None = None) ->
         for r in rows:
             got = best_j(runs, kind, r, 0, span)
             if got is not None and edge(runs, kind, r, 0, span) is None:
-                close += [(kind, r, j, later[0]) for j in [got[1]] + close_neighbours(runs, kind, r, got[1])]
+                close += [(kind, r, j, 1 if 1 in later else later[0])
+                          for j in [got[1]] + close_neighbours(runs, kind, r, got[1])]
     seeds = [(kind, r, j, sd) for sd in later for r in rows if (j := chosen_j(runs, kind, r, span)) is not None]
     return first + [out, close, seeds]
 
@@ -326,6 +330,7 @@ class Driver:
     started: dict = field(default_factory=dict)  # kind -> runs started
     lock: threading.Lock = field(default_factory=threading.Lock)
     wait_s: float = 30.0
+    windows: tuple[int, int] = REEVAL_WINDOWS  # the re-evaluation's --windows, --window-seed
 
     def env(self, worktree: str | None = None) -> dict:
         return dict(os.environ, PYTHONPATH=f"{worktree or self.worktree}/src", OMP_NUM_THREADS="1")
@@ -371,8 +376,10 @@ class Driver:
         """Re-evaluates a finished run on the common windows (``scripts/reeval_windows.py``)."""
         if os.path.exists(d + "/results.jsonl"):
             re_wt = self.reeval_worktree or self.worktree
-            subprocess.run([sys.executable, "scripts/reeval_windows.py", d, "--out", f"{self.runs.root}/reeval-scratch.jsonl"],
-                           cwd=re_wt, env=self.env(re_wt))
+            args = [sys.executable, "scripts/reeval_windows.py", d, "--out", f"{self.runs.root}/reeval-scratch.jsonl"]
+            if tuple(self.windows) != REEVAL_WINDOWS:  # the script's defaults: the command of every run so far
+                args += ["--windows", str(self.windows[0]), "--window-seed", str(self.windows[1])]
+            subprocess.run(args, cwd=re_wt, env=self.env(re_wt))
 
     def alive(self, d: str) -> bool:
         return subprocess.run(["pgrep", "-f", "--", f"--out {d} "], capture_output=True).returncode == 0

@@ -27,7 +27,7 @@ def cmd_study(args) -> int:
     if not args.worktree:
         raise CliError("study run needs --worktree: a clean worktree of the revision to measure")
     Driver(runs, args.worktree, {study.setting.kind: study.setting}, args.reeval_worktree or args.worktree,
-           args.workers).drive(rule(study))
+           args.workers, windows=study.windows).drive(rule(study))
     return 0
 
 

@@ -212,3 +212,23 @@ def test_lrs_as_values_and_off_grid():
         D.grid_index(0.006)
     st = _study([D.Row("A", "adamw", 0)], lrs=(0.01, 0.005))
     assert st.first_lrs(st.rows[0]) == [2, 0]
+
+
+def test_the_reeval_step_is_the_one_the_grid_has_always_run(tmp_path, monkeypatch):
+    """Every finished run re-evaluated by scripts/reeval_windows.py of the re-evaluation worktree,
+    into the runs folder's scratch record, with the script's default windows unless a study asks
+    for others; a run without results is not re-evaluated."""
+    calls = []
+    monkeypatch.setattr(D.subprocess, "run", lambda args, **kw: calls.append((args, kw)))
+    runs = D.RunsFolder(str(tmp_path / "runs"))
+    d = runs.out_dir("lh", "Dobb B=4", -3, 0)
+    D.Driver(runs, "/wt", H.SETTINGS, "/re").reeval(d)
+    assert calls == []
+    Path(d).mkdir(parents=True)
+    (Path(d) / "results.jsonl").write_text("{}\n")
+    D.Driver(runs, "/wt", H.SETTINGS, "/re").reeval(d)
+    (args, kw), = calls
+    assert args == [sys.executable, "scripts/reeval_windows.py", d, "--out", f"{tmp_path}/runs/reeval-scratch.jsonl"]
+    assert kw["cwd"] == "/re" and kw["env"]["PYTHONPATH"] == "/re/src" and kw["env"]["OMP_NUM_THREADS"] == "1"
+    D.Driver(runs, "/wt", H.SETTINGS, "/re", windows=(512, 7)).reeval(d)
+    assert calls[1][0][-4:] == ["--windows", "512", "--window-seed", "7"]
