@@ -78,8 +78,8 @@ class Dobb(MatrixOptimizer):
             ``"output_grad"`` (capture hooks are registered on it).
         blocks: number of diagonal blocks ``B`` of the blocked axis (contiguous, nearly equal,
             first ``size % B`` blocks one longer; under sharding, cut at shard boundaries first).
-            It trades loss against step cost: a block sees only its own share of the statistic,
-            and a smaller block is cheaper to refresh and stays on its shard under FSDP2/TP (the
+            It trades loss against step cost: each block's basis sees only its own diagonal block
+            of the statistic, and a smaller block is cheaper to refresh and fits within a shard (the
             measured trade-off, and how Dobb compares with block Muon at equal ``blocks``:
             docs/results.md, "Operating point"; docs/timing.md). At ``blocks=1`` on wide matrices
             ``split_refresh=True`` and ``refresh_width`` cut the refresh (docs/timing.md, "A refresh
