@@ -391,11 +391,13 @@ class Driver:
 
     def worker(self, pick: Callable, adopt: str | None = None) -> None:
         if adopt is not None:
-            while self.alive(adopt):
-                time.sleep(self.wait_s)
-            self.reeval(adopt)
-            with self.lock:
-                self.active.discard(adopt)
+            try:
+                while self.alive(adopt):
+                    time.sleep(self.wait_s)
+                self.reeval(adopt)
+            finally:
+                with self.lock:
+                    self.active.discard(adopt)
         while True:
             with self.lock:
                 t = pick(self)

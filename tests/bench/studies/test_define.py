@@ -232,3 +232,26 @@ def test_the_reeval_step_is_the_one_the_grid_has_always_run(tmp_path, monkeypatc
     assert kw["cwd"] == "/re" and kw["env"]["PYTHONPATH"] == "/re/src" and kw["env"]["OMP_NUM_THREADS"] == "1"
     D.Driver(runs, "/wt", H.SETTINGS, "/re", windows=(512, 7)).reeval(d)
     assert calls[1][0][-4:] == ["--windows", "512", "--window-seed", "7"]
+
+
+def test_a_restarted_driver_adopts_the_runs_left_running(tmp_path, monkeypatch):
+    """A run an earlier driver left running is waited for and re-evaluated, never started again, and
+    the worker that waits on it keeps the other from finishing while its result may ask for more."""
+    done, _ = _fake_compare(monkeypatch, {r.label: r.j - 2 for r in H.FR})
+    row = H.FR[0]
+    runs = D.RunsFolder.of(str(tmp_path / "runs"), str(tmp_path))
+    left = runs.out_dir("lh", row.label, row.j - 2, 0)
+    polls = iter([True, True, False])
+
+    def alive(self, d):
+        assert d == left
+        up = next(polls)
+        if not up:  # the earlier driver's run ends: its results appear
+            D.Driver.run(self, ("lh", row, row.j - 2, 0))
+        return up
+    monkeypatch.setattr(D.Driver, "left_running", lambda self: [left])
+    monkeypatch.setattr(D.Driver, "alive", alive)
+    d = D.Driver(runs, "wt", H.SETTINGS, wait_s=0.01)
+    d.drive(H.PICKS["frontier"])
+    assert done.count((row.label, row.j - 2, 0)) == 1  # once, by the "earlier driver"
+    assert (row.label, row.j - 2, 1) in done and (row.label, row.j - 2, 2) in done
