@@ -21,8 +21,10 @@ def main(argv=None) -> int:
     ap.add_argument("runs")
     ap.add_argument("--study", default="long-horizon")
     a = ap.parse_args(argv)
-    for d in sorted(glob.glob(os.path.join(a.runs, "*", ""))):
-        if not os.path.exists(os.path.join(d, "results.jsonl")):
+    # a row label with "/" (Dion2 1/4 per shard) nests its run folder one level deeper
+    for f in sorted(glob.glob(os.path.join(a.runs, "**", "results.jsonl"), recursive=True)):
+        d = os.path.dirname(f) + os.sep
+        if os.path.basename(os.path.dirname(d)) == "runs":
             continue
         done = any("final_val_loss" in json.loads(line) for line in open(os.path.join(d, "results.jsonl")))
         if done:
