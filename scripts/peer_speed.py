@@ -158,7 +158,7 @@ def cases(names):
     unknown = set(names or ()) - set(all_cases)
     if unknown:
         raise ValueError(f"unknown case(s) {sorted(unknown)}; valid: {list(all_cases)}")
-    return {k: v for k, v in all_cases.items() if not names or k in names}
+    return {k: all_cases[k] for k in names} if names else all_cases  # in the order asked for
 
 
 # ----------------------------------------------------------------------------- measuring
