@@ -80,6 +80,11 @@ class Pair(torch.optim.Optimizer):
 
 # ----------------------------------------------------------------------------- peers
 def _ista_dash():
+    """ista-daslab's ``dash`` module, loaded once (``load_dash_package`` replaces the package in
+    ``sys.modules``; a second call could not find it again)."""
+    loaded = sys.modules.get("ista_daslab_optimizers.dash")
+    if loaded is not None:
+        return loaded
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from peer_dash import load_dash_package
 
