@@ -9,6 +9,10 @@ this script on two revisions, on the same machine and torch, compare with ``--co
 equal digests mean the two revisions compute the same numbers, bit for bit.
 
     PYTHONPATH=src OMP_NUM_THREADS=1 python scripts/numerics_digest.py --out before.json
+
+``--adamw-foreach`` builds every optimizer with ``foreach=True`` (torch's foreach AdamW kernel for
+the AdamW part, the default before the fused kernel became it): it compares a revision with the
+fused default against one from before it, every other number bit for bit.
     python scripts/numerics_digest.py --compare before.json after.json
 """
 from __future__ import annotations
@@ -137,12 +141,14 @@ def digest(value) -> str:
     return h.hexdigest()[:24]
 
 
-def run(name: str, hparams: dict, experts: bool, steps: int) -> dict:
+def run(name: str, hparams: dict, experts: bool, steps: int, adamw_foreach: bool = False) -> dict:
     import dobb
 
     torch.manual_seed(0)
     model = Net(experts)
     grouping = {"experts": ["moe.w"]} if experts else {}
+    if adamw_foreach:
+        hparams = dict(hparams, foreach=True)
     opt = dobb.build_optimizer(name, model, lr=0.02, weight_decay=0.01, **grouping, **hparams)
     if experts and hparams.get("source", "activation") == "activation":
         model.moe.capture = opt.capture
@@ -168,6 +174,8 @@ def main() -> int:
     parser.add_argument("--out", help="write the JSON here (default: stdout)")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--only", help="comma-separated labels")
+    parser.add_argument("--adamw-foreach", action="store_true",
+                        help="foreach=True for every optimizer (torch's foreach AdamW kernel in the AdamW part)")
     parser.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two JSON files and exit")
     args = parser.parse_args()
     if args.compare:
@@ -186,9 +194,10 @@ def main() -> int:
     for label, name, hparams, experts in variants():
         if only and label not in only:
             continue
-        runs[label] = run(name, hparams, experts, args.steps)
+        runs[label] = run(name, hparams, experts, args.steps, args.adamw_foreach)
         print(f"{label}: loss {runs[label]['loss']:.6f}", file=sys.stderr)
-    text = json.dumps({"torch": torch.__version__, "steps": args.steps, "runs": runs}, indent=1, sort_keys=True)
+    text = json.dumps({"torch": torch.__version__, "steps": args.steps,
+                       "adamw_foreach": args.adamw_foreach, "runs": runs}, indent=1, sort_keys=True)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")

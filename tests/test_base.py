@@ -38,8 +38,10 @@ MATRIX_CLASSES = sorted({e.cls for e in dobb.registry.OPTIMIZERS.values() if e.i
 
 @pytest.mark.parametrize("cls", MATRIX_CLASSES, ids=lambda c: c.__name__)
 def test_adamw_groups_match_torch_adamw(cls):
+    """The default AdamW part is torch's fused kernel (on this CPU): bitwise ``AdamW(fused=True)``;
+    against the unfused loop, to rounding: ``test_adamw_part_defaults_to_the_fused_kernel_...``."""
     ref, ours = mlp(), mlp()
-    torch_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.05, betas=(0.9, 0.95))
+    torch_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.05, betas=(0.9, 0.95), fused=True)
     groups = [{"params": list(ours.parameters()), "algorithm": "adamw"}]
     hooked = {"model": ours} if "model" in inspect.signature(cls.__init__).parameters else {}
     train_mlp(ours, cls(groups, lr=0.01, weight_decay=0.05, **hooked), 4)
@@ -351,3 +353,78 @@ def test_fused_or_foreach_a_kernel_cannot_honour_is_refused(flags, message):
         Muon([{"params": [w], **flags}], lr=0.1)
     assert str(err.value).startswith(message)
     Muon([{"params": [w], "fused": False, "foreach": True}], lr=0.1)  # what the matrix step does: accepted
+
+
+# ----------------------------------------------------------------------------- the default AdamW kernel
+def _spied_flags(monkeypatch):
+    import dobb._base as base
+
+    seen = []
+    kernel = base._torch_adamw
+    monkeypatch.setattr(base, "_torch_adamw", lambda *a, **k: (seen.append((k["fused"], k["foreach"])), kernel(*a, **k)))
+    return seen
+
+
+@pytest.mark.parametrize("name", MATRIX_NAMES)
+def test_adamw_part_defaults_to_the_fused_kernel_and_equals_unfused_torch_adamw(name, monkeypatch):
+    """With neither ``fused`` nor ``foreach`` set, every matrix optimizer's AdamW part runs torch's
+    fused kernel (on this CPU), and its weights and moments after 5 steps equal those of an
+    independent ``torch.optim.AdamW(foreach=False)`` (the single-tensor for-loop) fed the same
+    gradients, to float32 rounding."""
+    seen = _spied_flags(monkeypatch)
+    model = Net()
+    opt = build(name, model)
+    parts = [g for g in opt.param_groups if g["algorithm"] == "adamw"]
+    clones = [[p.detach().clone().requires_grad_() for p in g["params"]] for g in parts]
+    refs = [torch.optim.AdamW(c, lr=g["lr"], betas=g["adamw_betas"], eps=g["adamw_eps"],
+                              weight_decay=g["weight_decay"], foreach=False) for g, c in zip(parts, clones)]
+    for t in range(5):
+        opt.zero_grad()
+        backward(model, t)
+        for g, c in zip(parts, clones):
+            for p, q in zip(g["params"], c):
+                q.grad = None if p.grad is None else p.grad.clone()
+        opt.step()
+        for r in refs:
+            r.step()
+    assert seen and all(s == (True, False) for s in seen), seen
+    moved = 0
+    for g, c, r in zip(parts, clones, refs):
+        for p, q in zip(g["params"], c):
+            if q.grad is None:
+                continue
+            moved += 1
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
+            for key in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(opt.state[p][key], r.state[q][key], rtol=1e-6, atol=1e-9)
+            assert float(opt.state[p]["step"]) == float(r.state[q]["step"]) == 5.0
+    assert moved
+
+
+@pytest.mark.parametrize("flags,expected", [({"fused": False}, (False, True)), ({"foreach": True}, (False, True)),
+                                            ({"foreach": False}, (False, False)), ({"fused": True}, (True, False))])
+def test_an_explicit_kernel_flag_of_the_adamw_part_is_honoured(flags, expected, monkeypatch):
+    seen = _spied_flags(monkeypatch)
+    model = mlp()
+    opt = Muon([{"params": list(model.parameters()), "algorithm": "adamw", **flags}], lr=0.01)
+    train_mlp(model, opt, 2)
+    assert seen == [expected, expected]
+
+
+def test_adamw_part_without_a_fused_kernel_falls_back_to_foreach(monkeypatch):
+    """A complex parameter has no fused kernel: the group runs torch's foreach kernel (as before);
+    an int parameter without a gradient does not stop the others from fusing."""
+    from dobb._base import adamw_kernel_flags
+
+    seen = _spied_flags(monkeypatch)
+    model = Net(complex_gain=True)
+    opt = build("muon", model)
+    opt.zero_grad()
+    backward(model, 0)
+    opt.step()
+    (flags,) = [s for s in seen]
+    assert flags == (False, True)
+    group = {"lr": 0.1, "fused": None, "foreach": None}
+    assert adamw_kernel_flags(group, [torch.zeros(3)]) == (True, False)
+    assert adamw_kernel_flags(group, [torch.zeros(3, dtype=torch.complex64)]) == (False, True)
+    assert adamw_kernel_flags(dict(group, lr=torch.tensor(0.1)), [torch.zeros(3)]) == (False, False)

@@ -1,6 +1,7 @@
 """build_optimizer: names, hyperparameter errors, presets, training, and exact resume for each."""
 from __future__ import annotations
 
+import copy
 
 import pytest
 import torch
@@ -237,7 +238,7 @@ def test_decay_names_reach_adamw_by_name_as_torch_groups():
     named = dict(b.named_parameters())
     opt_b = torch.optim.AdamW([{"params": [named[n] for n in named if n in decay]},
                                {"params": [named[n] for n in named if n not in decay], "weight_decay": 0.0}],
-                              lr=0.05, weight_decay=0.5, betas=(0.9, 0.95))
+                              lr=0.05, weight_decay=0.5, betas=(0.9, 0.95), fused=True)  # the default kernel
     x = torch.randn(16, 6, generator=torch.Generator().manual_seed(1))
     for m, o in ((a, opt_a), (b, opt_b)):
         for _ in range(3):
@@ -246,3 +247,24 @@ def test_decay_names_reach_adamw_by_name_as_torch_groups():
             o.step()
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.equal(p, q)
+
+
+def test_adamw_entry_is_torch_fused_adamw_by_default_and_equals_the_unfused_kernel():
+    """``build_optimizer("adamw")`` builds torch's fused AdamW where torch has it (this CPU), honours
+    an explicit flag, and its numbers after 6 steps equal ``torch.optim.AdamW(foreach=False)`` on a
+    copy of the model (the single-tensor loop) to float32 rounding."""
+    model, X, Y = model_and_data()
+    ref = copy.deepcopy(model)
+    opt = dobb.build_optimizer("adamw", model, lr=0.01, weight_decay=0.1)
+    assert opt.defaults["fused"] is True and not opt.defaults["foreach"]
+    plain = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.1, betas=(0.9, 0.95), foreach=False)
+    run(model, opt, X, Y, 6)
+    run(ref, plain, X, Y, 6)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    for flags in ({"fused": False}, {"foreach": True}, {"foreach": False}):
+        o = dobb.build_optimizer("adamw", model, lr=0.01, **flags)
+        assert not o.defaults["fused"] and o.defaults["foreach"] == flags.get("foreach")
+    complex_model = nn.Linear(4, 4).to(torch.complex64)
+    o = dobb.build_optimizer("adamw", complex_model, lr=0.01)  # no fused kernel for complex: foreach
+    assert not o.defaults["fused"] and o.defaults["foreach"] is True

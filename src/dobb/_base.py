@@ -52,6 +52,33 @@ def _adamw_kernel(lists: list, kwargs: dict) -> None:
     _torch_adamw(*lists, **dict(kwargs, capturable=torch.compiler.is_compiling()))
 
 
+def _kernel_unset(group: dict[str, Any]) -> bool:
+    """Neither ``fused`` nor ``foreach`` set: the group takes torch's fastest AdamW kernel."""
+    return group.get("fused") is None and group.get("foreach") is None
+
+
+def _fusable(p: torch.Tensor) -> bool:
+    """Whether torch's fused AdamW kernel runs on ``p``: a floating, non-DTensor parameter on a
+    device type with the kernel (CPU and CUDA in the pinned torch)."""
+    return p.is_floating_point() and not is_dtensor(p) and p.device.type in fused_adamw_devices()
+
+
+def adamw_kernel_flags(group: dict[str, Any], params: list[torch.Tensor]) -> tuple[bool, bool]:
+    """``(fused, foreach)`` with which an ``"adamw"`` group steps ``params`` (see
+    ``MatrixOptimizer._adamw_inputs``). An explicit flag is honoured; with both unset, fused where
+    every parameter is ``_fusable``, the lr a number and the step not being compiled."""
+    lr = group["lr"]
+    if group.get("fused"):
+        return True, False
+    foreach = group.get("foreach")
+    if foreach is not None:
+        return False, bool(foreach)
+    if (group.get("fused") is None and params and not isinstance(lr, torch.Tensor)
+            and not torch.compiler.is_compiling() and all(_fusable(p) for p in params)):
+        return True, False
+    return False, not any(is_dtensor(p) for p in params) and not isinstance(lr, torch.Tensor)
+
+
 def _name_of(param: torch.Tensor, names: dict[int, str] | None, index: int) -> str:
     if names and id(param) in names:
         return names[id(param)]
@@ -115,7 +142,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
         # loads only into state that exists, and every rank must hold the same keys.
         if group["algorithm"] == "adamw":
             for p in group["params"]:
-                self._init_adamw_state(p, fused=bool(group["fused"]))
+                self._init_adamw_state(p, fused=group["fused"] is True or (
+                    _kernel_unset(group) and _fusable(p)))
         else:
             with self._logical(group) as logical:
                 self._init_matrix_state(logical)
@@ -258,16 +286,20 @@ class MatrixOptimizer(torch.optim.Optimizer):
         ``torch.optim.AdamW``'s own ``_init_group``: its checks (sparse gradients refused with its
         ``RuntimeError``) and its ``has_complex`` flag (complex parameters stepped as real pairs).
 
-        The group's ``fused``/``foreach`` are honoured as ``torch.optim.AdamW`` honours them;
-        ``None`` (the default) is torch's foreach kernel, except for DTensor parameters and a
-        tensor lr (a scheduler holding tensors), which take the single-tensor path as
-        ``torch.optim.AdamW`` does."""
+        The group's ``fused``/``foreach`` are honoured as ``torch.optim.AdamW`` honours them. With
+        both ``None`` (the default) the group takes torch's fastest kernel: the fused one where
+        torch has it for every parameter's device and dtype (``_fusable``), else the foreach one;
+        DTensor parameters, a tensor lr (a scheduler holding tensors) and a step being traced by
+        ``torch.compile`` keep the paths they took before (single-tensor; foreach under compile),
+        as ``torch.optim.AdamW`` does. ``fused=False`` alone keeps torch's foreach default."""
         lr = group["lr"]
         with_grad = [p for p in group["params"] if p.grad is not None]
-        fused = bool(group["fused"])
-        foreach = group["foreach"]
-        if foreach is None:
-            foreach = not fused and not any(is_dtensor(p) for p in with_grad) and not isinstance(lr, torch.Tensor)
+        fused, foreach = adamw_kernel_flags(group, with_grad)
+        if fused:  # a counter loaded for another kernel (a checkpoint of foreach) moves to the device
+            for p in with_grad:
+                step = self.state.get(p, {}).get("step")
+                if isinstance(step, torch.Tensor) and step.device != p.device:
+                    self.state[p]["step"] = step.to(device=p.device, dtype=torch.float32)
         # compiled (torch.compile(opt.step)): bias corrections as tensors, as Dynamo makes
         # torch.optim.AdamW do; eager: torch's default host-side path
         capturable = torch.compiler.is_compiling()

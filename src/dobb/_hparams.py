@@ -191,8 +191,9 @@ class Options:
 
     ``lr``/``weight_decay``: finite numbers >= 0 (or one-element tensors, as schedulers keep
     them); ``adamw_betas``/``adamw_eps``: the AdamW part's; ``fused``/``foreach``: torch's AdamW
-    kernel flags, honoured by ``"adamw"`` groups as ``torch.optim.AdamW`` honours them (``None``:
-    torch's foreach kernel where it applies); a matrix group refuses ``fused=True`` (no matrix step
+    kernel flags, honoured by ``"adamw"`` groups as ``torch.optim.AdamW`` honours them (both
+    ``None``: torch's fused kernel where it has one for the parameters' device and dtype, else its
+    foreach kernel; ``dobb._base.adamw_kernel_flags``); a matrix group refuses ``fused=True`` (no matrix step
     has a fused kernel) and ``foreach=False`` (every matrix step is its foreach implementation). ``transposed``: the group's weights are stored ``(in, out)`` (set per group by
     ``dobb.param_groups``).
     """

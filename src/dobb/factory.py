@@ -6,7 +6,10 @@ algorithm=<the class' algorithm>)`` (hidden matrices to the matrix update, embed
 biases to AdamW with betas ``(0.9, 0.95)``, one optimizer object; ``head_names``, ``is_matrix``,
 ``experts`` (full names of 3-D expert stacks) and ``decay_names`` (Hugging Face's weight-decay
 convention for the AdamW part) go to ``param_groups``); ``adamw`` is ``torch.optim.AdamW`` itself
-over every trainable parameter. The Dobb variants are presets of ``dobb.Dobb``: ``dobb-l2`` =
+over every trainable parameter, built with ``fused=True`` where torch has the fused kernel for
+every parameter's device and dtype and ``foreach=True`` otherwise (an explicit ``fused`` or
+``foreach`` is passed as given); the AdamW part of every matrix optimizer makes the same choice
+per step (``dobb._base.adamw_kernel_flags``). The Dobb variants are presets of ``dobb.Dobb``: ``dobb-l2`` =
 ``norm="l2"``, ``dobb-g`` = ``side="output", source="output_grad"``, ``dobb-g-l2`` both. Unknown
 names and hyperparameters, and values of the wrong kind, are ``ValueError``s naming what is valid
 (``dobb.registry.validate``), so a typo in a sweep config fails before any step runs.
@@ -20,6 +23,7 @@ import torch
 from torch import nn
 
 from . import registry
+from ._base import _fusable
 from .groups import param_groups
 from .registry import OPTIMIZER_NAMES, valid_hparams
 
@@ -41,6 +45,9 @@ def build_optimizer(name: str, model: nn.Module, *, lr: float, weight_decay: flo
             params = [{"params": [p for n, p in named if n in decay]},
                       {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
             params = [g for g in params if g["params"]]
+        if "fused" not in kwargs and "foreach" not in kwargs:  # torch's fastest kernel for these params
+            flat = [p for g in params for p in g["params"]] if params and isinstance(params[0], dict) else params
+            kwargs["fused" if flat and all(_fusable(p) for p in flat) else "foreach"] = True
         return entry.cls(params, lr=lr, weight_decay=weight_decay, **kwargs)
     groups = param_groups(model, algorithm=entry.cls.algorithm, **grouping)
     if "model" in inspect.signature(entry.cls.__init__).parameters:

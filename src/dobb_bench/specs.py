@@ -26,9 +26,13 @@ __all__ = ["OptimizerSpec", "parse_spec", "parse_hparams", "parse_value", "defau
 # Display names: each optimizer's label in dobb.registry (declared there once).
 PRETTY = {name: entry.label for name, entry in dobb.registry.OPTIMIZERS.items()}
 HP_SHORT = {"blocks": "B", "rank_fraction": "rho"}
-# The timing bench's torch references (``torch.optim.AdamW(foreach=True)``, ``torch.optim.Muon``):
-# not library optimizers, so not in the registry; each stands for the registry entry it times against.
-TORCH_REFERENCES = {"torch-adamw": "adamw", "torch-muon": "muon"}
+# The timing bench's torch references (``torch.optim.AdamW(foreach=True)``, ``AdamW(fused=True)``,
+# ``torch.optim.Muon``): not library optimizers, so not in the registry; each stands for the
+# registry entry it times against.
+TORCH_REFERENCES = {"torch-adamw": "adamw", "torch-adamw-fused": "adamw", "torch-muon": "muon"}
+# The two AdamW references every timing ratio is taken against: torch's foreach kernel (the
+# bench's reference since its first records) and torch's fused kernel (the fastest torch has).
+ADAMW_REFERENCES = ("torch-adamw", "torch-adamw-fused")
 _KEY = re.compile(r"[A-Za-z_]\w*")
 _COMMA_KEY = re.compile(r",\s*[A-Za-z_]\w*\s*=")  # ",qr=" inside a value: the old comma grammar
 

@@ -77,3 +77,73 @@ def test_newton_db_warns_when_the_tolerance_is_out_of_reach():
         out = inverse_root_newton_db(a.float(), 4, 0.0, 100, 1e-12)
     assert torch.isfinite(out).all()
 
+
+
+# ----------------------------------------------------------------------------- in place, in tile batches
+def _plain_newton_db(x, p, eps, steps):
+    """The fixed-count coupled Newton-Schulz root as plain expressions, a new tensor per operation
+    (the form before the kernels reused their buffers): the bitwise reference."""
+    eye = torch.eye(x.shape[-1], dtype=x.dtype)
+    a = x + eps * eye
+    s = torch.linalg.matrix_norm(a).clamp_min(torch.finfo(x.dtype).tiny)[:, None, None]
+
+    def sqrt(a):
+        e = 1.5 * eye - 0.5 * a
+        y, z = a @ e, e
+        for _ in range(steps - 1):
+            e = 1.5 * eye - 0.5 * (z @ y)
+            y, z = y @ e, e @ z
+        return y, z
+
+    y, z = sqrt(a / s)
+    if p == 2:
+        return z / s.sqrt()
+    return sqrt(y)[1] / s.sqrt().sqrt()
+
+
+def _plain_coupled_newton(x, p, eps, steps):
+    eye = torch.eye(x.shape[-1], dtype=x.dtype)
+    a = x + eps * eye
+    z = (p + 1) / (2 * torch.linalg.matrix_norm(a).clamp_min(torch.finfo(x.dtype).tiny)[:, None, None])
+    m, xk = z * a, z.pow(1.0 / p) * eye
+    for _ in range(steps):
+        mid = (1 + 1.0 / p) * eye - m / p
+        xk = xk @ mid
+        m = torch.linalg.matrix_power(mid, p) @ m
+    return xk
+
+
+@pytest.mark.parametrize("n", [16, 33, 128])
+@pytest.mark.parametrize("tile_batch", [None, 1, 5, 64])
+def test_in_place_roots_in_tile_batches_equal_the_plain_expressions_bitwise(n, tile_batch):
+    """float32 (the optimizer's factors): the buffer-reusing kernels, cut into tile batches of any
+    size, give the plain expressions' bits (p = 2, 4 for Newton-DB; 1..5 for coupled Newton)."""
+    gen = torch.Generator().manual_seed(n)
+    g = torch.randn(19, n, 2 * n, generator=gen)
+    x = g @ g.mT / n
+    for p in (2, 4):
+        out = inverse_root(x, "newton-db", p, 1e-6, 12, tile_batch=tile_batch)
+        assert torch.equal(out, _plain_newton_db(x, p, 1e-6, 12)), (p, max_diff(out, _plain_newton_db(x, p, 1e-6, 12)))
+    for p in (1, 2, 3, 4, 5):
+        out = inverse_root(x, "coupled-newton", p, 1e-6, 8, tile_batch=tile_batch)
+        assert torch.equal(out, _plain_coupled_newton(x, p, 1e-6, 8)), p
+
+
+def test_newton_db_with_a_tolerance_is_the_same_in_any_tile_batch():
+    a, expected = spd(24, 1e3, batch=11)
+    a = a.float()
+    whole = inverse_root(a, "newton-db", 4, 1e-6, 30, tol=1e-4, tile_batch=11)
+    for tb in (1, 3, None):
+        assert torch.equal(inverse_root(a, "newton-db", 4, 1e-6, 30, tol=1e-4, tile_batch=tb), whole)
+    assert _rel_err(whole.double(), expected) < 1e-3
+
+
+@pytest.mark.parametrize("bad", [0, -2])
+def test_a_tile_batch_below_one_is_refused(bad):
+    with pytest.raises(ValueError, match="tile_batch must be a positive number"):
+        inverse_root(torch.eye(4)[None], "newton-db", 4, 0.0, 5, tile_batch=bad)
+
+
+def test_empty_batch_gives_an_empty_root():
+    for method in ("newton-db", "coupled-newton"):
+        assert inverse_root(torch.zeros(0, 4, 4), method).shape == (0, 4, 4)

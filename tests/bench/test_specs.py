@@ -42,6 +42,7 @@ def test_timing_and_payload_read_the_same_grammar():
     timed = timing_run.parse_optimizers(["dion:rank_fraction=1/16:qr=householder", "dobb:blocks=4@B4"])
     assert [(o.label, o.name, o.hparams) for o in timed] == [
         ("torch-adamw", "torch-adamw", {}),
+        ("torch-adamw-fused", "torch-adamw-fused", {}),
         ("dion:rank_fraction=1/16:qr=householder", "dion", {"rank_fraction": 0.0625, "qr": "householder"}),
         ("B4", "dobb", {"blocks": 4, "refresh_every": 9})]
     table = payload_command.payload_rows(["dion:rank_fraction=1/16:qr=householder"], [("a", (8, 16))], "output", 4)

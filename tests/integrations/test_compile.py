@@ -80,8 +80,8 @@ def test_compiled_step_with_adamw_groups_gives_the_eager_numbers():
 
 def _with_torch_adamw(compiled, matrix_step_break=False, steps=3):
     """Dobb (float64, ``check_finite=True``) on a model with biases and a norm, its step compiled
-    with ``aot_eager`` or eager, and beside it an eager ``torch.optim.AdamW`` (``foreach``, as the AdamW
-    part runs on CPU) on copies of the AdamW-handled parameters, fed the same gradients. Checks after
+    with ``aot_eager`` or eager, and beside it an eager ``torch.optim.AdamW`` (``fused``, as the AdamW
+    part runs eagerly on CPU by default; traced, it takes the foreach kernel) on copies of the AdamW-handled parameters, fed the same gradients. Checks after
     every step that the AdamW part equals torch's (bitwise eager; compiled, the bias corrections come
     from the float32 step tensor: the tolerance of the test above); returns the weights, the step
     tensors of both and the reasons of Dynamo's graph breaks."""
@@ -101,7 +101,7 @@ def _with_torch_adamw(compiled, matrix_step_break=False, steps=3):
     mine = group["params"]
     theirs = [p.detach().clone().requires_grad_() for p in mine]
     ref = torch.optim.AdamW(theirs, lr=group["lr"], betas=group["adamw_betas"], eps=group["adamw_eps"],
-                            weight_decay=group["weight_decay"], foreach=True)
+                            weight_decay=group["weight_decay"], fused=True)
     torch._dynamo.reset()
     counters.clear()
     step = torch.compile(opt.step, backend="aot_eager") if compiled else opt.step

@@ -6,7 +6,10 @@ function takes and returns the input's dtype (fp32 in the optimizer, fp64 in the
 ``newton-db`` stops at a residual tolerance when given one (``tol``; DASH passes its
 ``newton_tol``), reading the residual from the device once per iteration, which DASH pays only on
 its preconditioner refreshes; a fixed count would leave an ill-conditioned factor far from its
-root. ``coupled-newton`` runs a fixed number of iterations.
+root. ``coupled-newton`` runs a fixed number of iterations. Both iterative methods work in place: each
+batch of tiles (``tile_batch`` matrices, by default as many as fit ``TILE_BATCH_BYTES`` of working
+buffers) reuses one set of buffers, written by ``bmm(out=)`` and in-place ops; the numbers are those
+of the plain expressions, bit for bit (tests/baselines/test_matrix_roots.py).
 
 - ``inverse_root_eigh``: eigendecomposition, eigenvalues shifted as Distributed Shampoo and DASH
   do (``lambda <- lambda + eps - min(lambda_min, 0)`` after ``eigh(X + eps I)``, so a slightly
@@ -58,11 +61,86 @@ def inverse_root_eigh(x: Tensor, p: int = 4, eps: float = 0.0) -> Tensor:
     return (vecs * vals.pow(-1.0 / p).unsqueeze(-2)) @ vecs.mT
 
 
-def _residual(z: Tensor, y: Tensor) -> Tensor:
-    """``||Z Y - I||_F / sqrt(n)`` per matrix, ``(k,)``: how far the coupled iterates are from
-    inverse to each other (0 at the fixed point)."""
-    n = z.shape[-1]
-    return torch.linalg.matrix_norm(z @ y - _eye_like(z)) / n ** 0.5
+# The bytes of working buffers one tile batch of the iterative roots may hold: about one core's L2
+# plus a share of L3 on the hosts this package is timed on. A batch is cut to fit it (at least one
+# matrix); each matrix's result does not depend on its batch, so the cut changes no number.
+TILE_BATCH_BYTES = 4 * 2**20
+
+
+def _tile_batch(x: Tensor, buffers: int, batch: int | None) -> int:
+    """Matrices per batch: ``batch`` if given, else as many as fit ``buffers`` ``n x n`` working
+    buffers each in ``TILE_BATCH_BYTES``."""
+    if batch is not None:
+        if int(batch) < 1:
+            raise ValueError(f"tile_batch must be a positive number of matrices, got {batch!r}")
+        return int(batch)
+    per = buffers * x.shape[-1] ** 2 * x.element_size()
+    return max(1, TILE_BATCH_BYTES // per)
+
+
+def _residual(zy: Tensor, eye: Tensor) -> Tensor:
+    """``||Z Y - I||_F / sqrt(n)`` per matrix, ``(k,)``, from the product ``Z Y``: how far the
+    coupled iterates are from inverse to each other (0 at the fixed point)."""
+    n = zy.shape[-1]
+    return torch.linalg.matrix_norm(zy - eye) / n ** 0.5
+
+
+class _Coupled:
+    """Reusable buffers of the coupled Newton-Schulz square root for ``(k, n, n)`` batches: the
+    iterates ``Y``, ``Z``, the product ``Z Y``, the correction ``E`` and a scratch buffer; every
+    iteration writes into them (``bmm(out=)``, in-place scaling) and allocates nothing."""
+
+    def __init__(self, k: int, n: int, like: Tensor):
+        new = lambda: torch.empty((k, n, n), dtype=like.dtype, device=like.device)  # noqa: E731
+        self.y, self.z, self.zy, self.e, self.tmp = new(), new(), new(), new(), new()
+        self.eye = _eye_like(like)
+        self.eye15 = 1.5 * self.eye  # the same bits as the expression 1.5 * I
+
+    def correction(self, k: int) -> Tensor:
+        """``E = 1.5 I - 0.5 (Z Y)`` of the first ``k`` matrices from ``zy`` (kept), into ``e``."""
+        half = torch.mul(self.zy[:k], 0.5, out=self.e[:k])
+        return torch.sub(self.eye15, half, out=half)
+
+    def run(self, a: Tensor, steps: int, tol: float | None) -> tuple[Tensor, Tensor, float | None]:
+        """``(A^{1/2}, A^{-1/2}, residual)`` of ``a`` (spectrum in ``(0, 1]``), as views of the
+        buffers (valid until the next ``run``); see ``_coupled_sqrt``."""
+        k = a.shape[0]
+        y, z, zy, e, tmp = (b[:k] for b in (self.y, self.z, self.zy, self.e, self.tmp))
+        torch.mul(a, 0.5, out=tmp)
+        torch.sub(self.eye15, tmp, out=z)  # Z_1 = E_0 = 1.5 I - 0.5 A
+        torch.bmm(a, z, out=y)  # Y_1 = A E_0
+        if tol is None:
+            for _ in range(steps - 1):
+                torch.bmm(z, y, out=zy)
+                self.correction(k)
+                torch.bmm(y, e, out=tmp)
+                y, tmp = tmp, y
+                torch.bmm(e, z, out=tmp)
+                z, tmp = tmp, z
+            return y, z, None
+        ny, nz = torch.empty_like(y), torch.empty_like(z)
+        torch.bmm(z, y, out=zy)
+        r = _residual(zy, self.eye)
+        done = r <= tol
+        for _ in range(steps - 1):
+            if bool(done.all()):
+                break
+            self.correction(k)
+            torch.bmm(y, e, out=ny)
+            torch.bmm(e, z, out=nz)
+            torch.bmm(nz, ny, out=zy)  # the residual's product is the next correction's
+            nr = _residual(zy, self.eye)
+            # advance while the residual falls, and anywhere above 0.1 (the early, stable phase); NaN
+            # compares False, so a matrix diverging past its floor keeps its best iterate (its zy is
+            # not read again: a matrix that does not advance is done)
+            step = ~done & ((nr < r) | (r >= 0.1))
+            stalled = ~done & ~step
+            keep = ~step.view(-1, 1, 1)
+            torch.where(keep, y, ny, out=y)
+            torch.where(keep, z, nz, out=z)
+            r = torch.where(step, nr, r)
+            done = done | stalled | (r <= tol)
+        return y, z, float(r.amax())
 
 
 def _coupled_sqrt(a: Tensor, steps: int, tol: float | None = None) -> tuple[Tensor, Tensor, float | None]:
@@ -77,51 +155,44 @@ def _coupled_sqrt(a: Tensor, steps: int, tol: float | None = None) -> tuple[Tens
     already below 0.1, fails to fall, keeping its best iterate. One host read per iteration.
     Returns the worst final residual.
     """
-    eye = _eye_like(a)
-    e = 1.5 * eye - 0.5 * a
-    y, z = a @ e, e
-    if tol is None:
-        for _ in range(steps - 1):
-            e = 1.5 * eye - 0.5 * (z @ y)
-            y, z = y @ e, e @ z
-        return y, z, None
-    r = _residual(z, y)
-    done = r <= tol
-    for _ in range(steps - 1):
-        if bool(done.all()):
-            break
-        e = 1.5 * eye - 0.5 * (z @ y)
-        ny, nz = y @ e, e @ z
-        nr = _residual(nz, ny)
-        # advance while the residual falls, and anywhere above 0.1 (the early, stable phase); NaN
-        # compares False, so a matrix diverging past its floor keeps its best iterate
-        step = ~done & ((nr < r) | (r >= 0.1))
-        stalled = ~done & ~step
-        keep = ~step.view(-1, 1, 1)
-        y, z, r = torch.where(keep, y, ny), torch.where(keep, z, nz), torch.where(step, nr, r)
-        done = done | stalled | (r <= tol)
-    return y, z, float(r.amax())
+    y, z, r = _Coupled(a.shape[0], a.shape[-1], a).run(a, steps, tol)
+    return y.clone(), z.clone(), r
 
 
 def inverse_root_newton_db(x: Tensor, p: int = 4, eps: float = 0.0, steps: int = 10,
-                           tol: float | None = None) -> Tensor:
+                           tol: float | None = None, tile_batch: int | None = None) -> Tensor:
     """``(X + eps I)^{-1/p}`` for ``p`` in (2, 4) by the coupled Newton-Schulz square root.
 
     ``tol=None`` runs ``steps`` iterations per square root; a number stops each at that residual
-    (at most ``steps`` iterations) and warns when a matrix of the batch did not get there.
+    (at most ``steps`` iterations) and warns when a matrix of the batch did not get there. The
+    matrices go through in batches of ``tile_batch`` (default: sized by ``TILE_BATCH_BYTES``) that
+    share one set of buffers; the result is written into one output tensor.
     """
     if p not in (2, 4):
         raise ValueError(f"newton-db computes inverse square and fourth roots only (p in (2, 4)), got p={p}")
-    a = _damped(x, eps)
-    scale = _fro(a)
-    sqrt_a, inv_sqrt_a, r1 = _coupled_sqrt(a / scale, steps, tol)  # of A / s: A^{1/2} = s^{1/2} Y
-    if p == 2:
-        _warn_unconverged(r1, tol, steps)
-        return inv_sqrt_a / scale.sqrt()
-    # A^{-1/4} = (A^{1/2})^{-1/2}; A^{1/2}/s^{1/2} = Y has its spectrum in (0, 1] as well
-    _, inv_fourth, r2 = _coupled_sqrt(sqrt_a, steps, tol)
-    _warn_unconverged(None if tol is None else max(r1, r2), tol, steps)
-    return inv_fourth / scale.sqrt().sqrt()
+    k, n = x.shape[0], x.shape[-1]
+    out = torch.empty_like(x)
+    if k == 0:
+        return out
+    batch = _tile_batch(x, 8, tile_batch)
+    work = _Coupled(min(batch, k), n, x)
+    inner = _Coupled(min(batch, k), n, x) if p == 4 else None
+    worst = None
+    for lo in range(0, k, batch):
+        xs = x[lo:lo + batch]
+        a = _damped(xs, eps)
+        scale = _fro(a)
+        a.div_(scale)  # of A / s: A^{1/2} = s^{1/2} Y
+        sqrt_a, inv_sqrt_a, r = work.run(a, steps, tol)
+        if p == 4:  # A^{-1/4} = (A^{1/2})^{-1/2}; A^{1/2}/s^{1/2} = Y has its spectrum in (0, 1] as well
+            _, inv_sqrt_a, r2 = inner.run(sqrt_a, steps, tol)
+            r = None if tol is None else max(r, r2)
+            torch.div(inv_sqrt_a, scale.sqrt().sqrt(), out=out[lo:lo + batch])
+        else:
+            torch.div(inv_sqrt_a, scale.sqrt(), out=out[lo:lo + batch])
+        worst = r if worst is None or r is None else max(worst, r)
+    _warn_unconverged(worst, tol, steps)
+    return out
 
 
 def _warn_unconverged(residual: float | None, tol: float | None, steps: int) -> None:
@@ -131,32 +202,91 @@ def _warn_unconverged(residual: float | None, tol: float | None, steps: int) -> 
                       f"factor); inverse_root='eigh' is exact", RuntimeWarning, stacklevel=3)
 
 
-def inverse_root_coupled_newton(x: Tensor, p: int = 4, eps: float = 0.0, steps: int = 10) -> Tensor:
+def _free(buffers: list[Tensor], *busy: Tensor | None) -> Tensor:
+    """A buffer of ``buffers`` that is none of ``busy``; a new one (kept in ``buffers``) if all are."""
+    for t in buffers:
+        if all(t is not b for b in busy):
+            return t
+    buffers.append(torch.empty_like(buffers[0]))
+    return buffers[-1]
+
+
+def _power(a: Tensor, p: int, out: Tensor, scratch: Tensor) -> Tensor:
+    """``a^p`` (``p >= 1``) by the binary powering ``torch.linalg.matrix_power`` uses (``a a``,
+    ``(a a) a``, ``(a a)(a a)``, ...; the same products in the same order), into ``out`` through
+    ``scratch`` (``p`` in 1..4 and powers of two allocate nothing); ``a`` itself for ``p = 1``."""
+    if p == 1:
+        return a
+    if p == 3:
+        torch.bmm(a, a, out=scratch)
+        return torch.bmm(scratch, a, out=out)
+    result, z, free = None, None, [out, scratch]
+    n = p
+    while n > 0:
+        bit, n = n % 2, n // 2
+        if z is None:
+            z = a
+        else:
+            dst = _free(free, z, result)
+            torch.bmm(z, z, out=dst)
+            z = dst
+        if bit:
+            if result is None:
+                result = z
+            else:
+                dst = _free(free, z, result)
+                torch.bmm(result, z, out=dst)
+                result = dst
+    return result
+
+
+def inverse_root_coupled_newton(x: Tensor, p: int = 4, eps: float = 0.0, steps: int = 10,
+                                tile_batch: int | None = None) -> Tensor:
+    """``(X + eps I)^{-1/p}`` by Distributed Shampoo's coupled Newton iteration, ``steps``
+    iterations, in batches of ``tile_batch`` matrices (default: sized by ``TILE_BATCH_BYTES``)
+    whose iterates, correction and products live in buffers reused across iterations and batches."""
     if p < 1:
         raise ValueError(f"coupled-newton needs an integer root p >= 1, got p={p}")
-    a = _damped(x, eps)
-    eye = _eye_like(a)
+    k, n = x.shape[0], x.shape[-1]
+    out = torch.empty_like(x)
+    if k == 0:
+        return out
+    batch = _tile_batch(x, 9, tile_batch)
+    eye = _eye_like(x)
+    head = (1 + 1.0 / p) * eye  # the same bits as the expression (1 + 1/p) I
+    size = (min(batch, k), n, n)
+    mid, xk, xn, m, mn, tmp, pw, sq = (torch.empty(size, dtype=x.dtype, device=x.device) for _ in range(8))
     # z = (p + 1) / (2 ||A||_F) keeps the spectrum of z A below (p + 1)/2, inside the region of
     # convergence (Distributed Shampoo's choice); X starts at z^{1/p} I so that X^{-p} M = A holds.
-    z = (p + 1) / (2 * _fro(a))
-    m = z * a
-    xk = z.pow(1.0 / p) * eye
-    for _ in range(steps):
-        mid = (1 + 1.0 / p) * eye - m / p
-        xk = xk @ mid
-        power = torch.linalg.matrix_power(mid, p)
-        m = power @ m
-    return xk
+    # z^{1/p} is taken over all k at once: torch's vectorized pow rounds a lone element otherwise.
+    zs = torch.cat([(p + 1) / (2 * _fro(_damped(x[lo:lo + batch], eps))) for lo in range(0, k, batch)])
+    zroot = zs.pow(1.0 / p)
+    for lo in range(0, k, batch):
+        a = _damped(x[lo:lo + batch], eps)
+        b = a.shape[0]
+        z = zs[lo:lo + b]
+        mb, xb, xnb, mnb, midb, tb = m[:b], xk[:b], xn[:b], mn[:b], mid[:b], tmp[:b]
+        torch.mul(z, a, out=mb)
+        torch.mul(zroot[lo:lo + b], eye, out=xb)
+        for _ in range(steps):
+            torch.div(mb, p, out=tb)
+            torch.sub(head, tb, out=midb)
+            torch.bmm(xb, midb, out=xnb)
+            xb, xnb = xnb, xb
+            torch.bmm(_power(midb, p, pw[:b], sq[:b]), mb, out=mnb)
+            mb, mnb = mnb, mb
+        out[lo:lo + b].copy_(xb)
+    return out
 
 
 def inverse_root(x: Tensor, method: str, p: int = 4, eps: float = 0.0, steps: int = 10,
-                 tol: float | None = None) -> Tensor:
+                 tol: float | None = None, tile_batch: int | None = None) -> Tensor:
     """``(X + eps I)^{-1/p}`` of every matrix of ``x`` by ``method`` (one of ``INVERSE_ROOTS``);
     ``tol`` is newton-db's residual tolerance (``None``: a fixed ``steps``)."""
     if method == "eigh":
         return inverse_root_eigh(x, p, eps)
     if method == "newton-db":
-        return inverse_root_newton_db(x, p, eps, steps, tol)
+        return inverse_root_newton_db(x, p, eps, steps, tol, tile_batch)
     if method == "coupled-newton":
-        return inverse_root_coupled_newton(x, p, eps, steps)
+        return inverse_root_coupled_newton(x, p, eps, steps, tile_batch)
     raise ValueError(f"inverse_root must be one of {INVERSE_ROOTS}, got {method!r}")

@@ -2,8 +2,8 @@
 
 Real forward/backward on the bench's GPT model, capture hooks live, every optimizer on its own
 copy of the model, interleaved step by step with a rotated order so that all of them see the same
-machine load; per cycle of ``T`` steps the amortized time, its ratio to torch AdamW (foreach) of
-the same cycle and max/median; optionally a ``torch.profiler`` split of the step into matmul/QR,
+machine load; per cycle of ``T`` steps the amortized time, its ratios to torch AdamW (foreach, the
+reference ``torch-adamw``) and to torch's fused AdamW (``torch-adamw-fused``) of the same cycle and max/median; optionally a ``torch.profiler`` split of the step into matmul/QR,
 element-wise work and overhead; optimizer-state bytes per parameter, measured
 (``dobb.meter.state_bytes``) against derived (``dobb_bench.cost.roofline.set_cost``). The record
 (``looptime.json``) is what ``dobb-bench roofline --looptime`` places on the roofline.
@@ -19,7 +19,7 @@ from dobb.meter import state_bytes
 
 from dobb_bench.cost.roofline import set_cost, write_record
 from dobb_bench.provenance import provenance
-from dobb_bench.specs import parse_spec, refreshes, registry_entry
+from dobb_bench.specs import ADAMW_REFERENCES, parse_spec, refreshes, registry_entry
 
 _MATMUL_OPS = ("bmm", "mm", "matmul", "baddbmm", "addmm", "addbmm", "linalg_", "geqrf", "orgqr",
                "householder_product", "cholesky", "triangular_solve", "eigh", "_linalg")
@@ -35,7 +35,8 @@ def _q(values: list[float]) -> dict:
 
 # ----------------------------------------------------------------------------- training-loop timing
 def build(spec_text: str, model, lr: float, weight_decay: float):
-    """``torch-adamw`` (``torch.optim.AdamW(foreach=True)``, betas 0.9/0.95, the reference) or any
+    """``torch-adamw`` (``torch.optim.AdamW(foreach=True)``, betas 0.9/0.95, the reference),
+    ``torch-adamw-fused`` (the same with ``fused=True``, the second reference) or any
     ``dobb.build_optimizer`` spec; Dobb variants default to ``blocks=16``."""
     import dobb
 
@@ -43,6 +44,9 @@ def build(spec_text: str, model, lr: float, weight_decay: float):
     if spec.name == "torch-adamw":
         return spec, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95),
                                        foreach=True, **spec.hparams)
+    if spec.name == "torch-adamw-fused":
+        return spec, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95),
+                                       fused=True, **spec.hparams)
     hp = dict(spec.hparams)
     if refreshes(spec.name):  # Dobb and its presets (dobb.registry)
         hp.setdefault("blocks", 16)
@@ -90,15 +94,15 @@ def run_looptime(optimizers: list[str], *, preset: str = "small-cpu", vocab: int
     must cover the refresh cycle, so that every graph is compiled before the timing starts."""
     from dobb_bench.training.model import GPT, config_from_preset
 
-    if not optimizers or optimizers[0] != "torch-adamw":
-        optimizers = ["torch-adamw"] + [o for o in optimizers if o != "torch-adamw"]
+    # both AdamW references first: torch's foreach kernel (entries[0]) and its fused kernel
+    optimizers = list(ADAMW_REFERENCES) + [o for o in optimizers if o not in ADAMW_REFERENCES]
     cfg = config_from_preset(preset, vocab_size=vocab, seq_len=max(seq_len, 1), layers=layers)
     if compile_backend is not None and warmup < cycle_len:
         raise ValueError(f"--compile needs --warmup >= --cycle-len ({cycle_len}): every graph of the cycle "
                          f"must compile before the timing starts, got --warmup {warmup}")
     entries = []
     for text in optimizers:
-        for compiled in (False, True) if compile_backend and text != "torch-adamw" else (False,):
+        for compiled in (False, True) if compile_backend and text not in ADAMW_REFERENCES else (False,):
             model = GPT(cfg, seed=seed)
             spec, opt = build(text, model, lr, weight_decay)
             step = torch.compile(opt.step, backend=compile_backend) if compiled else opt.step
@@ -126,11 +130,12 @@ def run_looptime(optimizers: list[str], *, preset: str = "small-cpu", vocab: int
         for e in entries[k:] + entries[:k]:  # rotated order: no optimizer always runs first
             one_step(e, x)
     summaries = []
-    ref = entries[0]
+    ref, fused = entries[0], entries[1]
     for e in entries:
         ms = e["ms"][warmup:]
         cyc = [ms[i * cycle_len:(i + 1) * cycle_len] for i in range(cycles)]
         refc = [ref["ms"][warmup:][i * cycle_len:(i + 1) * cycle_len] for i in range(cycles)]
+        fusc = [fused["ms"][warmup:][i * cycle_len:(i + 1) * cycle_len] for i in range(cycles)]
         shapes, other = _matrix_split(e["opt"])
         try:
             entry = registry_entry(e["name"])
@@ -143,6 +148,7 @@ def run_looptime(optimizers: list[str], *, preset: str = "small-cpu", vocab: int
             "spec": e["spec"], "name": e["name"], "hparams": e["hparams"], "compiled": e["compiled"],
             "amortized_ms": _q([statistics.mean(c) for c in cyc]),
             "ratio_to_adamw": _q([statistics.mean(c) / statistics.mean(r) for c, r in zip(cyc, refc)]),
+            "ratio_to_fused_adamw": _q([statistics.mean(c) / statistics.mean(r) for c, r in zip(cyc, fusc)]),
             "max_over_median": _q([max(c) / statistics.median(c) for c in cyc]),
             "final_loss": statistics.mean(e["loss"][-cycle_len:]),
             "params": sum(p.numel() for p in e["model"].parameters()),
@@ -152,6 +158,7 @@ def run_looptime(optimizers: list[str], *, preset: str = "small-cpu", vocab: int
         })
         log(f"  {e['spec']:34s} amortized {summaries[-1]['amortized_ms']['median']:8.2f} ms  "
             f"x AdamW {summaries[-1]['ratio_to_adamw']['median']:.2f}  "
+            f"x fused {summaries[-1]['ratio_to_fused_adamw']['median']:.2f}  "
             f"max/median {summaries[-1]['max_over_median']['median']:.2f}")
     if profile:
         for e, s in zip(entries, summaries):
@@ -199,9 +206,9 @@ def products_floor(summary: dict, adamw: dict) -> float | None:
 
 
 def looptime_markdown(rec: dict) -> str:
-    out = ["| optimizer | amortized ms [IQR] | x torch AdamW [IQR] | max/median | state B/param measured | "
-           "derived | matmul/QR | element-wise | overhead | matmul/QR alone, x AdamW |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| optimizer | amortized ms [IQR] | x torch AdamW [IQR] | x fused AdamW [IQR] | max/median | "
+           "state B/param measured | derived | matmul/QR | element-wise | overhead | matmul/QR alone, x AdamW |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     ref = rec["summaries"][0]
     for s in rec["summaries"]:
         a, r, mm = s["amortized_ms"], s["ratio_to_adamw"], s["max_over_median"]
@@ -211,8 +218,10 @@ def looptime_markdown(rec: dict) -> str:
         floor = products_floor(s, ref)
         share.append("–" if floor is None else f"{floor:.2f}")
         derived = f"{d['state_bytes'] / d['params']:.3f}" if d else "–"
+        f = s.get("ratio_to_fused_adamw")  # records from before the fused reference have none
+        fcell = "–" if f is None else f"{f['median']:.2f} [{f['q25']:.2f}, {f['q75']:.2f}]"
         out.append(f"| {s['spec']} | {a['median']:.2f} [{a['q25']:.2f}, {a['q75']:.2f}] | "
-                   f"{r['median']:.2f} [{r['q25']:.2f}, {r['q75']:.2f}] | {mm['median']:.2f} | "
+                   f"{r['median']:.2f} [{r['q25']:.2f}, {r['q75']:.2f}] | {fcell} | {mm['median']:.2f} | "
                    f"{s['state_bytes_measured'] / s['params']:.3f} | {derived} | " + " | ".join(share) + " |")
     return "\n".join(out) + "\n"
 

@@ -93,7 +93,7 @@ PLACEMENTS = {"owner-placement": "muon"}
 PLACEMENT_NAMES = tuple(PLACEMENTS)
 # Every optimizer of dobb.registry (declared there once), then the placements.
 PAYLOAD_NAMES = (*registry.OPTIMIZER_NAMES, *PLACEMENT_NAMES)
-_ALIASES = {"torch-adamw": "adamw", "torch-muon": "muon", "dobb-ell2": "dobb-l2", "dobb-g-ell2": "dobb-g-l2"}
+_ALIASES = {"torch-adamw": "adamw", "torch-adamw-fused": "adamw", "torch-muon": "muon", "dobb-ell2": "dobb-l2", "dobb-g-ell2": "dobb-g-l2"}
 _AXES = ("output", "input")
 
 

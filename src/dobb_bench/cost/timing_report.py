@@ -27,6 +27,11 @@ def stats(values: list[float]) -> dict | None:
     return {"median": statistics.median(vals), "q25": q1, "q75": q3, "min": vals[0], "max": vals[-1], "n": len(vals)}
 
 
+def _iqr(q: dict | None) -> str:
+    """``median [q25, q75]`` of a stats dict; ``–`` without one (a record from before the field)."""
+    return "–" if not q else f"{q['median']:.2f} [{q['q25']:.2f}, {q['q75']:.2f}]"
+
+
 def summarize(entry, live, shapes, dtype: str, metered, dist_ctx=None) -> dict:
     """The summary record of one ``timing_run.Entry``: step-time statistics over its repeats,
     ratio to torch AdamW in the same repeats, measured and derived state sizes."""
@@ -42,6 +47,9 @@ def summarize(entry, live, shapes, dtype: str, metered, dist_ctx=None) -> dict:
     nonref = [statistics.fmean(t for r, t in steps if not r) if not all(r for r, _ in steps) else None for steps in reps]
     spread = [max(t for _, t in steps) / statistics.median(t for _, t in steps) for steps in reps if len(steps) > 1]
     ratio = [a / statistics.fmean(t for _, t in r) for a, r in zip(amort, ref.reps)]
+    fused = next((e for e in live if e.spec.name == "torch-adamw-fused"), None)
+    ratio_fused = (None if fused is None or fused.skipped is not None else
+                   [a / statistics.fmean(t for _, t in r) for a, r in zip(amort, fused.reps)])
     name = P.canonical_name(spec.name)
     pbytes = torch.finfo(getattr(torch, dtype)).bits // 8
     derived = sum(P.derived_state_bytes(name, m, n, spec.hparams, pbytes) for _, (m, n) in shapes)
@@ -52,6 +60,7 @@ def summarize(entry, live, shapes, dtype: str, metered, dist_ctx=None) -> dict:
         amortized_ms=stats(amort), refresh_ms=stats(refresh) if entry.is_dobb else None,
         nonrefresh_ms=stats(nonref) if entry.is_dobb else None,
         max_over_median=stats(spread), ratio_to_adamw=stats(ratio),
+        ratio_to_fused_adamw=None if ratio_fused is None else stats(ratio_fused),
         state_bytes=entry.state_bytes, rss_delta_bytes=entry.rss_delta_bytes,
         derived_state_bytes=derived, derived_state_bytes_per_rank=per_rank,
         cuda_state_bytes=entry.cuda_state_bytes, cuda_peak_extra_bytes=entry.cuda_peak_extra_bytes,
@@ -67,7 +76,8 @@ def merge_ranks(per_rank: list[list[dict]]) -> list[dict]:
         ranks = [r[i] for r in per_rank]
         out = dict(s0)
         if "skipped" not in s0:
-            for key in ("amortized_ms", "refresh_ms", "nonrefresh_ms", "max_over_median", "ratio_to_adamw"):
+            for key in ("amortized_ms", "refresh_ms", "nonrefresh_ms", "max_over_median", "ratio_to_adamw",
+                        "ratio_to_fused_adamw"):
                 vals = [r[key] for r in ranks if r.get(key)]
                 out[key] = max(vals, key=lambda s: s["median"]) if vals else None
             out["per_rank"] = [{"rank": k, "amortized_ms": r["amortized_ms"], "refresh_ms": r["refresh_ms"],
@@ -106,7 +116,8 @@ def timing_markdown(result: dict) -> str:
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head),
              "| " + " | ".join([model, dev, str(cfg["dp"]), str(cfg["fs"]), str(cfg["tp"]), str(run["world"])]
                                + [_med(s["amortized_ms"]) for s in ok]) + " |", ""]
-    head = ["method", "Non-refresh", "Refresh", "Amortized [IQR]", "x AdamW [IQR]", "max/median in cycle",
+    head = ["method", "Non-refresh", "Refresh", "Amortized [IQR]", "x AdamW [IQR]", "x fused AdamW [IQR]",
+            "max/median in cycle",
             "state MB (measured)", "state MB (derived)",
             "GPU alloc delta / peak MB" if cfg["device"] == "cuda" else "RSS delta MB", "reps x steps"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -118,7 +129,8 @@ def timing_markdown(result: dict) -> str:
         a, r = s["amortized_ms"], s["ratio_to_adamw"]
         cells = [s["label"], _med(s["nonrefresh_ms"]), _med(s["refresh_ms"]),
                  f"{a['median']:.2f} [{a['q25']:.2f}, {a['q75']:.2f}]",
-                 f"{r['median']:.2f} [{r['q25']:.2f}, {r['q75']:.2f}]", _med(s["max_over_median"]),
+                 f"{r['median']:.2f} [{r['q25']:.2f}, {r['q75']:.2f}]", _iqr(s.get("ratio_to_fused_adamw")),
+                 _med(s["max_over_median"]),
                  _fmt(s["state_bytes"] * mb, ".1f"), _fmt(s["derived_state_bytes_per_rank"] * mb, ".1f"),
                  _memory_cell(s, mb), f"{a['n']} x {s['steps_per_repeat']}"]
         lines.append("| " + " | ".join(cells) + " |")

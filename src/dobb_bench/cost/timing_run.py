@@ -45,9 +45,9 @@ from dobb_bench.cost.matrices import DistContext, MatrixBank, init_distributed
 from dobb_bench.cost.shapes import matrix_shapes
 from dobb_bench.cost.timing_report import jsonable, merge_ranks, summarize
 from dobb_bench.errors import CliError
-from dobb_bench.specs import OptimizerSpec, parse_spec
+from dobb_bench.specs import ADAMW_REFERENCES, OptimizerSpec, parse_spec
 
-TIMING_ONLY = ("torch-adamw", "torch-muon")
+TIMING_ONLY = ("torch-adamw", "torch-adamw-fused", "torch-muon")
 # The package's Muon, not torch's: its ns_dtype="auto" runs Newton-Schulz in bf16 only where the
 # device multiplies bf16 natively, so the default list never times an emulated path.
 DEFAULT_OPTIMIZERS = ("torch-adamw", "muon", "dion:rank_fraction=1/16", "dobb", "dobb:stagger=false")
@@ -59,7 +59,8 @@ DOBB_NAMES = tuple(name for name, entry in dobb.registry.OPTIMIZERS.items() if e
 def parse_optimizers(texts, blocks: int = 16, refresh_every: int = 9) -> list[OptimizerSpec]:
     """Specs in the ``dobb_bench.specs`` grammar, labelled by their text (or ``@Label``); Dobb
     variants get ``blocks``/``refresh_every`` unless given. ``torch-adamw`` (the reference of every
-    ratio) is added first when missing."""
+    ratio) and ``torch-adamw-fused`` (torch's fused kernel, every ratio's second reference) are
+    added first when missing."""
     valid = TIMING_ONLY + tuple(dobb.OPTIMIZER_NAMES)
     out: list[OptimizerSpec] = []
     for text in texts:
@@ -74,17 +75,19 @@ def parse_optimizers(texts, blocks: int = 16, refresh_every: int = 9) -> list[Op
         if any(o.label == label for o in out):
             raise ValueError(f"optimizer {label!r} is listed twice in --optimizers")
         out.append(replace(spec, hparams=hp, label=label))
-    if not any(o.name == "torch-adamw" for o in out):
-        out.insert(0, OptimizerSpec("torch-adamw", {}, "torch-adamw", "torch-adamw"))
+    # both AdamW references: foreach (every ratio's first reference) and fused (the second)
+    for i, ref in enumerate(ADAMW_REFERENCES):
+        if not any(o.name == ref for o in out):
+            out.insert(i, OptimizerSpec(ref, {}, ref, ref))
     return out
 
 
 def make_optimizer(spec: OptimizerSpec, model: nn.Module, lr: float, weight_decay: float,
                    dist_ctx: DistContext | None = None) -> torch.optim.Optimizer:
     hp = dict(spec.hparams)
-    if spec.name == "torch-adamw":
+    if spec.name in ADAMW_REFERENCES:
         hp.setdefault("betas", (0.9, 0.95))
-        hp.setdefault("foreach", True)
+        hp.setdefault("fused" if spec.name == "torch-adamw-fused" else "foreach", True)
         return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, **hp)
     if spec.name == "torch-muon":
         hp.setdefault("adjust_lr_fn", "match_rms_adamw")

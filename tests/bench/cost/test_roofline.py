@@ -52,7 +52,9 @@ def test_looptime_and_roofline_commands(tmp_path, capsys):
     assert rc == 0
     rec = json.loads((out / "looptime.json").read_text())
     assert "git_rev" in rec["provenance"] and rec["config"]["threads"] == 1
-    ref, d = rec["summaries"]
+    ref, fused, d = rec["summaries"]  # both AdamW references first: foreach, fused
+    assert fused["spec"] == "torch-adamw-fused" and fused["ratio_to_fused_adamw"]["median"] == 1.0
+    assert d["ratio_to_fused_adamw"]["median"] > 0
     assert ref["ratio_to_adamw"]["median"] == 1.0 and len(d["steps_ms"]) == 6
     assert d["refresh"] == [True] + [False] * 5  # unstaggered: the first step refreshes, then every 9th
     assert d["state_bytes_measured"] == pytest.approx(d["derived"]["state_bytes"] + 0, rel=1e-3)
@@ -60,7 +62,7 @@ def test_looptime_and_roofline_commands(tmp_path, capsys):
                "--out", str(tmp_path / "rf")])
     assert rc == 0
     rf = json.loads((tmp_path / "rf" / "roofline.json").read_text())
-    assert [r["spec"] for r in rf["rows"]] == ["torch-adamw", "dobb:blocks=2:stagger=false"]
+    assert [r["spec"] for r in rf["rows"]] == ["torch-adamw", "torch-adamw-fused", "dobb:blocks=2:stagger=false"]
     assert all(r["fraction"] > 0 for r in rf["rows"])
 
 

@@ -25,13 +25,16 @@ def smoke(tmp_path_factory):
 def test_timing_writes_json_lines_table_and_plot(smoke):
     out, lines = smoke
     kinds = [ln["kind"] for ln in lines]
-    assert kinds[0] == "run" and kinds.count("summary") == 5
+    assert kinds[0] == "run" and kinds.count("summary") == 6
     summaries = {ln["label"]: ln for ln in lines if ln["kind"] == "summary"}
-    assert set(summaries) == {"torch-adamw", "torch-muon", "dion:rank_fraction=1/4", "dobb", "dobb:stagger=false"}
+    assert set(summaries) == {"torch-adamw", "torch-adamw-fused", "torch-muon", "dion:rank_fraction=1/4", "dobb",
+                              "dobb:stagger=false"}
     for s in summaries.values():
         assert s["amortized_ms"]["n"] == 2 and s["amortized_ms"]["median"] > 0
         assert s["amortized_ms"]["q25"] <= s["amortized_ms"]["median"] <= s["amortized_ms"]["q75"]
     assert summaries["torch-adamw"]["ratio_to_adamw"]["median"] == 1.0
+    assert summaries["torch-adamw-fused"]["ratio_to_fused_adamw"]["median"] == 1.0  # the second reference
+    assert all(s["ratio_to_fused_adamw"]["median"] > 0 for s in summaries.values())
     # derived state (buffer sizes) equals the measured state tensors for the exact-size optimizers
     for label in ("torch-muon", "dobb", "dion:rank_fraction=1/4"):
         assert summaries[label]["state_bytes"] == summaries[label]["derived_state_bytes"]
@@ -83,7 +86,7 @@ def test_slow_optimizers_run_one_cycle_per_repeat(tmp_path):
                          blocks=2, rep_seconds=0.0, log=False)
     result = T.run_timing(cfg)
     steps = {s["label"]: s["steps_per_repeat"] for s in result["summaries"]}
-    assert steps == {"torch-adamw": 1, "dobb": 2}
+    assert steps == {"torch-adamw": 1, "torch-adamw-fused": 1, "dobb": 2}
     assert {r["label"]: len(r["steps_ms"]) for r in result["reps"]} == steps
 
 
