@@ -63,7 +63,7 @@ from .statistics import (DueStat, RefreshBatch, agree, all_reduce_sum_, fold_sid
 
 __all__ = ["Dobb", "Side", "Plan", "due", "captures", "saved_captures", "refresh_period",
            "cycle", "stagger_offsets", "two_sided_layouts", "FUSE_MIN_BLOCK_WORK", "OneSided", "TwoSided",
-           "decay_in_update", "apply_directions", "apply_two_sided"]
+           "decay_in_update", "apply_directions", "apply_two_sided", "apply_preconditioned_muon"]
 
 
 _FLIP = {"input": "output", "output": "input"}
@@ -200,7 +200,24 @@ class Dobb(MatrixOptimizer):
             works = [sum(sum(s**3 for s in side.layout.global_sizes) * side.layout.stack_size for side in ss)
                      for ss in sides]
             offsets = stagger_offsets(works, periods)
-        return [Plan(ss, period, offset) for ss, period, offset in zip(sides, periods, offsets)]
+        rows = [self._ns_rows(group, p, i) for i, p in enumerate(group["params"])]
+        return [Plan(ss, period, offset, r) for ss, period, offset, r in zip(sides, periods, offsets, rows)]
+
+    def _ns_rows(self, group: dict, p: torch.Tensor, i: int):
+        """``norm="muon"``: the layout of ``p``'s ``out_blocks`` row blocks (cut at shard boundaries),
+        which must hold whole rows on this rank (a ``ValueError`` otherwise); None for other norms."""
+        if group["norm"] != "muon":
+            return None
+        try:
+            rows = layout_for(p, "output", group["out_blocks"], None)
+        except ValueError as exc:
+            raise ValueError(f"{_name_of(p, self._param_names, i)}: norm='muon' row blocks: "
+                             f"{str(exc).replace('blocks=', 'out_blocks=', 1)}") from None
+        if rows.local_shape[1] != rows.shape[1]:
+            raise ValueError(f"{_name_of(p, self._param_names, i)}: norm='muon' orthogonalises row blocks on the "
+                             f"rank that holds them, so each rank needs whole rows (unsharded or Shard(0)); this "
+                             f"rank holds {rows.local_shape[1]} of {rows.shape[1]} columns")
+        return rows
 
     _derived = ("_plans",)
 
@@ -215,7 +232,7 @@ class Dobb(MatrixOptimizer):
         for side in plan.sides:
             state[side.stat] = side.layout.new_block_state(group["stat_dtype"], identity=False, like=p)
             state[side.basis] = side.layout.new_block_state(group["basis_dtype"], identity=True, like=p)
-        if group["norm"] == "adam":  # EMA of the squared rotated gradient, in the statistic dtype
+        if group["norm"] in ("adam", "muon"):  # EMA of the squared rotated gradient, in the statistic dtype
             state["second_moment"] = torch.zeros_like(p, dtype=group["stat_dtype"])
         return state
 
@@ -432,7 +449,7 @@ class Dobb(MatrixOptimizer):
         two_sided = group["side"] == "both"
         # Where the reconstruction runs per matrix in the weight's dtype (CPU), the decay is its
         # baddbmm's beta: one pass over W instead of a multiply pass and a strided add pass.
-        fused = [not two_sided and decay_in_update(pt, lay, lr=lr, basis_dtype=group["basis_dtype"],
+        fused = [not two_sided and group["norm"] != "muon" and decay_in_update(pt, lay, lr=lr, basis_dtype=group["basis_dtype"],
                                                    product_dtype=group["product_dtype"])
                  for pt, lay in zip(params, layouts)]
         if wd != 0 and not all(fused):
@@ -441,6 +458,11 @@ class Dobb(MatrixOptimizer):
             apply_two_sided([TwoSided(plan, s, ut, gt, pt) for plan, s, ut, gt, pt in zip(plans, states, u, grads, params)],
                             norm=group["norm"], lr=lr, tau=group["tau"], basis_dtype=group["basis_dtype"],
                             product_dtype=group["product_dtype"], momentum=mu, beta2=group["beta2"], eps=group["eps"])
+        elif group["norm"] == "muon":
+            apply_preconditioned_muon(
+                [TwoSided(plan, s, ut, gt, pt) for plan, s, ut, gt, pt in zip(plans, states, u, grads, params)],
+                lr=lr, tau=group["tau"], basis_dtype=group["basis_dtype"], product_dtype=group["product_dtype"],
+                momentum=mu, beta2=group["beta2"], eps=group["eps"], ns_dtype=group["ns_dtype"])
         else:
             apply_directions([OneSided(lay, lay.local(s["basis"]), ut, pt, 1.0 - lr * wd if f else None)
                               for lay, s, ut, pt, f in zip(layouts, states, u, params, fused)],
@@ -521,6 +543,8 @@ class Plan:
     sides: tuple[Side, ...]
     period: int
     offset: int = 0
+    # norm="muon": the layout of the out_blocks row blocks that Newton-Schulz orthogonalises (None otherwise)
+    ns_rows: Any = None
 
     @property
     def layout(self):
@@ -751,3 +775,40 @@ def apply_two_sided(mats: list[TwoSided], *, norm: str, lr, tau: float, basis_dt
                               cols=BlockBasis(bases[1][e], sides[1].layout.local_sizes), factor=factor, dtype=dtype,
                               norm=norm, v=None if v is None else v[e], step=state["step"] + 1, momentum=momentum,
                               beta2=beta2, eps=eps)
+
+
+def apply_preconditioned_muon(mats: list[TwoSided], *, lr, tau: float, basis_dtype: torch.dtype, product_dtype,
+                              momentum: float, beta2: float, eps: float, ns_dtype) -> None:
+    """``norm="muon"`` (Dobb-preconditioned Muon), per matrix (local rows, whole columns):
+
+    1. ``C = U Q`` and ``Gq = G Q`` with ``Q`` the block-diagonal input-side basis;
+    2. ``V <- beta2 V + (1 - beta2) Gq^2`` and ``R = (C / (1 - mu^t)) / (sqrt(V / (1 - beta2^t)) + eps)``
+       (SOAP's rule on one side, ``functional.adam_direction``);
+    3. ``P = R Q^T``, cut into the ``out_blocks`` row blocks of ``plan.ns_rows`` (whole on this rank);
+    4. ``W_b -= lr * tau * sqrt(max(m_b, n)) * NS5(P_b)``: each row block moves as a Muon update of
+       its own shape, as row-block Muon's blocks do.
+
+    ``TwoSided`` carries the plan, the state (``basis``, ``second_moment``, ``step``), the update
+    ``u``, the gradient ``g`` and the weight ``w`` (local tensors)."""
+    from ..baselines.muon import resolve_ns_dtype
+    from ..baselines.newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_STEPS, orthogonalize
+
+    for plan, state, ut, gt, pt in mats:
+        lay = plan.layout
+        dtype = F.matmul_dtype(basis_dtype, pt.device, product_dtype)
+        basis = lay.local(state["basis"])
+        v = lay.local(state["second_moment"])
+        c, gq = F.blockwise(torch.stack([ut, gt]).to(dtype), basis, lay.local_sizes).unbind(0)
+        gq = gq.to(v.dtype)
+        v.mul_(beta2).addcmul_(gq, gq, value=1.0 - beta2)
+        r = F.adam_direction(c.to(v.dtype), v, step=state["step"] + 1, momentum=momentum, beta2=beta2, eps=eps)
+        pre = F.blockwise(r.to(dtype), basis, lay.local_sizes, transpose=True)
+        sizes = [s for s in plan.ns_rows.local_sizes if s > 0]
+        parts = list(pre.split(sizes, dim=0))
+        outs = orthogonalize(parts, NS_COEFFICIENTS, NS_STEPS, NS_EPS,
+                             dtype=resolve_ns_dtype(ns_dtype, pt.device))
+        n = lay.shape[1]
+        start = 0
+        for size, o in zip(sizes, outs):
+            pt[start : start + size].add_(o.to(pt.dtype).mul_(-lr * F.update_scale(size, n, tau)))
+            start += size
