@@ -56,6 +56,7 @@ from ..functional import BlockBasis, two_sided_update_
 from ..layout import MatrixLayout, ReducedStat, is_dtensor
 from ..placement import layout_for
 from .experts import expert_layout, expert_parts
+from .heads import head_blocks
 from .options import HOOK_SOURCES as _HOOK_SOURCES
 from .options import DobbOptions, check_params
 from .statistics import (DueStat, RefreshBatch, agree, all_reduce_sum_, fold_side, gram_statistic, shared_group,
@@ -172,9 +173,15 @@ class Dobb(MatrixOptimizer):
 
     def _group_plans(self, group: dict[str, Any]) -> list[Plan]:
         """The plan of every matrix of ``group``, from the group and the parameters alone."""
-        sides = []
+        sides, counts = [], []
         for i, p in enumerate(group["params"]):
             try:
+                # heads: per-matrix block counts (core.heads); the group's counts otherwise
+                blocks, out_blocks = head_blocks(self._matrix_name(p, group), tuple(p.shape[-2:]), group["heads"],
+                                                 group["blocks"], group["out_blocks"])
+                counts.append((blocks, out_blocks))
+                mgroup = group if (blocks, out_blocks) == (group["blocks"], group["out_blocks"]) else \
+                    {**group, "blocks": blocks, "out_blocks": out_blocks}
                 if is_dtensor(p):
                     stat_group = self._stat_group
                 elif group["source"] in _HOOK_SOURCES:
@@ -186,10 +193,10 @@ class Dobb(MatrixOptimizer):
                 # blocks dim 0 (what "output" blocks on an (out, in) weight) and vice versa
                 side = _FLIP.get(group["side"], "both") if group["transposed"] else group["side"]
                 if side == "both":
-                    lin, lout = two_sided_layouts(p, group, stat_group, group["transposed"], layout_of)
+                    lin, lout = two_sided_layouts(p, mgroup, stat_group, group["transposed"], layout_of)
                     sides.append((Side(lin), Side(lout, "out_stat", "out_basis")))
                 else:
-                    sides.append((Side(layout_of(p, side, group["blocks"], stat_group)),))
+                    sides.append((Side(layout_of(p, side, blocks, stat_group)),))
             except ValueError as exc:
                 raise ValueError(f"{_name_of(p, self._param_names, i)}: {exc}") from None
         # global (rank-invariant) block sizes: every rank must pick the same periods and offsets
@@ -200,16 +207,30 @@ class Dobb(MatrixOptimizer):
             works = [sum(sum(s**3 for s in side.layout.global_sizes) * side.layout.stack_size for side in ss)
                      for ss in sides]
             offsets = stagger_offsets(works, periods)
-        rows = [self._ns_rows(group, p, i) for i, p in enumerate(group["params"])]
+        rows = [self._ns_rows(group, p, i, ob) for i, (p, (_, ob)) in enumerate(zip(group["params"], counts))]
         return [Plan(ss, period, offset, r) for ss, period, offset, r in zip(sides, periods, offsets, rows)]
 
-    def _ns_rows(self, group: dict, p: torch.Tensor, i: int):
+    def _matrix_name(self, p: torch.Tensor, group: dict) -> str | None:
+        """``p``'s name (named params, else the model's ``named_parameters``), read only with ``heads``."""
+        if group["heads"] is None:
+            return None
+        if id(p) in self._param_names:
+            return self._param_names[id(p)]
+        if self.model is not None:
+            if getattr(self, "_names_from_model", None) is None:
+                self._names_from_model = {id(q): n for n, q in self.model.named_parameters()}
+            if id(p) in self._names_from_model:
+                return self._names_from_model[id(p)]
+        raise ValueError(f"heads={group['heads']} finds attention matrices by name: pass model=<the nn.Module> "
+                         f"or named parameters ((name, tensor) pairs); {_name_of(p, self._param_names, 0)} has none")
+
+    def _ns_rows(self, group: dict, p: torch.Tensor, i: int, out_blocks: int):
         """``norm="muon"``: the layout of ``p``'s ``out_blocks`` row blocks (cut at shard boundaries),
         which must hold whole rows on this rank (a ``ValueError`` otherwise); None for other norms."""
         if group["norm"] != "muon":
             return None
         try:
-            rows = layout_for(p, "output", group["out_blocks"], None)
+            rows = layout_for(p, "output", out_blocks, None)
         except ValueError as exc:
             raise ValueError(f"{_name_of(p, self._param_names, i)}: norm='muon' row blocks: "
                              f"{str(exc).replace('blocks=', 'out_blocks=', 1)}") from None
@@ -219,10 +240,11 @@ class Dobb(MatrixOptimizer):
                              f"rank holds {rows.local_shape[1]} of {rows.shape[1]} columns")
         return rows
 
-    _derived = ("_plans",)
+    _derived = ("_plans", "_names_from_model")
 
     def _rebuild(self) -> None:
         """Every plan, from the param groups (after ``load_state_dict``, in a copy)."""
+        self._names_from_model = None
         self._plans = {p: plan for g in self._dobb_groups() for p, plan in zip(g["params"], self._group_plans(g))}
 
     def _new_state(self, p: torch.Tensor, group: dict, plan: Plan) -> dict[str, Any]:

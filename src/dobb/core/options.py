@@ -68,6 +68,7 @@ class DobbOptions(ScaledOptions):
     beta2: float = option(0.95, unit_interval)
     eps: float = option(1e-8, positive)
     refresh_width: int | None = option(None, optional(integer(1)).hint("block width per period step"))
+    heads: int | None = option(None, optional(integer(1)).hint("attention heads: per-head blocks"))
     ns_dtype: str | torch.dtype = option("auto", Rule(
         _ns_dtype_ok, "be 'auto' or one of ('bfloat16', 'float16', 'float32', 'float64') (or the torch dtype)"))
 
