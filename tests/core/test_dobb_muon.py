@@ -46,7 +46,8 @@ def _ns5(x):
 
 
 class Reference:
-    def __init__(self, w, *, blocks, out_blocks, refresh, lr, wd, mu=0.95, beta2=0.95, eps=1e-8, decay=0.9):
+    def __init__(self, w, *, blocks, out_blocks, refresh, lr, wd, mu=0.95, beta2=0.95, eps=1e-8, decay=0.9, whole=0):
+        self.whole = whole
         self.w = w.clone()
         m, n = w.shape
         self.cols, self.rows = _sizes(n, blocks), _sizes(m, out_blocks)
@@ -80,6 +81,10 @@ class Reference:
         p = r @ q.T
         self.w = self.w * (1 - self.lr * self.wd)
         start = 0
+        if self.whole and self.t % self.whole == 0:  # whole-matrix step: NS5 of all of P, Muon's scale
+            self.w -= self.lr * 0.2 * math.sqrt(max(m, n)) * _ns5(p)
+            self.t = t
+            return
         for size in self.rows:
             o = _ns5(p[start:start + size])
             self.w[start:start + size] -= self.lr * 0.2 * math.sqrt(max(size, n)) * o
@@ -87,15 +92,15 @@ class Reference:
         self.t = t
 
 
-def _run(m, n, blocks, out_blocks, steps=7, refresh=3, lr=0.03, wd=0.1, seed=0):
+def _run(m, n, blocks, out_blocks, steps=7, refresh=3, lr=0.03, wd=0.1, seed=0, whole=0):
     gen = torch.Generator().manual_seed(seed)
     w0 = torch.randn(m, n, generator=gen, dtype=torch.float64) / n**0.5
     grads = [torch.randn(m, n, generator=gen, dtype=torch.float64) for _ in range(steps)]
     p = torch.nn.Parameter(w0.clone())
     opt = Dobb([p], lr=lr, weight_decay=wd, norm="muon", source="grad_gram", blocks=blocks, out_blocks=out_blocks,
                refresh_every=refresh, stagger=False, basis_dtype=torch.float64, stat_dtype=torch.float64,
-               product_dtype=torch.float64, ns_dtype="float64")
-    ref = Reference(w0, blocks=blocks, out_blocks=out_blocks, refresh=refresh, lr=lr, wd=wd)
+               product_dtype=torch.float64, ns_dtype="float64", whole_every=whole)
+    ref = Reference(w0, blocks=blocks, out_blocks=out_blocks, refresh=refresh, lr=lr, wd=wd, whole=whole)
     for g in grads:
         p.grad = g.clone()
         opt.step()
@@ -109,6 +114,41 @@ def test_matches_float64_dense_reference(m, n, blocks, out_blocks):
     got, want, w0 = _run(m, n, blocks, out_blocks)
     assert (want - w0).abs().max() > 1e-2  # the weights moved
     torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("whole", [1, 3])
+def test_whole_matrix_step_every_p_matches_reference(whole):
+    got, want, w0 = _run(24, 16, 2, 4, whole=whole)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+    other, _, _ = _run(24, 16, 2, 4)
+    assert (other - got).abs().max() > 1e-3  # the whole steps changed the run
+
+
+def test_two_sided_whole_step_is_muon_of_the_momentum_between_two_sided_steps():
+    """``side="both", whole_every=2``: steps 0, 2, 4 are ``-lr * 0.2 sqrt(max(m, n)) NS5(M)`` after the
+    decay; steps 1, 3 move as the plain two-sided optimizer does from the same state."""
+    m, n, lr, wd = 20, 12, 0.05, 0.1
+    gen = torch.Generator().manual_seed(4)
+    grads = [torch.randn(m, n, generator=gen, dtype=torch.float64) for _ in range(5)]
+    kw = dict(lr=lr, weight_decay=wd, side="both", blocks=2, out_blocks=2, source="grad_gram", refresh_every=2,
+              stagger=False, basis_dtype=torch.float64, stat_dtype=torch.float64, product_dtype=torch.float64,
+              ns_dtype="float64")
+    a = torch.nn.Parameter(torch.randn(m, n, generator=gen, dtype=torch.float64))
+    b = torch.nn.Parameter(a.detach().clone())
+    oa, ob = Dobb([a], whole_every=2, **kw), Dobb([b], **kw)
+    mom = torch.zeros(m, n, dtype=torch.float64)
+    for t, g in enumerate(grads):
+        mom = 0.95 * mom + g
+        before = a.detach().clone()
+        b.data.copy_(before)
+        a.grad, b.grad = g.clone(), g.clone()
+        oa.step()
+        ob.step()
+        if t % 2 == 0:
+            want = before * (1 - lr * wd) - lr * 0.2 * math.sqrt(max(m, n)) * _ns5(mom)
+        else:
+            want = b.detach()
+        torch.testing.assert_close(a.detach(), want, rtol=0, atol=1e-10)
 
 
 def test_one_row_block_one_basis_block_is_whole_matrix_ns_of_the_rotated_adam_step():
@@ -149,5 +189,9 @@ def test_bad_input_is_a_value_error_naming_the_problem():
         Dobb([p], lr=0.1, norm="muon", source="grad_gram", out_blocks=7)
     with pytest.raises(ValueError, match="expert stack"):
         Dobb([torch.nn.Parameter(torch.randn(2, 6, 4))], lr=0.1, norm="muon", source="grad_gram")
+    with pytest.raises(ValueError, match="whole_every=2 .* takes norm='muon', or side='both' with norm='sign'"):
+        Dobb([p], lr=0.1, source="grad_gram", whole_every=2)
+    with pytest.raises(ValueError, match="whole_every must"):
+        Dobb([p], lr=0.1, norm="muon", source="grad_gram", whole_every=-1)
     with pytest.raises(ValueError, match="does not take"):
         dobb.build_optimizer("dobb-muon", torch.nn.Linear(4, 6), lr=0.1, norm="sign")

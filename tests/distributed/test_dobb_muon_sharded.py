@@ -27,9 +27,15 @@ pytestmark = pytest.mark.slow
 ROWS = 64  # more tokens than the widest block: every statistic block has full rank
 
 
-def make(model, norm="muon", **kw):
-    extra = {**(dict(out_blocks=4, ns_dtype="float64") if norm == "muon" else {}), **kw}
-    return Dobb(groups(model), model, lr=0.02, weight_decay=0.01, blocks=2, refresh_every=REFRESH, norm=norm,
+KINDS = {"muon": dict(norm="muon", out_blocks=4, ns_dtype="float64"), "sign": dict(norm="sign"),
+         # whole_every: a whole-matrix NS5 step (owner-computed, two all-to-alls) every 2nd step
+         "muon-whole": dict(norm="muon", out_blocks=4, ns_dtype="float64", whole_every=2),
+         "two-sided-whole": dict(norm="sign", side="both", out_blocks=4, ns_dtype="float64", whole_every=2)}
+
+
+def make(model, kind="muon", **kw):
+    extra = {**KINDS[kind], **kw}
+    return Dobb(groups(model), model, lr=0.02, weight_decay=0.01, blocks=2, refresh_every=REFRESH,
                 basis_dtype=torch.float64, stat_dtype=torch.float64, product_dtype=torch.float64, stagger=False,
                 beta2=0.9, **extra)
 
@@ -79,8 +85,8 @@ def _error(world):
 def worker(rank, world):
     results = {}
     check = checker(results)
-    for norm in ("muon", "sign"):
-        check(norm, compare, rank, world, norm)
+    for kind in KINDS:
+        check(kind, compare, rank, world, kind)
     check("error", _error, world)
     return results
 
@@ -97,6 +103,14 @@ def test_fsdp2_matches_single_process(ranks):
         assert r["diff"] < 1e-10 and r["stat_diff"] < 1e-12 and r["same_keys"]
         # out_blocks=4 row blocks of fc1 (32 rows), fc2 (16), head (8), cut within each rank's rows
         assert r["local_rows"] == [[32 // 4] * (4 // world), [16 // 4] * (4 // world), [8 // 4] * (4 // world)]
+
+
+@pytest.mark.parametrize("kind", ["muon-whole", "two-sided-whole"])
+def test_whole_matrix_steps_match_single_process(ranks, kind):
+    for r, sign in zip(per_rank(ranks, kind), per_rank(ranks, "sign")):
+        assert r["moved"] > 1e-2 and r["diff"] < 1e-10 and r["same_keys"]
+        # whole steps (0, 2, 4, ...) add the owner's two all-to-alls to one-sided Dobb's collectives
+        assert [c - s for (c, _), (s, _) in zip(r["log"], sign["log"])] == [2 * (t % 2 == 0) for t in range(len(r["log"]))]
 
 
 def test_step_issues_one_sided_dobbs_collectives(ranks):

@@ -64,7 +64,7 @@ from .statistics import (DueStat, RefreshBatch, agree, all_reduce_sum_, fold_sid
 
 __all__ = ["Dobb", "Side", "Plan", "due", "captures", "saved_captures", "refresh_period",
            "cycle", "stagger_offsets", "two_sided_layouts", "FUSE_MIN_BLOCK_WORK", "OneSided", "TwoSided",
-           "decay_in_update", "apply_directions", "apply_two_sided", "apply_preconditioned_muon"]
+           "decay_in_update", "apply_directions", "apply_two_sided", "apply_preconditioned_muon", "precondition"]
 
 
 _FLIP = {"input": "output", "output": "input"}
@@ -240,7 +240,7 @@ class Dobb(MatrixOptimizer):
                              f"rank holds {rows.local_shape[1]} of {rows.shape[1]} columns")
         return rows
 
-    _derived = ("_plans", "_names_from_model")
+    _derived = ("_plans", "_names_from_model", "_owner")
 
     def _rebuild(self) -> None:
         """Every plan, from the param groups (after ``load_state_dict``, in a copy)."""
@@ -476,6 +476,15 @@ class Dobb(MatrixOptimizer):
                  for pt, lay in zip(params, layouts)]
         if wd != 0 and not all(fused):
             torch._foreach_mul_([pt for pt, f in zip(params, fused) if not f], 1.0 - lr * wd)
+        every = group["whole_every"]
+        whole = [i for i, s in enumerate(states) if every and s["step"] % every == 0]
+        if whole:  # whole-matrix steps (every rank of a sharded matrix takes them together: same step count)
+            self._whole_steps(group, [active[i] for i in whole], [plans[i] for i in whole], [states[i] for i in whole],
+                              [u[i] for i in whole], [grads[i] for i in whole], [params[i] for i in whole])
+            keep = [i for i in range(len(active)) if i not in set(whole)]
+            plans, states, u, grads, params = ([xs[i] for i in keep] for xs in (plans, states, u, grads, params))
+            layouts = [plan.layout for plan in plans]
+            fused = [fused[i] for i in keep]
         if two_sided:
             apply_two_sided([TwoSided(plan, s, ut, gt, pt) for plan, s, ut, gt, pt in zip(plans, states, u, grads, params)],
                             norm=group["norm"], lr=lr, tau=group["tau"], basis_dtype=group["basis_dtype"],
@@ -489,8 +498,33 @@ class Dobb(MatrixOptimizer):
             apply_directions([OneSided(lay, lay.local(s["basis"]), ut, pt, 1.0 - lr * wd if f else None)
                               for lay, s, ut, pt, f in zip(layouts, states, u, params, fused)],
                              norm=group["norm"], lr=lr, tau=group["tau"], product_dtype=group["product_dtype"])
-        for s in states:
+        for s in (self.state[p] for p in active):
             s["step"] += 1
+
+    def _whole_steps(self, group, active, plans, states, u, grads, params) -> None:
+        """``whole_every``: ``W <- W - lr * tau * sqrt(max(m, n)) * NS5(X)`` of the whole matrix, computed
+        by its owner as ``OwnerMuon`` does (two all-to-alls under FSDP2; local unsharded), with ``X``
+        the Dobb-preconditioned ``P`` (``norm="muon"``, whose second moment advances as on any step)
+        or the momentum (two-sided sign): MuonBP's periodic full step on Dobb's forms."""
+        from ..baselines.newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_STEPS
+        from ..baselines.owner_muon import OwnerMuon
+
+        if group["norm"] == "muon":
+            xs = [precondition(plan, st, ut, gt, basis_dtype=group["basis_dtype"], product_dtype=group["product_dtype"],
+                               momentum=group["momentum"], beta2=group["beta2"], eps=group["eps"])
+                  for plan, st, ut, gt in zip(plans, states, u, grads)]
+        else:
+            xs = list(u)
+        if getattr(self, "_owner", None) is None:  # OwnerMuon's routing and all-to-alls, without its state
+            owner = OwnerMuon.__new__(OwnerMuon)
+            owner._replicated_group, owner.owners, owner.gathered = "default", {}, {}
+            self._owner = owner
+        ns_group = {"params": active, "ns_coefficients": NS_COEFFICIENTS, "ns_steps": NS_STEPS, "eps": NS_EPS,
+                    "ns_method": "standard", "ns_dtype": group["ns_dtype"]}
+        outs = self._owner._orthogonalize(ns_group, active, xs)
+        for p, pt, o in zip(active, params, outs):
+            m, n = p.shape
+            pt.add_(o.to(pt.dtype).mul_(-group["lr"] * F.update_scale(m, n, group["tau"])))
 
     def _queue_refresh(self, group: dict, params: list[torch.Tensor], grads: list) -> tuple[list, list]:
         """Fold the new statistics of ``params`` (agreed in ``_prepare_step``, or their gradient
@@ -817,14 +851,8 @@ def apply_preconditioned_muon(mats: list[TwoSided], *, lr, tau: float, basis_dty
 
     for plan, state, ut, gt, pt in mats:
         lay = plan.layout
-        dtype = F.matmul_dtype(basis_dtype, pt.device, product_dtype)
-        basis = lay.local(state["basis"])
-        v = lay.local(state["second_moment"])
-        c, gq = F.blockwise(torch.stack([ut, gt]).to(dtype), basis, lay.local_sizes).unbind(0)
-        gq = gq.to(v.dtype)
-        v.mul_(beta2).addcmul_(gq, gq, value=1.0 - beta2)
-        r = F.adam_direction(c.to(v.dtype), v, step=state["step"] + 1, momentum=momentum, beta2=beta2, eps=eps)
-        pre = F.blockwise(r.to(dtype), basis, lay.local_sizes, transpose=True)
+        pre = precondition(plan, state, ut, gt, basis_dtype=basis_dtype, product_dtype=product_dtype,
+                           momentum=momentum, beta2=beta2, eps=eps)
         sizes = [s for s in plan.ns_rows.local_sizes if s > 0]
         parts = list(pre.split(sizes, dim=0))
         outs = orthogonalize(parts, NS_COEFFICIENTS, NS_STEPS, NS_EPS,
@@ -834,3 +862,18 @@ def apply_preconditioned_muon(mats: list[TwoSided], *, lr, tau: float, basis_dty
         for size, o in zip(sizes, outs):
             pt[start : start + size].add_(o.to(pt.dtype).mul_(-lr * F.update_scale(size, n, tau)))
             start += size
+
+
+def precondition(plan, state: dict, ut: Tensor, gt: Tensor, *, basis_dtype: torch.dtype, product_dtype, momentum: float,
+                 beta2: float, eps: float) -> Tensor:
+    """``norm="muon"``'s ``P = R Q^T`` of one matrix (local rows), advancing its ``second_moment``:
+    steps 1-3 of ``apply_preconditioned_muon``."""
+    lay = plan.layout
+    dtype = F.matmul_dtype(basis_dtype, ut.device, product_dtype)
+    basis = lay.local(state["basis"])
+    v = lay.local(state["second_moment"])
+    c, gq = F.blockwise(torch.stack([ut, gt]).to(dtype), basis, lay.local_sizes).unbind(0)
+    gq = gq.to(v.dtype)
+    v.mul_(beta2).addcmul_(gq, gq, value=1.0 - beta2)
+    r = F.adam_direction(c.to(v.dtype), v, step=state["step"] + 1, momentum=momentum, beta2=beta2, eps=eps)
+    return F.blockwise(r.to(dtype), basis, lay.local_sizes, transpose=True)

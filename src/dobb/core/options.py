@@ -68,6 +68,7 @@ class DobbOptions(ScaledOptions):
     beta2: float = option(0.95, unit_interval)
     eps: float = option(1e-8, positive)
     refresh_width: int | None = option(None, optional(integer(1)).hint("block width per period step"))
+    whole_every: int = option(0, integer(0))
     heads: int | None = option(None, optional(integer(1)).hint("attention heads: per-head blocks"))
     ns_dtype: str | torch.dtype = option("auto", Rule(
         _ns_dtype_ok, "be 'auto' or one of ('bfloat16', 'float16', 'float32', 'float64') (or the torch dtype)"))
@@ -88,6 +89,10 @@ class DobbOptions(ScaledOptions):
         if group["norm"] == "muon" and group["side"] != "input":
             raise ValueError(f"norm='muon' (Dobb-preconditioned Muon) rotates into the input-side bases and "
                              f"orthogonalises out_blocks row blocks: it needs side='input', got side={group['side']!r}")
+        if group["whole_every"] and not (group["norm"] == "muon" or (group["side"] == "both" and group["norm"] == "sign")):
+            raise ValueError(f"whole_every={group['whole_every']} (a whole-matrix Newton-Schulz step every P-th step) "
+                             f"takes norm='muon', or side='both' with norm='sign'; got side={group['side']!r}, "
+                             f"norm={group['norm']!r}")
         if group["source"] == "output_grad" and group["side"] != "output":
             raise ValueError("source='output_grad' gives an m x m statistic: it needs side='output' (Dobb-G)")
 
