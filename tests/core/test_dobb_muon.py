@@ -195,3 +195,9 @@ def test_bad_input_is_a_value_error_naming_the_problem():
         Dobb([p], lr=0.1, norm="muon", source="grad_gram", whole_every=-1)
     with pytest.raises(ValueError, match="does not take"):
         dobb.build_optimizer("dobb-muon", torch.nn.Linear(4, 6), lr=0.1, norm="sign")
+
+
+def test_cycle_includes_the_whole_steps():
+    p = torch.nn.Parameter(torch.randn(6, 4))
+    assert Dobb([p], lr=0.1, norm="muon", source="grad_gram", refresh_every=9).refresh_cycle() == 9
+    assert Dobb([p], lr=0.1, norm="muon", source="grad_gram", refresh_every=9, whole_every=5).refresh_cycle() == 45

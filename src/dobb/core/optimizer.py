@@ -374,8 +374,10 @@ class Dobb(MatrixOptimizer):
 
     def refresh_cycle(self) -> int:
         """Steps after which the refresh schedule repeats: the lcm of the matrices' periods
-        (``refresh_every`` unless ``refresh_width`` lengthens some). For benchmarks that time whole cycles."""
-        return cycle(plan.period for plan in self._plans.values())
+        (``refresh_every`` unless ``refresh_width`` lengthens some) and of the groups' ``whole_every``.
+        For benchmarks that time whole cycles."""
+        wholes = [g["whole_every"] for g in self._dobb_groups() if g["whole_every"]]
+        return cycle([*(plan.period for plan in self._plans.values()), *wholes])
 
     # ------------------------------------------------------------------ the step
     def _prepare_step(self) -> None:
