@@ -546,7 +546,8 @@ class Dobb(MatrixOptimizer):
                 if new is not None:
                     fold_side(new, layout=side.layout, stat=st[side.stat], basis=st[side.basis], counts=counts,
                               due=now, stat_decay=group["stat_decay"], eigh=group["basis"] == "eigh",
-                              init_eigh=group["init_basis"] == "eigh", requests=requests)
+                              eigh_every=group["eigh_every"], init_eigh=group["init_basis"] == "eigh",
+                              requests=requests)
                     shared += [shared_group(side.layout)] * (len(requests) - len(shared))
         return requests, shared
 

@@ -69,6 +69,7 @@ class DobbOptions(ScaledOptions):
     eps: float = option(1e-8, positive)
     refresh_width: int | None = option(None, optional(integer(1)).hint("block width per period step"))
     whole_every: int = option(0, integer(0))
+    eigh_every: int = option(0, integer(0))
     heads: int | None = option(None, optional(integer(1)).hint("attention heads: per-head blocks"))
     ns_dtype: str | torch.dtype = option("auto", Rule(
         _ns_dtype_ok, "be 'auto' or one of ('bfloat16', 'float16', 'float32', 'float64') (or the torch dtype)"))
