@@ -179,6 +179,25 @@ def test_registry_entry_builds_and_steps_with_hooks():
     assert opt.param_groups[0]["norm"] == "muon" and "second_moment" in opt.state[model[0].weight]
 
 
+@pytest.mark.parametrize("whole", [0, 2])
+def test_transposed_weight_steps_as_its_transpose(whole):
+    """A Hugging Face Conv1D weight, stored (in, out), moves as the (out, in) weight it stores."""
+    gen = torch.Generator().manual_seed(6)
+    w0 = torch.randn(16, 24, generator=gen, dtype=torch.float64)  # (in, out)
+    grads = [torch.randn(16, 24, generator=gen, dtype=torch.float64) for _ in range(5)]
+    kw = dict(lr=0.03, weight_decay=0.1, norm="muon", source="grad_gram", blocks=2, out_blocks=3, refresh_every=2,
+              stagger=False, basis_dtype=torch.float64, stat_dtype=torch.float64, product_dtype=torch.float64,
+              ns_dtype="float64", whole_every=whole)
+    a, b = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(w0.T.clone())
+    oa = Dobb([{"params": [a], "transposed": True}], **kw)
+    ob = Dobb([b], **kw)
+    for g in grads:
+        a.grad, b.grad = g.clone(), g.T.clone()
+        oa.step()
+        ob.step()
+    torch.testing.assert_close(a.detach(), b.detach().T, rtol=0, atol=1e-10)
+
+
 def test_bad_input_is_a_value_error_naming_the_problem():
     p = torch.nn.Parameter(torch.randn(6, 4))
     with pytest.raises(ValueError, match="norm='muon'.*side='input'"):

@@ -230,14 +230,17 @@ class Dobb(MatrixOptimizer):
         if group["norm"] != "muon":
             return None
         try:
-            rows = layout_for(p, "output", out_blocks, None)
+            # the output axis: dim 0, or dim 1 of a transposed (in, out) weight
+            rows = layout_for(p, "input" if group["transposed"] else "output", out_blocks, None)
         except ValueError as exc:
             raise ValueError(f"{_name_of(p, self._param_names, i)}: norm='muon' row blocks: "
                              f"{str(exc).replace('blocks=', 'out_blocks=', 1)}") from None
-        if rows.local_shape[1] != rows.shape[1]:
+        other = 1 - rows.blocked_axis  # the input axis: each rank must hold all of it
+        if rows.local_shape[other] != rows.shape[other]:
             raise ValueError(f"{_name_of(p, self._param_names, i)}: norm='muon' orthogonalises row blocks on the "
-                             f"rank that holds them, so each rank needs whole rows (unsharded or Shard(0)); this "
-                             f"rank holds {rows.local_shape[1]} of {rows.shape[1]} columns")
+                             f"rank that holds them, so each rank needs whole rows (the input axis unsharded: "
+                             f"FSDP2 Shard(0) of an (out, in) weight); this rank holds {rows.local_shape[other]} of "
+                             f"{rows.shape[other]} entries of the input axis")
         return rows
 
     _derived = ("_plans", "_names_from_model", "_owner")
@@ -511,10 +514,11 @@ class Dobb(MatrixOptimizer):
         from ..baselines.newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_STEPS
         from ..baselines.owner_muon import OwnerMuon
 
-        if group["norm"] == "muon":
+        if group["norm"] == "muon":  # P in the storage orientation (transposed weights: (in, out))
             xs = [precondition(plan, st, ut, gt, basis_dtype=group["basis_dtype"], product_dtype=group["product_dtype"],
                                momentum=group["momentum"], beta2=group["beta2"], eps=group["eps"])
                   for plan, st, ut, gt in zip(plans, states, u, grads)]
+            xs = [x.T if plan.layout.blocked_axis == 0 else x for x, plan in zip(xs, plans)]
         else:
             xs = list(u)
         if getattr(self, "_owner", None) is None:  # OwnerMuon's routing and all-to-alls, without its state
@@ -860,21 +864,25 @@ def apply_preconditioned_muon(mats: list[TwoSided], *, lr, tau: float, basis_dty
         parts = list(pre.split(sizes, dim=0))
         outs = orthogonalize(parts, NS_COEFFICIENTS, NS_STEPS, NS_EPS,
                              dtype=resolve_ns_dtype(ns_dtype, pt.device))
-        n = lay.shape[1]
+        n = lay.shape[lay.blocked_axis]  # the input axis (global)
+        w = pt.T if lay.blocked_axis == 0 else pt  # (out, in) view
         start = 0
         for size, o in zip(sizes, outs):
-            pt[start : start + size].add_(o.to(pt.dtype).mul_(-lr * F.update_scale(size, n, tau)))
+            w[start : start + size].add_(o.to(pt.dtype).mul_(-lr * F.update_scale(size, n, tau)))
             start += size
 
 
 def precondition(plan, state: dict, ut: Tensor, gt: Tensor, *, basis_dtype: torch.dtype, product_dtype, momentum: float,
                  beta2: float, eps: float) -> Tensor:
     """``norm="muon"``'s ``P = R Q^T`` of one matrix (local rows), advancing its ``second_moment``:
-    steps 1-3 of ``apply_preconditioned_muon``."""
+    steps 1-3 of ``apply_preconditioned_muon``. Oriented ``(out, in)``: a transposed weight's tensors
+    (stored ``(in, out)``, input axis blocked on dim 0) are read through their transposes."""
     lay = plan.layout
     dtype = F.matmul_dtype(basis_dtype, ut.device, product_dtype)
     basis = lay.local(state["basis"])
     v = lay.local(state["second_moment"])
+    if lay.blocked_axis == 0:
+        ut, gt, v = ut.T, gt.T, v.T
     c, gq = F.blockwise(torch.stack([ut, gt]).to(dtype), basis, lay.local_sizes).unbind(0)
     gq = gq.to(v.dtype)
     v.mul_(beta2).addcmul_(gq, gq, value=1.0 - beta2)

@@ -110,10 +110,9 @@ def check_params(group: dict[str, Any], name_of: Callable[[torch.Tensor, int], s
     ``name_of(p, i)`` names parameter ``i`` in messages; ``has_model``: whether the optimizer was
     given the model its hooks need."""
     for i, p in enumerate(group["params"]):
-        if group["norm"] == "muon" and (p.dim() == 3 or group["transposed"]):
-            what = "an expert stack (E, out, in)" if p.dim() == 3 else "a transposed (in, out) weight"
-            raise ValueError(f"{name_of(p, i)} is {what}: norm='muon' (Dobb-preconditioned Muon) takes 2-D "
-                             f"(out, in) matrices only")
+        if group["norm"] == "muon" and p.dim() == 3:
+            raise ValueError(f"{name_of(p, i)} is an expert stack (E, out, in): norm='muon' (Dobb-preconditioned "
+                             f"Muon) takes 2-D matrices only")
         output_side = group["source"] == "output_grad" or (group["side"] == "both" and group["source"] == "activation")
         if p.dim() == 3 and output_side:
             raise ValueError(
