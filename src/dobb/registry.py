@@ -133,6 +133,9 @@ _ENTRIES = (
     Entry("dobb-g", Dobb, "Dobb-G", payload="dobb", state="dobb", preset=_SIDE_OUT, blocks_side="output"),
     Entry("dobb-g-l2", Dobb, "Dobb-G-l2", payload="dobb", state="dobb", preset={**_SIDE_OUT, "norm": "l2"},
           blocks_side="output"),
+    # Dobb-preconditioned Muon: Adam in the input-side bases, then NS5 of each of out_blocks row blocks
+    Entry("dobb-muon", Dobb, "Dobb-Muon", payload="dobb", state="dobb", preset={"norm": "muon"},
+          blocks_side="input"),
     # block Shampoo as DASH does it (tiles within shards: no cross-shard exchange); Shampoo = one tile per matrix
     Entry("dash", Dash, "DASH", payload="none", state="dash"),
     Entry("shampoo", Shampoo, "Shampoo", payload="none", state="dash"),

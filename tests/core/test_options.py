@@ -25,7 +25,7 @@ def test_the_defaults_pass_and_are_among_the_choices():
 
 
 @pytest.mark.parametrize("over,message", [
-    (dict(norm="linf"), "norm must be one of ('sign', 'l2', 'adam'), got 'linf'"),
+    (dict(norm="linf"), "norm must be one of ('sign', 'l2', 'adam', 'muon'), got 'linf'"),
     (dict(blocks=0), "blocks must be an integer >= 1, got 0"),
     (dict(out_blocks=True), "out_blocks must be an integer, got True"),  # its kind, checked first
     (dict(stat_decay=1.0), "stat_decay must lie in [0, 1), got 1.0"),

@@ -56,6 +56,7 @@ from ..functional import BlockBasis, two_sided_update_
 from ..layout import MatrixLayout, ReducedStat, is_dtensor
 from ..placement import layout_for
 from .experts import expert_layout, expert_parts
+from .heads import head_blocks
 from .options import HOOK_SOURCES as _HOOK_SOURCES
 from .options import DobbOptions, check_params
 from .statistics import (DueStat, RefreshBatch, agree, all_reduce_sum_, fold_side, gram_statistic, shared_group,
@@ -63,7 +64,7 @@ from .statistics import (DueStat, RefreshBatch, agree, all_reduce_sum_, fold_sid
 
 __all__ = ["Dobb", "Side", "Plan", "due", "captures", "saved_captures", "refresh_period",
            "cycle", "stagger_offsets", "two_sided_layouts", "FUSE_MIN_BLOCK_WORK", "OneSided", "TwoSided",
-           "decay_in_update", "apply_directions", "apply_two_sided"]
+           "decay_in_update", "apply_directions", "apply_two_sided", "apply_preconditioned_muon", "precondition"]
 
 
 _FLIP = {"input": "output", "output": "input"}
@@ -174,9 +175,15 @@ class Dobb(MatrixOptimizer):
 
     def _group_plans(self, group: dict[str, Any]) -> list[Plan]:
         """The plan of every matrix of ``group``, from the group and the parameters alone."""
-        sides = []
+        sides, counts = [], []
         for i, p in enumerate(group["params"]):
             try:
+                # heads: per-matrix block counts (core.heads); the group's counts otherwise
+                blocks, out_blocks = head_blocks(self._matrix_name(p, group), tuple(p.shape[-2:]), group["heads"],
+                                                 group["blocks"], group["out_blocks"])
+                counts.append((blocks, out_blocks))
+                mgroup = group if (blocks, out_blocks) == (group["blocks"], group["out_blocks"]) else \
+                    {**group, "blocks": blocks, "out_blocks": out_blocks}
                 if is_dtensor(p):
                     stat_group = self._stat_group
                 elif group["source"] in _HOOK_SOURCES:
@@ -188,10 +195,10 @@ class Dobb(MatrixOptimizer):
                 # blocks dim 0 (what "output" blocks on an (out, in) weight) and vice versa
                 side = _FLIP.get(group["side"], "both") if group["transposed"] else group["side"]
                 if side == "both":
-                    lin, lout = two_sided_layouts(p, group, stat_group, group["transposed"], layout_of)
+                    lin, lout = two_sided_layouts(p, mgroup, stat_group, group["transposed"], layout_of)
                     sides.append((Side(lin), Side(lout, "out_stat", "out_basis")))
                 else:
-                    sides.append((Side(layout_of(p, side, group["blocks"], stat_group)),))
+                    sides.append((Side(layout_of(p, side, blocks, stat_group)),))
             except ValueError as exc:
                 raise ValueError(f"{_name_of(p, self._param_names, i)}: {exc}") from None
         # global (rank-invariant) block sizes: every rank must pick the same periods and offsets
@@ -202,12 +209,47 @@ class Dobb(MatrixOptimizer):
             works = [sum(sum(s**3 for s in side.layout.global_sizes) * side.layout.stack_size for side in ss)
                      for ss in sides]
             offsets = stagger_offsets(works, periods)
-        return [Plan(ss, period, offset) for ss, period, offset in zip(sides, periods, offsets)]
+        rows = [self._ns_rows(group, p, i, ob) for i, (p, (_, ob)) in enumerate(zip(group["params"], counts))]
+        return [Plan(ss, period, offset, r) for ss, period, offset, r in zip(sides, periods, offsets, rows)]
 
-    _derived = ("_plans",)
+    def _matrix_name(self, p: torch.Tensor, group: dict) -> str | None:
+        """``p``'s name (named params, else the model's ``named_parameters``), read only with ``heads``."""
+        if group["heads"] is None:
+            return None
+        if id(p) in self._param_names:
+            return self._param_names[id(p)]
+        if self.model is not None:
+            if getattr(self, "_names_from_model", None) is None:
+                self._names_from_model = {id(q): n for n, q in self.model.named_parameters()}
+            if id(p) in self._names_from_model:
+                return self._names_from_model[id(p)]
+        raise ValueError(f"heads={group['heads']} finds attention matrices by name: pass model=<the nn.Module> "
+                         f"or named parameters ((name, tensor) pairs); {_name_of(p, self._param_names, 0)} has none")
+
+    def _ns_rows(self, group: dict, p: torch.Tensor, i: int, out_blocks: int):
+        """``norm="muon"``: the layout of ``p``'s ``out_blocks`` row blocks (cut at shard boundaries),
+        which must hold whole rows on this rank (a ``ValueError`` otherwise); None for other norms."""
+        if group["norm"] != "muon":
+            return None
+        try:
+            # the output axis: dim 0, or dim 1 of a transposed (in, out) weight
+            rows = layout_for(p, "input" if group["transposed"] else "output", out_blocks, None)
+        except ValueError as exc:
+            raise ValueError(f"{_name_of(p, self._param_names, i)}: norm='muon' row blocks: "
+                             f"{str(exc).replace('blocks=', 'out_blocks=', 1)}") from None
+        other = 1 - rows.blocked_axis  # the input axis: each rank must hold all of it
+        if rows.local_shape[other] != rows.shape[other]:
+            raise ValueError(f"{_name_of(p, self._param_names, i)}: norm='muon' orthogonalises row blocks on the "
+                             f"rank that holds them, so each rank needs whole rows (the input axis unsharded: "
+                             f"FSDP2 Shard(0) of an (out, in) weight); this rank holds {rows.local_shape[other]} of "
+                             f"{rows.shape[other]} entries of the input axis")
+        return rows
+
+    _derived = ("_plans", "_names_from_model", "_owner")
 
     def _rebuild(self) -> None:
         """Every plan, from the param groups (after ``load_state_dict``, in a copy)."""
+        self._names_from_model = None
         self._plans = {p: plan for g in self._dobb_groups() for p, plan in zip(g["params"], self._group_plans(g))}
 
     def _new_state(self, p: torch.Tensor, group: dict, plan: Plan) -> dict[str, Any]:
@@ -217,7 +259,7 @@ class Dobb(MatrixOptimizer):
         for side in plan.sides:
             state[side.stat] = side.layout.new_block_state(group["stat_dtype"], identity=False, like=p)
             state[side.basis] = side.layout.new_block_state(group["basis_dtype"], identity=True, like=p)
-        if group["norm"] == "adam":  # EMA of the squared rotated gradient, in the statistic dtype
+        if group["norm"] in ("adam", "muon"):  # EMA of the squared rotated gradient, in the statistic dtype
             state["second_moment"] = torch.zeros_like(p, dtype=group["stat_dtype"])
         return state
 
@@ -337,8 +379,10 @@ class Dobb(MatrixOptimizer):
 
     def refresh_cycle(self) -> int:
         """Steps after which the refresh schedule repeats: the lcm of the matrices' periods
-        (``refresh_every`` unless ``refresh_width`` lengthens some). For benchmarks that time whole cycles."""
-        return cycle(plan.period for plan in self._plans.values())
+        (``refresh_every`` unless ``refresh_width`` lengthens some) and of the groups' ``whole_every``.
+        For benchmarks that time whole cycles."""
+        wholes = [g["whole_every"] for g in self._dobb_groups() if g["whole_every"]]
+        return cycle([*(plan.period for plan in self._plans.values()), *wholes])
 
     # ------------------------------------------------------------------ the step
     def _prepare_step(self) -> None:
@@ -434,21 +478,61 @@ class Dobb(MatrixOptimizer):
         two_sided = group["side"] == "both"
         # Where the reconstruction runs per matrix in the weight's dtype (CPU), the decay is its
         # baddbmm's beta: one pass over W instead of a multiply pass and a strided add pass.
-        fused = [not two_sided and decay_in_update(pt, lay, lr=lr, basis_dtype=group["basis_dtype"],
+        fused = [not two_sided and group["norm"] != "muon" and decay_in_update(pt, lay, lr=lr, basis_dtype=group["basis_dtype"],
                                                    product_dtype=group["product_dtype"])
                  for pt, lay in zip(params, layouts)]
         if wd != 0 and not all(fused):
             torch._foreach_mul_([pt for pt, f in zip(params, fused) if not f], 1.0 - lr * wd)
+        every = group["whole_every"]
+        whole = [i for i, s in enumerate(states) if every and s["step"] % every == 0]
+        if whole:  # whole-matrix steps (every rank of a sharded matrix takes them together: same step count)
+            self._whole_steps(group, [active[i] for i in whole], [plans[i] for i in whole], [states[i] for i in whole],
+                              [u[i] for i in whole], [grads[i] for i in whole], [params[i] for i in whole])
+            keep = [i for i in range(len(active)) if i not in set(whole)]
+            plans, states, u, grads, params = ([xs[i] for i in keep] for xs in (plans, states, u, grads, params))
+            layouts = [plan.layout for plan in plans]
+            fused = [fused[i] for i in keep]
         if two_sided:
             apply_two_sided([TwoSided(plan, s, ut, gt, pt) for plan, s, ut, gt, pt in zip(plans, states, u, grads, params)],
                             norm=group["norm"], lr=lr, tau=group["tau"], basis_dtype=group["basis_dtype"],
                             product_dtype=group["product_dtype"], momentum=mu, beta2=group["beta2"], eps=group["eps"])
+        elif group["norm"] == "muon":
+            apply_preconditioned_muon(
+                [TwoSided(plan, s, ut, gt, pt) for plan, s, ut, gt, pt in zip(plans, states, u, grads, params)],
+                lr=lr, tau=group["tau"], basis_dtype=group["basis_dtype"], product_dtype=group["product_dtype"],
+                momentum=mu, beta2=group["beta2"], eps=group["eps"], ns_dtype=group["ns_dtype"])
         else:
             apply_directions([OneSided(lay, lay.local(s["basis"]), ut, pt, 1.0 - lr * wd if f else None)
                               for lay, s, ut, pt, f in zip(layouts, states, u, params, fused)],
                              norm=group["norm"], lr=lr, tau=group["tau"], product_dtype=group["product_dtype"])
-        for s in states:
+        for s in (self.state[p] for p in active):
             s["step"] += 1
+
+    def _whole_steps(self, group, active, plans, states, u, grads, params) -> None:
+        """``whole_every``: ``W <- W - lr * tau * sqrt(max(m, n)) * NS5(X)`` of the whole matrix, computed
+        by its owner as ``OwnerMuon`` does (two all-to-alls under FSDP2; local unsharded), with ``X``
+        the Dobb-preconditioned ``P`` (``norm="muon"``, whose second moment advances as on any step)
+        or the momentum (two-sided sign): MuonBP's periodic full step on Dobb's forms."""
+        from ..baselines.newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_STEPS
+        from ..baselines.owner_muon import OwnerMuon
+
+        if group["norm"] == "muon":  # P in the storage orientation (transposed weights: (in, out))
+            xs = [precondition(plan, st, ut, gt, basis_dtype=group["basis_dtype"], product_dtype=group["product_dtype"],
+                               momentum=group["momentum"], beta2=group["beta2"], eps=group["eps"])
+                  for plan, st, ut, gt in zip(plans, states, u, grads)]
+            xs = [x.T if plan.layout.blocked_axis == 0 else x for x, plan in zip(xs, plans)]
+        else:
+            xs = list(u)
+        if getattr(self, "_owner", None) is None:  # OwnerMuon's routing and all-to-alls, without its state
+            owner = OwnerMuon.__new__(OwnerMuon)
+            owner._replicated_group, owner.owners, owner.gathered = "default", {}, {}
+            self._owner = owner
+        ns_group = {"params": active, "ns_coefficients": NS_COEFFICIENTS, "ns_steps": NS_STEPS, "eps": NS_EPS,
+                    "ns_method": "standard", "ns_dtype": group["ns_dtype"]}
+        outs = self._owner._orthogonalize(ns_group, active, xs)
+        for p, pt, o in zip(active, params, outs):
+            m, n = p.shape
+            pt.add_(o.to(pt.dtype).mul_(-group["lr"] * F.update_scale(m, n, group["tau"])))
 
     def _queue_refresh(self, group: dict, params: list[torch.Tensor], grads: list) -> tuple[list, list]:
         """Fold the new statistics of ``params`` (agreed in ``_prepare_step``, or their gradient
@@ -468,7 +552,8 @@ class Dobb(MatrixOptimizer):
                 if new is not None:
                     fold_side(new, layout=side.layout, stat=st[side.stat], basis=st[side.basis], counts=counts,
                               due=now, stat_decay=group["stat_decay"], eigh=group["basis"] == "eigh",
-                              init_eigh=group["init_basis"] == "eigh", requests=requests)
+                              eigh_every=group["eigh_every"], init_eigh=group["init_basis"] == "eigh",
+                              requests=requests)
                     shared += [shared_group(side.layout)] * (len(requests) - len(shared))
         return requests, shared
 
@@ -523,6 +608,8 @@ class Plan:
     sides: tuple[Side, ...]
     period: int
     offset: int = 0
+    # norm="muon": the layout of the out_blocks row blocks that Newton-Schulz orthogonalises (None otherwise)
+    ns_rows: Any = None
 
     @property
     def layout(self):
@@ -753,3 +840,53 @@ def apply_two_sided(mats: list[TwoSided], *, norm: str, lr, tau: float, basis_dt
                               cols=BlockBasis(bases[1][e], sides[1].layout.local_sizes), factor=factor, dtype=dtype,
                               norm=norm, v=None if v is None else v[e], step=state["step"] + 1, momentum=momentum,
                               beta2=beta2, eps=eps)
+
+
+def apply_preconditioned_muon(mats: list[TwoSided], *, lr, tau: float, basis_dtype: torch.dtype, product_dtype,
+                              momentum: float, beta2: float, eps: float, ns_dtype) -> None:
+    """``norm="muon"`` (Dobb-preconditioned Muon), per matrix (local rows, whole columns):
+
+    1. ``C = U Q`` and ``Gq = G Q`` with ``Q`` the block-diagonal input-side basis;
+    2. ``V <- beta2 V + (1 - beta2) Gq^2`` and ``R = (C / (1 - mu^t)) / (sqrt(V / (1 - beta2^t)) + eps)``
+       (SOAP's rule on one side, ``functional.adam_direction``);
+    3. ``P = R Q^T``, cut into the ``out_blocks`` row blocks of ``plan.ns_rows`` (whole on this rank);
+    4. ``W_b -= lr * tau * sqrt(max(m_b, n)) * NS5(P_b)``: each row block moves as a Muon update of
+       its own shape, as row-block Muon's blocks do.
+
+    ``TwoSided`` carries the plan, the state (``basis``, ``second_moment``, ``step``), the update
+    ``u``, the gradient ``g`` and the weight ``w`` (local tensors)."""
+    from ..baselines.muon import resolve_ns_dtype
+    from ..baselines.newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_STEPS, orthogonalize
+
+    for plan, state, ut, gt, pt in mats:
+        lay = plan.layout
+        pre = precondition(plan, state, ut, gt, basis_dtype=basis_dtype, product_dtype=product_dtype,
+                           momentum=momentum, beta2=beta2, eps=eps)
+        sizes = [s for s in plan.ns_rows.local_sizes if s > 0]
+        parts = list(pre.split(sizes, dim=0))
+        outs = orthogonalize(parts, NS_COEFFICIENTS, NS_STEPS, NS_EPS,
+                             dtype=resolve_ns_dtype(ns_dtype, pt.device))
+        n = lay.shape[lay.blocked_axis]  # the input axis (global)
+        w = pt.T if lay.blocked_axis == 0 else pt  # (out, in) view
+        start = 0
+        for size, o in zip(sizes, outs):
+            w[start : start + size].add_(o.to(pt.dtype).mul_(-lr * F.update_scale(size, n, tau)))
+            start += size
+
+
+def precondition(plan, state: dict, ut: Tensor, gt: Tensor, *, basis_dtype: torch.dtype, product_dtype, momentum: float,
+                 beta2: float, eps: float) -> Tensor:
+    """``norm="muon"``'s ``P = R Q^T`` of one matrix (local rows), advancing its ``second_moment``:
+    steps 1-3 of ``apply_preconditioned_muon``. Oriented ``(out, in)``: a transposed weight's tensors
+    (stored ``(in, out)``, input axis blocked on dim 0) are read through their transposes."""
+    lay = plan.layout
+    dtype = F.matmul_dtype(basis_dtype, ut.device, product_dtype)
+    basis = lay.local(state["basis"])
+    v = lay.local(state["second_moment"])
+    if lay.blocked_axis == 0:
+        ut, gt, v = ut.T, gt.T, v.T
+    c, gq = F.blockwise(torch.stack([ut, gt]).to(dtype), basis, lay.local_sizes).unbind(0)
+    gq = gq.to(v.dtype)
+    v.mul_(beta2).addcmul_(gq, gq, value=1.0 - beta2)
+    r = F.adam_direction(c.to(v.dtype), v, step=state["step"] + 1, momentum=momentum, beta2=beta2, eps=eps)
+    return F.blockwise(r.to(dtype), basis, lay.local_sizes, transpose=True)

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 
 from .. import functional as F
-from .._hparams import (ScaledOptions, boolean, floating_dtype, integer, one_of, option, optional, positive,
+from .._hparams import (Rule, ScaledOptions, boolean, floating_dtype, integer, one_of, option, optional, positive,
                        unit_interval)
 
 __all__ = ["HOOK_SOURCES", "CHOICES", "DobbOptions", "check_group", "check_params"]
@@ -27,12 +27,17 @@ HOOK_SOURCES = ("activation", "output_grad")
 CHOICES = {
     "basis": ("orthogonal_iteration", "eigh"),
     "qr": ("householder", "cholesky"),
-    "norm": ("sign", "l2", "adam"),
+    "norm": ("sign", "l2", "adam", "muon"),
     "side": ("input", "output", "both"),
     "source": ("activation", "output_grad", "grad_gram"),
     "capture": ("first", "all"),
     "init_basis": ("eigh", "identity"),
 }
+
+
+def _ns_dtype_ok(dt) -> bool:
+    names = ("bfloat16", "float16", "float32", "float64")
+    return (isinstance(dt, str) and (dt == "auto" or dt in names)) or dt in tuple(getattr(torch, n) for n in names)
 
 
 def _choice(key: str, default: Any) -> Any:
@@ -63,6 +68,11 @@ class DobbOptions(ScaledOptions):
     beta2: float = option(0.95, unit_interval)
     eps: float = option(1e-8, positive)
     refresh_width: int | None = option(None, optional(integer(1)).hint("block width per period step"))
+    whole_every: int = option(0, integer(0))
+    eigh_every: int = option(0, integer(0))
+    heads: int | None = option(None, optional(integer(1)).hint("attention heads: per-head blocks"))
+    ns_dtype: str | torch.dtype = option("auto", Rule(
+        _ns_dtype_ok, "be 'auto' or one of ('bfloat16', 'float16', 'float32', 'float64') (or the torch dtype)"))
 
     @classmethod
     def _check_together(cls, group):
@@ -77,6 +87,13 @@ class DobbOptions(ScaledOptions):
                                  "gradients for the output side) or source='grad_gram' (G^T G and G G^T blocks)")
         elif group["norm"] == "adam":
             raise ValueError("norm='adam' is the second moment of the two-sided coefficients: it needs side='both'")
+        if group["norm"] == "muon" and group["side"] != "input":
+            raise ValueError(f"norm='muon' (Dobb-preconditioned Muon) rotates into the input-side bases and "
+                             f"orthogonalises out_blocks row blocks: it needs side='input', got side={group['side']!r}")
+        if group["whole_every"] and not (group["norm"] == "muon" or (group["side"] == "both" and group["norm"] == "sign")):
+            raise ValueError(f"whole_every={group['whole_every']} (a whole-matrix Newton-Schulz step every P-th step) "
+                             f"takes norm='muon', or side='both' with norm='sign'; got side={group['side']!r}, "
+                             f"norm={group['norm']!r}")
         if group["source"] == "output_grad" and group["side"] != "output":
             raise ValueError("source='output_grad' gives an m x m statistic: it needs side='output' (Dobb-G)")
 
@@ -93,6 +110,9 @@ def check_params(group: dict[str, Any], name_of: Callable[[torch.Tensor, int], s
     ``name_of(p, i)`` names parameter ``i`` in messages; ``has_model``: whether the optimizer was
     given the model its hooks need."""
     for i, p in enumerate(group["params"]):
+        if group["norm"] == "muon" and p.dim() == 3:
+            raise ValueError(f"{name_of(p, i)} is an expert stack (E, out, in): norm='muon' (Dobb-preconditioned "
+                             f"Muon) takes 2-D matrices only")
         output_side = group["source"] == "output_grad" or (group["side"] == "both" and group["source"] == "activation")
         if p.dim() == 3 and output_side:
             raise ValueError(

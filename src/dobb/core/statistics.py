@@ -197,16 +197,18 @@ def gram_statistic(grad_local: torch.Tensor, layout: MatrixLayout, dtype=torch.f
 
 def fold_side(new: ReducedStat, *, layout: MatrixLayout, stat: torch.Tensor, basis: torch.Tensor,
               counts: list[int], due: list[bool], stat_decay: float, eigh: bool, init_eigh: bool,
-              requests: list) -> None:
+              requests: list, eigh_every: int = 0) -> None:
     """One side of one stack (its ``stat`` and ``basis`` state tensors): the matrices of the captured
     span that are ``due`` and have seen a row (``new.seen``) count a capture (``counts``, in place);
     the local ones among them fold ``new`` into their statistic (``functional.fold_statistic_``: a
     copy on the first capture, else the EMA with ``stat_decay``) and queue their blocks for the basis
     refresh as ``(A, Q0, exact, put)`` on ``requests``: exact (``eigh``) with ``eigh``, or on a
     first capture with ``init_eigh``, else warm-started orthogonal iteration. The others keep
-    statistic and basis."""
+    statistic and basis. With ``eigh_every = k > 0`` a matrix's every ``k``-th refresh (its capture
+    count, before this one, a multiple of ``k``) is exact too, resetting the warm-started basis."""
     lo, E = layout.stack_offset, layout.stack_local
     first = [counts[lo + i] == 0 for i in range(E)]
+    periodic = [bool(eigh_every) and counts[lo + i] % eigh_every == 0 for i in range(E)]
     chosen = [i for i in range(E) if due[lo + i] and new.seen[lo + i]]
     for j in range(len(counts)):
         if due[j] and new.seen[j]:
@@ -216,7 +218,7 @@ def fold_side(new: ReducedStat, *, layout: MatrixLayout, stat: torch.Tensor, bas
     stat, basis = layout.stacked(stat), layout.stacked(basis)
     keep = None if new.keep is None else new.keep[lo : lo + E]
     F.fold_statistic_(stat, new.mean, [first[i] for i in range(E)], chosen, stat_decay, keep)
-    exact_of = {i: eigh or (first[i] and init_eigh) for i in chosen}
+    exact_of = {i: eigh or (first[i] and init_eigh) or periodic[i] for i in chosen}
     for exact in (True, False):
         # truth tests, not ``== exact``: under torch.compile a count, and so ``first``, is symbolic
         sel = [i for i in chosen if (exact_of[i] if exact else not exact_of[i])]
