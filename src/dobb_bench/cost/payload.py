@@ -420,7 +420,10 @@ def _state_dobb(m, n, hp, mn, out_shards, in_shards):
             total += m * n * stat_b / (out_shards * in_shards)
         return total
     k = n if side == "input" else m
-    return mn + stored(k, _blocks(hp)) * (stat_b + basis_b) / (in_shards if side == "input" else out_shards)
+    total = mn + stored(k, _blocks(hp)) * (stat_b + basis_b) / (in_shards if side == "input" else out_shards)
+    if hp["norm"] == "muon":  # Dobb-preconditioned Muon: the second moment in the basis, weight-shaped
+        total += m * n * stat_b / (out_shards * in_shards)
+    return total
 
 
 def _state_dash(m, n, hp, mn, out_shards, in_shards):

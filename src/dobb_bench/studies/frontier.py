@@ -43,6 +43,8 @@ ROWS = (
     ("SPlus Bo=4 authors", "splus:out_blocks=4"),
     ("Dion2 1/4 per shard R=4", "dion2:select=shard:blocks=4:ns_dtype=float32"),
     ("DASH 32", "dash:block_size=32"),
+    # issue 40's Dobb forms that steps no slower than two-sided B=1 Bo=4's
+    ("Dobb-Muon B=4 Bo=4", "dobb-muon:blocks=4:out_blocks=4"),
 )
 REFS = (
     ("Muon", OWNER),

@@ -12,7 +12,8 @@ from dobb_bench.cost import looptime as L, roofline as R
 
 
 def test_derived_state_bytes_equal_allocated_buffers():
-    cases = [("torch-adamw", {}), ("dobb", {"blocks": 4}), ("muon", {}), ("dion", {"rank_fraction": 0.25})]
+    cases = [("torch-adamw", {}), ("dobb", {"blocks": 4}), ("muon", {}), ("dion", {"rank_fraction": 0.25}),
+             ("dobb-muon", {"blocks": 4, "out_blocks": 4})]
     for text, hp in cases:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(32, 64, bias=False), nn.ReLU(), nn.Linear(64, 32, bias=True))
