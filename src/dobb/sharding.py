@@ -329,7 +329,7 @@ def per_shard_state(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     Why not a plain tensor per rank: ``torch.distributed.checkpoint`` takes a plain tensor for a
     replicated one and saves a single rank's copy, so every other rank would resume with it. Its
     global shape counts the shards, so a checkpoint of another sharding does not load into it
-    (``dobb.checkpoint.check_resume`` says so before anything loads)."""
+    (``dobb.resume.check_resume`` says so before anything loads)."""
     if not is_dtensor(like):
         return local
     mesh = like.device_mesh

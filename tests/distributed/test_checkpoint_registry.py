@@ -7,7 +7,7 @@ The reference is the uninterrupted run: 6 steps on 2 ranks. Checkpoints are take
 - ``2->2``: the resumed run must end on the uninterrupted run's weights (float64, within 1e-12);
 - ``2->4`` then ``4->2`` (the 4-rank run saves again right after loading): an optimizer whose math
   does not depend on the world size must reshard and end on the same weights; one whose blocks or
-  tiles follow the shards must be refused by ``dobb.checkpoint.check_resume`` *before* anything
+  tiles follow the shards must be refused by ``dobb.resume.check_resume`` *before* anything
   loads, with a ``ValueError`` naming the optimizer, the saved layout, the current one and what
   would work. An optimizer whose state reshards but whose later steps follow the new shards
   (MuonBP's block steps) must load the saved state exactly (its full tensors are compared);
@@ -37,7 +37,7 @@ from _spawn import spawn
 
 import dobb
 from dobb import OPTIMIZER_NAMES, build_optimizer
-from dobb.checkpoint import check_resume
+from dobb.resume import check_resume
 
 pytestmark = pytest.mark.slow
 STEPS, SAVE_AT = 6, 3

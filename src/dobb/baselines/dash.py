@@ -35,7 +35,7 @@ the local tile factors and their roots as flat fp32 buffers ``L``, ``R``, ``L_ro
 (tile by tile, in tile order). Their length depends on the local shard: for a DTensor weight they
 are one DTensor with a row per shard (``dobb.sharding.per_shard_state``), so
 ``torch.distributed.checkpoint`` saves every rank's factors, and a checkpoint resumes on the same
-sharding; ``dobb.checkpoint.check_resume`` refuses another one before anything loads.
+sharding; ``dobb.resume.check_resume`` refuses another one before anything loads.
 """
 from __future__ import annotations
 

@@ -44,7 +44,7 @@ matrix and sharded side, every ``inverse_every`` steps) is the optimizer's only 
 For a DTensor weight the statistics and bases are DTensors with one part per shard
 (``dobb.sharding.per_shard_state``: each rank's rows, padded to the largest), so
 ``torch.distributed.checkpoint`` saves every rank's partial statistic; a checkpoint resumes on the
-same sharding, and ``dobb.checkpoint.check_resume`` refuses another one before anything loads.
+same sharding, and ``dobb.resume.check_resume`` refuses another one before anything loads.
 
 State per matrix: ``momentum`` and ``ema`` (weight-shaped, the weight's dtype as the authors'),
 ``stat_out``/``basis_out`` and ``stat_in``/``basis_in`` (row-stacked ``(k, s_max)`` blocks, fp32,

@@ -9,7 +9,7 @@ statistic, Dobb's blocks are cut at the shard boundaries when ``blocks`` follows
 Their state then has another global shape on another number of shards, and DCP's own error names
 a tensor size only. Call this on every rank before ``dcp.load``::
 
-    dobb.checkpoint.check_resume(model, opt, path)
+    dobb.resume.check_resume(model, opt, path)
     sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
     dcp.load(sd, checkpoint_id=path)
 
