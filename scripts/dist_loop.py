@@ -4,7 +4,8 @@ Runs ``pytest -n 2 --dist loadgroup tests/distributed tests/bench/training`` (th
 mode) ``--runs`` times in a row, and writes after every run a JSON record and a Markdown summary:
 the command, the git revision (and whether the worktree was dirty), the CPU model (``lscpu``),
 per run the exit status, wall seconds, pytest's summary counts, the platform aborts at exit the
-harness reported (``PlatformExitAbort`` / "platform abort at exit"), the load average, and the
+harness reported (``PlatformExitAbort`` / "platform abort at exit"; ranks killed after a slow exit
+are counted apart), the load average, and the
 busiest other processes (the CPU-bound process beside the tests).
 
     OMP_NUM_THREADS=1 PYTHONPATH=src python scripts/dist_loop.py --runs 5 --out docs/results/checks/dist_loop_loaded
@@ -83,6 +84,8 @@ def main() -> int:
         summary = next((l for l in reversed(text.splitlines()) if re.search(r"\d+ (passed|failed)", l)), "")
         run = {"run": i, "rc": proc.returncode, "seconds": round(secs), "summary": summary.strip("= "),
                "counts": counts(summary), "platform_aborts_at_exit": len(re.findall("platform abort at exit", text)),
+               "slow_exits_killed": len(re.findall("slow exit", text)),
+               "exit_reports": re.findall(r"^.*(?:platform abort at exit|slow exit).*$", text, re.M)[:10],
                "failures": re.findall(r"^FAILED .*$|^ERROR .*$", text, re.M)[:20],
                "load_avg_1min_start": round(load0, 2), "load_avg_1min_end": round(os.getloadavg()[0], 2),
                "busiest_other_processes_at_start": beside}
