@@ -19,6 +19,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -77,10 +78,12 @@ def main() -> int:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     for i in range(1, args.runs + 1):
         load0, beside = os.getloadavg()[0], busiest(os.getpid())
+        exit_log = Path(tempfile.mkdtemp()) / "spawn-exit.log"  # reports of pools stopped at exit
         t0 = time.monotonic()
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        proc = subprocess.run(cmd, cwd=ROOT, env={**env, "DOBB_SPAWN_EXIT_LOG": str(exit_log)},
+                              capture_output=True, text=True)
         secs = time.monotonic() - t0
-        text = proc.stdout + proc.stderr
+        text = proc.stdout + proc.stderr + (exit_log.read_text() if exit_log.exists() else "")
         summary = next((l for l in reversed(text.splitlines()) if re.search(r"\d+ (passed|failed)", l)), "")
         run = {"run": i, "rc": proc.returncode, "seconds": round(secs), "summary": summary.strip("= "),
                "counts": counts(summary), "platform_aborts_at_exit": len(re.findall("platform abort at exit", text)),

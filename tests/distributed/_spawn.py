@@ -22,6 +22,7 @@ tests) is a platform abort at exit (SIGABRT "terminate called without an active 
 gloo's threads on a loaded host), not a failure of any check: ``stop`` reports it as a
 ``PlatformExitAbort`` warning (stderr for the pools stopped at exit) naming the rank and its exit
 code. A rank that dies before its result is a failure of that call (``RuntimeError``, as before).
+``DOBB_SPAWN_EXIT_LOG``: a file the reports of pools stopped at exit are appended to as well.
 """
 from __future__ import annotations
 
@@ -255,3 +256,7 @@ def shutdown() -> None:
         report = _POOLS.popitem()[1].stop()
         if report:
             print(f"_spawn: {report}", file=sys.stderr, flush=True)
+            log = os.environ.get("DOBB_SPAWN_EXIT_LOG")  # an xdist worker's stderr at exit is not shown
+            if log:
+                with open(log, "a") as f:
+                    f.write(f"_spawn: {report}\n")
