@@ -18,14 +18,19 @@ library's own hooks. Reported, with goals:
 ``--cpu-smoke`` runs the same code on CPU on two tiny layers (no CUDA graph) in seconds, which is
 how it is tested without a GPU. Writes ``gpu_check.json`` (with provenance) and ``gpu_check.md``.
 
-``--model-check`` instead measures, one matrix shape at a time, the quantities the step projection
-(``dobb-bench project``, ``dobb_bench.cost.projection``) is built from, and prints each next to the
-model's prediction from the committed inputs (H100 SXM): NS5 in bf16 on a whole matrix (the owner's
-work), Dobb's bf16 projections ``U Q`` and ``C Q^T`` on a row shard, its fp32 refresh
-(``A Q`` and Householder QR of one block; ``eigh`` beside it, the first step's basis) and one
-element-wise pass (a 20-byte-an-entry momentum update). Shapes: GPT-2 XL's and Llama-3-8B's.
-With ``--cpu-smoke`` it runs on tiny shapes on CPU (the predictions are still the H100's).
-Writes ``model_check.json`` and ``model_check.md``.
+``--model-check`` instead measures what the step projection (``dobb-bench project``,
+``dobb_bench.cost.projection``) is built from, each next to the model's prediction from the
+committed inputs (H100 SXM, with its two fitted constants):
+
+- the per-kernel cost (back-to-back one-element kernels) and the per-QR cost (a batch of blocks);
+- a step (steady and, for Dobb, refresh) of each method on GPT-2 XL layer shapes (``--layers``,
+  default the first two layers), predicted for one rank with no collective;
+- one matrix shape at a time: NS5 in bf16 on a whole matrix (the owner's work), Dobb's bf16
+  projections on a row shard, its fp32 refresh (``A Q`` and QR of one block; ``eigh`` beside it)
+  and one element-wise pass. Shapes: GPT-2 XL's and Llama-3-8B's.
+
+With ``--cpu-smoke`` the same code runs on tiny shapes on CPU (the predictions are still the
+H100's). Writes ``model_check.json`` (a record, with provenance) and ``model_check.md``.
 """
 from __future__ import annotations
 
@@ -168,6 +173,20 @@ MODEL_SHAPES = {  # (m, n, block width s): whole-matrix NS5, row shard of FS=8, 
     "llama3-8b q": (4096, 4096, 1024), "llama3-8b up": (14336, 4096, 1024), "llama3-8b down": (4096, 14336, 3584),
 }
 SMOKE_SHAPES = {"tiny square": (64, 64, 32), "tiny tall": (128, 32, 16)}
+# (label, registry name, hyperparameters, the projection's method): each method's step on one device
+STEP_METHODS = [
+    ("AdamW (single-tensor)", "adamw", {"foreach": False}, {"kind": "adamw"}),
+    ("Muon", "muon", {}, {"kind": "gather-muon"}),
+    ("Row-block Muon R=4", "block-muon", {"axis": 0, "blocks": 4}, {"kind": "row-block-muon", "blocks": 4}),
+    ("MuonBP P=5", "muonbp", {"period": 5}, {"kind": "muonbp", "period": 5}),
+    ("Dion2 1/4 per shard", "dion2", {"fraction": 0.25, "select": "shard"}, {"kind": "dion2-shard", "fraction": 0.25}),
+    ("Dobb B=1", "dobb", {"blocks": 1, "refresh_every": 9, "stagger": False},
+     {"kind": "dobb", "blocks": 1, "refresh_every": 9, "kernels": "dobb-b1"}),
+    ("Dobb B=4", "dobb", {"blocks": 4, "refresh_every": 9, "stagger": False},
+     {"kind": "dobb", "blocks": 4, "refresh_every": 9, "kernels": "dobb-b4"}),
+    ("Two-sided Dobb B=1 Bo=4", "dobb", {"blocks": 1, "side": "both", "out_blocks": 4, "refresh_every": 9, "stagger": False},
+     {"kind": "dobb-both", "blocks": 1, "out_blocks": 4, "refresh_every": 9, "kernels": "dobb-both"}),
+]
 
 
 def _median_ms(fn, device, repeats: int) -> float:
@@ -175,12 +194,71 @@ def _median_ms(fn, device, repeats: int) -> float:
     return statistics.median(_timed(fn, device) for _ in range(repeats))
 
 
+def _hardware():
+    from dobb_bench.cost import projection as PJ
+
+    inputs = PJ.load_inputs()
+    return PJ.Hardware.from_inputs(inputs["hardware"]["h100-sxm"], PJ.fit_constants(inputs)), inputs
+
+
+def kernel_cost(device, launches: int) -> dict:
+    """Per-kernel cost: ``launches`` back-to-back one-element ``add_`` calls (host dispatch and
+    launch, no work), and one batched QR per factorization, each beside the fitted constant."""
+    hw, _ = _hardware()
+    x = torch.zeros(1, device=device)
+
+    def many():
+        for _ in range(launches):
+            x.add_(1.0)
+
+    per_kernel = _median_ms(many, device, 3) / launches
+    blocks = torch.randn(16, 100, 100, device=device)
+    per_qr = _median_ms(lambda: torch.geqrf(blocks), device, 3) / 16
+    return {"launches": launches, "kernel_ms": per_kernel, "kernel_model_ms": 1e3 * hw.kernel_s,
+            "qr_block": [100, 100], "qr_ms": per_qr, "qr_model_ms": 1e3 * hw.qr_s}
+
+
+def method_steps(device, shapes, steps: int) -> list[dict]:
+    """Each method's steady (and refresh) step on a bank of ``shapes`` on one device, beside the
+    projection of the same step (one rank, no collective) with the committed inputs."""
+    from dobb.factory import build_optimizer
+    from dobb_bench.cost import projection as PJ
+    from dobb_bench.cost.kernels import Bank
+
+    hw, inputs = _hardware()
+    counts = inputs["kernels"]["methods"]
+    mats = [PJ.Matrix(f"m{i}", m, n, True) for i, (m, n) in enumerate(shapes)]
+    rows = []
+    for label, name, hp, method in STEP_METHODS:
+        torch.manual_seed(0)
+        bank = Bank(shapes, device)
+        opt = build_optimizer(name, bank, lr=1e-3, **hp)
+        is_refresh = getattr(opt, "is_refresh_step", lambda: False)
+        steady, refresh = [], []
+        for i in range(steps):
+            r = bool(is_refresh())
+            if r:
+                bank.capture()
+            ms = _timed(opt.step, device)
+            if i:  # the first step initialises state
+                (refresh if r else steady).append(ms)
+        model = PJ.project(method, mats, 0, PJ.Layout(fs=1), hw, False, counts, 0)
+        period = name == "muonbp"  # MuonBP's full step every P: its mean step is the amortized one
+        rows.append({"method": label, "steady_ms": statistics.median(steady) if steady else None,
+                     "mean_ms": statistics.mean(steady) if steady else None,
+                     "refresh_ms": statistics.median(refresh) if refresh else None,
+                     "model_steady_ms": model["amortized_ms"] if period else model["steady_ms"],
+                     "model_refresh_ms": None if period else model["periodic_ms"],
+                     "model_kernels": model["kernels"], "model_terms": {k: model[k] for k in PJ.TERM_KEYS}})
+    return rows
+
+
 def model_check(device, shapes: dict, fs: int = 8, repeats: int = 5) -> list[dict]:
     """Measured and modelled ms of each per-matrix quantity of the projection, per shape."""
     from dobb.baselines.newton_schulz import newton_schulz
     from dobb_bench.cost import projection as PJ
 
-    hw = PJ.Hardware.from_inputs(PJ.load_inputs()["hardware"]["h100-sxm"])
+    hw, _ = _hardware()
     rows = []
     for label, (m, n, s) in shapes.items():
         r = m // fs
@@ -192,14 +270,16 @@ def model_check(device, shapes: dict, fs: int = 8, repeats: int = 5) -> list[dic
         a = a @ a.T / s + torch.eye(s, device=device)
         qb = torch.linalg.qr(torch.randn(s, s, generator=g, device=device))[0]
         w, gr, mo = (torch.randn(r, n, generator=g, device=device) for _ in range(3))
-        # the model's counts: roofline.step_cost via the projection's helpers
+        # the model's counts: roofline.step_cost via the projection's helpers, at the stated efficiencies
+        bf16 = hw.bf16_eff * hw.bf16_flops
+        fp32 = hw.fp32_eff * hw.fp32_flops
         ns_flops = PJ._ns_flops(m, n)
         proj_flops = 4 * r * n * s  # one block's width s over all n columns: r x n x s twice, x 2 FLOPs
         refresh_flops = 2 * s ** 3 + (4 / 3) * s ** 3  # A Q and Householder QR of one s x s block
         quantities = [
-            ("NS5 bf16, whole matrix", lambda: newton_schulz(x), ns_flops / hw.bf16_flops),
-            ("Dobb projections bf16, row shard", lambda: ((u @ q) @ q.T), proj_flops / hw.bf16_flops),
-            ("Dobb refresh fp32: A Q + QR, one block", lambda: torch.linalg.qr(a @ qb), refresh_flops / hw.fp32_flops),
+            ("NS5 bf16, whole matrix", lambda: newton_schulz(x), ns_flops / bf16),
+            ("Dobb projections bf16, row shard", lambda: ((u @ q) @ q.T), proj_flops / bf16),
+            ("Dobb refresh fp32: A Q + QR, one block", lambda: torch.linalg.qr(a @ qb), refresh_flops / fp32 + hw.qr_s),
             ("eigh fp32, one block (first step)", lambda: torch.linalg.eigh(a), None),
             ("element-wise pass, row shard (model: the 20 B an entry minimum)", lambda: (mo.mul_(0.95).add_(gr), w.add_(mo, alpha=-1e-3)),
              20 * r * n / hw.hbm),
@@ -211,28 +291,54 @@ def model_check(device, shapes: dict, fs: int = 8, repeats: int = 5) -> list[dic
     return rows
 
 
-def model_check_markdown(rows, device) -> str:
-    md = [f"Measured on {device} against the projection's H100 SXM prediction (dobb_bench.cost.projection):", "",
-          "| shape (m x n, block s, local rows) | quantity | measured ms | model ms | measured / model |",
-          "|---|---|---|---|---|"]
+def _r(a, b) -> str:
+    return "" if a is None or not b else f"{a / b:.2f}"
+
+
+def _f(x) -> str:
+    return "—" if x is None else f"{x:.4g}"
+
+
+def model_check_markdown(rows, device, kernel=None, steps=None, step_shapes=None) -> str:
+    md = [f"Measured on {device} against the projection's H100 SXM prediction (dobb_bench.cost.projection):", ""]
+    if kernel:
+        md += ["| quantity | measured ms | model ms | measured / model |", "|---|---|---|---|",
+               f"| one kernel (1-element add_, {kernel['launches']} back to back) | {_f(kernel['kernel_ms'])} | "
+               f"{_f(kernel['kernel_model_ms'])} | {_r(kernel['kernel_ms'], kernel['kernel_model_ms'])} |",
+               f"| one QR factorization (batch of 16, 100 x 100, geqrf) | {_f(kernel['qr_ms'])} | "
+               f"{_f(kernel['qr_model_ms'])} | {_r(kernel['qr_ms'], kernel['qr_model_ms'])} |", ""]
+    if steps:
+        md += [f"A step of each method on {len(step_shapes)} matrices ({', '.join(f'{m}x{n}' for m, n in dict.fromkeys(map(tuple, step_shapes)))}), one device:", "",
+               "| method | steady ms | model | measured / model | refresh ms | model | measured / model | model kernels |",
+               "|---|---|---|---|---|---|---|---|"]
+        for s in steps:
+            md.append(f"| {s['method']} | {_f(s['steady_ms'])} | {_f(s['model_steady_ms'])} | "
+                      f"{_r(s['steady_ms'], s['model_steady_ms'])} | {_f(s['refresh_ms'])} | {_f(s['model_refresh_ms'])} | "
+                      f"{_r(s['refresh_ms'], s['model_refresh_ms'])} | {s['model_kernels']:.0f} |")
+        md.append("")
+    md += ["| shape (m x n, block s, local rows) | quantity | measured ms | model ms | measured / model |",
+           "|---|---|---|---|---|"]
     for r in rows:
-        ratio = "" if r["model_ms"] is None else f"{r['measured_ms'] / r['model_ms']:.2f}"
-        model = "—" if r["model_ms"] is None else f"{r['model_ms']:.4g}"
         md.append(f"| {r['shape']} ({r['m']} x {r['n']}, s {r['block']}, {r['rows_local']}) | {r['quantity']} | "
-                  f"{r['measured_ms']:.4g} | {model} | {ratio} |")
+                  f"{r['measured_ms']:.4g} | {_f(r['model_ms'])} | {_r(r['measured_ms'], r['model_ms'])} |")
     return "\n".join(md) + "\n"
 
 
 def run_model_check(args, device) -> int:
-    shapes = SMOKE_SHAPES if device.type == "cpu" else MODEL_SHAPES
-    rows = model_check(device, shapes, repeats=2 if device.type == "cpu" else 5)
+    cpu = device.type == "cpu"
+    shapes = SMOKE_SHAPES if cpu else MODEL_SHAPES
+    step_shapes = [s for _, s in matrix_shapes("tiny" if cpu else "xl", "0:1" if cpu else args.layers or "0:2")]
+    kernel = kernel_cost(device, 50 if cpu else 2000)
+    steps = method_steps(device, step_shapes, 11 if cpu else 20)
+    rows = model_check(device, shapes, repeats=2 if cpu else 5)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rec = {"kind": "model_check", "device": str(device),
            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+           "kernel": kernel, "step_shapes": step_shapes, "steps": steps,
            "rows": rows, "provenance": provenance(sys.argv)}
     (out / "model_check.json").write_text(json.dumps(rec, indent=1, default=str) + "\n")
-    text = model_check_markdown(rows, rec["device_name"])
+    text = model_check_markdown(rows, rec["device_name"], kernel, steps, step_shapes)
     (out / "model_check.md").write_text(text)
     print(text)
     return 0

@@ -43,6 +43,7 @@ FR = [
     # SPlus's 800-step best lr (0.08) is, the lr of the other rows' AdamW parts there
     ("SPlus Bo=4 authors", "splus:out_blocks=4:b2=0.95:adamw_lr_ratio=0.125", 8),
 ]
+LH_SEED2 = (("Row-block Muon R=4", 0), ("MuonBP R=4 P=5", 0), ("Dobb B=1", -1), ("AdamW", -2))
 SHIFT = 2  # the 20-tokens best lrs sat one to three grid steps below the 800-step ones
 W256 = [r for r in LH if r[0] in ("AdamW", "Muon", "Row-block Muon R=4", "Dobb B=1", "Two-sided B=1 Bo=4")]
 BASE = "dobb-bench compare --jobs 1 --layers 2 --context 64 --no-progress --checkpoint-every 500".split()
@@ -222,6 +223,15 @@ def next_close(lock):
         started[pick[0][0]] += 1
         return pick[0]
 
+def _fp32(row):
+    """The row with fp32 Newton-Schulz products, as its earlier runs had on a host without native
+    bf16 (there "auto" meant fp32; on a host with AVX512-BF16 it means bf16)."""
+    label, spec, j = row
+    if spec.split(":")[0] in ("muon", "muonbp", "block-muon") and "ns_dtype" not in spec:
+        spec += ":ns_dtype=float32"
+    return label, spec, j
+
+
 def next_frontier(lock, rows=None):
     """`frontier`: the rows of FR at 20 tokens. Each row's centre lr (800-step best less SHIFT
     grid steps) at seed 0, then both neighbours, then outward steps until bracketed (judged on
@@ -234,7 +244,10 @@ def next_frontier(lock, rows=None):
         out = [("lh", r, edge("lh", r), 0) for r in rows if edge("lh", r) is not None]
         seeds = [("lh", r, best_j("lh", r)[1], sd) for sd in (1, 2) for r in rows
                  if best_j("lh", r) is not None and edge("lh", r) is None]
-        pick = _pending(centre) or _pending(near) or _pending(out) or _pending(seeds)
+        # the earlier rows with two seeds get a third at their bracketed best lr (their runs are in
+        # another runs folder, so the lr is named here; table:long-horizon-best gives it)
+        third = [("lh", _fp32(r), j, 2) for label, j in LH_SEED2 for r in LH if r[0] == label]
+        pick = _pending(centre) or _pending(third) or _pending(near) or _pending(out) or _pending(seeds)
         if pick is None:
             return None
         running.add(pick[1])

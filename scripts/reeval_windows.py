@@ -69,6 +69,14 @@ def reeval(run_dir: str, corpus, windows: int, window_seed: int, env) -> dict:
     model.load_state_dict(state["model"])
     seed, seq_len = final["train"]["seed"], cfg.seq_len
     logged = [e for e in state["evals"] if e["step"] == state["step"]]
+    raw = None
+    if final.get("eval_weights", "raw") != "raw":
+        # an optimizer that validates its iterate average (SPlus): rebuild it, load its state and
+        # let it swap the average in, as the run's own evals did; the raw weights are scored too
+        raw = _common_loss(model, corpus, windows, window_seed, seq_len, final)
+        opt = _optimizer(final, model)
+        opt.load_state_dict(state["optimizer"])
+        opt.eval()
     own = evaluate(model, corpus, eval_offsets(corpus.val, seq_len, final["train"]["eval_seqs"], seed),
                    seq_len, final["train"]["eval_batch_size"], env)
     offsets = eval_offsets(corpus.val, seq_len, windows, window_seed)
@@ -86,9 +94,25 @@ def reeval(run_dir: str, corpus, windows: int, window_seed: int, env) -> dict:
             "model": final["model"], "logged_val_loss": logged[0]["val_loss"] if logged else None,
             "own_windows": final["train"]["eval_seqs"], "own_val_loss": own,
             "common_windows": windows, "window_seed": window_seed, "common_val_loss": common,
-            "common_groups": groups,
+            "common_groups": groups, "eval_weights": final.get("eval_weights", "raw"),
+            "common_val_loss_raw": common if raw is None else raw,
             "final_val_loss": final["final_val_loss"], "run_dir": os.path.basename(run_dir.rstrip("/")),
             "run_git_rev": (final.get("provenance") or {}).get("git_rev")}
+
+
+def _optimizer(final: dict, model):
+    """The run's optimizer, built as ``dobb-bench compare`` built it (its spec's hyperparameters)."""
+    from dobb_bench.specs import parse_spec
+    from dobb_bench.training.commands_train import make_optimizer
+
+    body = ":".join([final["optimizer"]] + [f"{k}={v}" for k, v in (final.get("hparams") or {}).items()])
+    spec = parse_spec(body)
+    return make_optimizer(spec.name, spec.hparams, final["lr"], final["train"]["weight_decay"], model)
+
+
+def _common_loss(model, corpus, windows: int, window_seed: int, seq_len: int, final: dict) -> float:
+    offsets = eval_offsets(corpus.val, seq_len, windows, window_seed)
+    return evaluate(model, corpus, offsets, seq_len, final["train"]["eval_batch_size"], DistEnv())
 
 
 def main(argv=None) -> int:

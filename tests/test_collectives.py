@@ -56,6 +56,16 @@ def test_plan_owners_longest_first_to_the_least_loaded_rank():
     assert plan_owners([1.0, 2.0], 4) == [1, 0]  # more ranks than units: some own nothing
 
 
+
+def test_plan_owners_continues_from_earlier_loads():
+    loads = [10.0, 0.0, 4.0]
+    # the 8 goes to the idle rank 1, then 3 to rank 2 (4 < 8, 10), and the loads are updated in place
+    assert plan_owners([3.0, 8.0], 3, loads) == [2, 1]
+    assert loads == [10.0, 8.0, 7.0]
+    with pytest.raises(ValueError, match="loads has 2 entries for 3 ranks"):
+        plan_owners([1.0], 3, [0.0, 0.0])
+
+
 def test_plan_balances_within_the_largest_unit():
     # greedy longest-first: every rank's load is at most the mean plus the largest unit
     costs = [float(s**3) for s in (768, 768, 768, 768, 3072, 768, 384, 384)]

@@ -1,9 +1,11 @@
 """The tags and groups of every collective the library issues on its own behalf (not those of FSDP,
 DTensor or Dion's partial sums): each is issued inside ``collective_kind`` so a meter can tell them
 apart, over a group from the user, the layout or ``plain_stat_group``; and ``plan_owners``, the one
-greedy plan of which rank computes which unit of work (Dobb's split refresh, owner-compute Muon).
+greedy plan of which rank computes which unit of work (Dobb's split refresh, owner-compute Muon,
+SOAP under sharding).
 
-Tags: ``"stat"`` for the data-parallel statistic sums (with the finiteness flags folded in when
+Tags: ``"owner"`` for owner-compute exchanges (SOAP's gradient shards to each matrix's owner and the
+update's shards back; its checkpoint conversion of owner-held state), ``"stat"`` for the data-parallel statistic sums (with the finiteness flags folded in when
 they share the group), ``"finite"`` for the finiteness flags alone, ``"norm"`` for ell2 column
 norms and gradient-Gram partial sums. The tag is a context variable read by ``dobb.meter``; this
 module does not know the meter exists.
@@ -94,10 +96,15 @@ def plain_stat_group(model, stat_group):
     return None
 
 
-def plan_owners(costs: list[float], ranks: int) -> list[int]:
+def plan_owners(costs: list[float], ranks: int, loads: list[float] | None = None) -> list[int]:
     """Owner (0 .. ranks-1) of each unit: longest first, each to the least loaded rank (ties: the
-    lowest rank; equal costs keep their order). Pure: every rank computes the same plan."""
-    load = [0.0] * ranks
+    lowest rank; equal costs keep their order). Pure: every rank computes the same plan.
+
+    ``loads``: the ranks' loads so far (units planned earlier, e.g. SOAP's earlier param groups);
+    updated in place when given."""
+    if loads is not None and len(loads) != ranks:
+        raise ValueError(f"loads has {len(loads)} entries for {ranks} ranks")
+    load = loads if loads is not None else [0.0] * ranks
     owner = [0] * len(costs)
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
         r = min(range(ranks), key=lambda r: (load[r], r))

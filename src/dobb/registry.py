@@ -136,9 +136,10 @@ _ENTRIES = (
     # block Shampoo as DASH does it (tiles within shards: no cross-shard exchange); Shampoo = one tile per matrix
     Entry("dash", Dash, "DASH", payload="none", state="dash"),
     Entry("shampoo", Shampoo, "Shampoo", payload="none", state="dash"),
-    # SOAP (Adam in Shampoo's eigenbases) and Newton-Muon (Muon on G Sigma^-1): whole matrices, not
-    # sharded here; a sharded step would gather each matrix as Muon does, hence "dense"
-    Entry("soap", SOAP, "SOAP", payload="dense", state="soap", blocks_side="input"),
+    # SOAP (Adam in Shampoo's eigenbases): sharded matrices owner-computed (shards to the owner, the
+    # update back), as owner-muon; Newton-Muon (Muon on G Sigma^-1): whole matrices, not sharded here;
+    # a sharded step would gather each matrix as Muon does, hence "dense"
+    Entry("soap", SOAP, "SOAP", payload="owner", state="soap", blocks_side="input"),
     Entry("newton-muon", NewtonMuon, "Newton-Muon", payload="dense", state="newton-muon", blocks_side="input"),
     # SPlus: sign of the momentum in the eigenbases of G G^T and G^T G (blocks/out_blocks within shards)
     Entry("splus", SPlus, "SPlus", payload="splus", state="splus", blocks_side="input"),

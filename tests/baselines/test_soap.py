@@ -173,3 +173,31 @@ def test_state_is_fp32_for_bf16_weights_and_survives_a_reload():
     for key in SOAP._own_dtype_keys:
         assert opt2.state[q][key].dtype == torch.float32
         torch.testing.assert_close(opt2.state[q][key], opt.state[p][key], rtol=0, atol=0)
+
+
+def test_plain_tensors_take_the_unsharded_path():
+    """Plain (non-DTensor) weights: no owners, whole state on this process, no collective, and a
+    state dict that is torch's own (the live tensors, no DTensor conversion)."""
+    from dobb.meter import PayloadMeter
+
+    p = torch.nn.Parameter(torch.randn(6, 10))
+    opt = SOAP([p], lr=0.01, precondition_frequency=2)
+    assert opt.owners == {}
+    with PayloadMeter() as m:
+        for _ in range(3):
+            p.grad = torch.randn(6, 10)
+            opt.step()
+    assert m.collectives == 0
+    st = opt.state[p]
+    assert st["momentum"].shape == (6, 10) and st["exp_avg_sq"].shape == (1, 6, 10)
+    assert st["stat_left"].shape == (1, 6, 6) and st["basis_right"].shape == (1, 10, 10)
+    saved = opt.state_dict()["state"][0]
+    assert all(saved[k] is st[k] for k in st if isinstance(st[k], torch.Tensor))
+
+
+def test_soap_cost_counts_the_preconditioned_sides():
+    from dobb.baselines.soap import soap_cost
+
+    assert soap_cost(4, 6, 1, True, True) == 4 * 6 * (1 + 4 + 6)
+    assert soap_cost(4, 6, 2, False, True) == 2 * 4 * 6 * (1 + 6)
+    assert soap_cost(4, 6, 1, False, False) == 24

@@ -55,7 +55,7 @@ HPARAMS = {
 CASES = {**{n: (n, {}) for n in OPTIMIZER_NAMES}, "dobb-g@shard-blocks": ("dobb-g", {"blocks": "world"})}
 # Optimizers that refuse DTensor parameters at construction (checked to say so; their plain
 # state_dict round trip is checked below).
-NO_FSDP2 = {"newton-muon", "soap"}
+NO_FSDP2 = {"newton-muon"}
 # State reshards exactly, but the steps after a world-size change follow the new shards.
 FOLLOWS_SHARDS_STATE_RESHARDS = {"muonbp"}
 # Refused on a world-size change: state laid out by the shards.

@@ -27,10 +27,30 @@ Update scale: SOAP's update is Adam's (entries of RMS below 1), so, like AdamW, 
 ``lr`` alone; the shared protocol's ``tau*sqrt(max(m, n))`` exists to bring orthogonalized updates
 to Adam's RMS and does not apply (``tau`` is accepted and unused). Batching: every block of every
 matrix of a group with the same ``(m, n_b)`` is one batch (``bmm``, batched ``eigh``/``qr``).
-Sharded (DTensor) weights are refused: this class computes on whole matrices.
+
+Sharded weights (FSDP2, or tensor parallel: DTensors ``Shard(0)`` or ``Shard(1)`` on a 1-D mesh) are
+computed by owners, as ``OwnerMuon`` computes Muon. At construction every sharded matrix gets an owner
+rank of its mesh (``collectives.plan_owners``, longest first by the cost ``soap_cost``, so every rank
+plans the same owners). The owner alone keeps that matrix's state: ``M`` (whole), ``V``, ``L``, ``R``
+and the bases; the other ranks keep the same keys as empty placeholders, and the step count. Each
+step, per param group and state dtype, one ``all_to_all`` sends every rank's gradient shards to their
+owners (cast to the state dtype); each owner runs the step above on its whole matrices, batched as
+without sharding; a second ``all_to_all`` returns every rank its shards of the updates (none on the
+first step, which has no update). Both are tagged ``"owner"`` (``collectives.collective_kind``).
+The numbers are those of the unsharded step on the same matrices. Payload per step and rank ``r``
+(``e`` bytes of the state dtype): ``e * (sum_i |shard_r(i)| + sum_{i owned by r} m_i n_i)``, i.e.
+``2 e m n`` per matrix over all ranks. Other layouts (2-D meshes, ``Replicate``, ``Partial``, ``_StridedShard``) are refused at
+construction with a ``ValueError``; plain tensors are computed locally as without sharding.
+
+Checkpoints: ``state_dict()`` gives each owner-held tensor as a DTensor ``Shard`` of its whole shape
+on the matrix's mesh (one ``all_to_all`` from the owners, collective), so
+``torch.distributed.checkpoint`` saves every entry once, with the same keys on every rank, in a
+layout that does not depend on the owners; ``load_state_dict`` gathers them back to this run's
+owners, whatever the world size of the save.
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -39,14 +59,18 @@ import torch
 from torch import Tensor
 
 from .._base import MatrixOptimizer, _name_of
-from ..layout import is_dtensor
+from ..collectives import collective_kind, plan_owners
+from ..layout import is_dtensor, to_local
 from .._hparams import Options, boolean, integer, one_of, option, optional, positive, unit_interval
 from .._hparams import betas as betas_rule
 from . import _common as C
 
 SIDES = ("both", "input", "output")
 
-__all__ = ["SOAP", "soap_project", "soap_project_back", "soap_initial_basis", "soap_refresh_basis", "SIDES"]
+__all__ = ["SOAP", "soap_project", "soap_project_back", "soap_initial_basis", "soap_refresh_basis", "soap_cost",
+           "SIDES"]
+# the state an owner keeps for a sharded matrix (other ranks: empty placeholders under the same keys)
+OWNED_KEYS = ("momentum", "exp_avg_sq", "stat_left", "stat_right", "basis_left", "basis_right")
 
 
 # ----------------------------------------------------------------------------- pure math
@@ -85,6 +109,89 @@ def soap_refresh_basis(stat: Tensor, basis: Tensor) -> tuple[Tensor, Tensor]:
     order = torch.argsort(est, dim=-1, descending=True)
     power = torch.take_along_dim(prod, order.unsqueeze(-2), dim=-1)
     return torch.linalg.qr(power).Q, order
+
+
+def soap_cost(m: int, nb: int, blocks: int, left: bool, right: bool) -> int:
+    """Work of one step of an ``m x (blocks*nb)`` matrix, for balancing owners: the products with
+    the bases and the statistics, ``m nb (m + nb)`` per block with both sides (``m nb`` without)."""
+    return blocks * m * nb * (1 + (m if left else 0) + (nb if right else 0))
+
+
+# ----------------------------------------------------------------------------- owner exchanges
+def _chunk_shape(shape: tuple, dim: int, size: int) -> tuple:
+    return tuple(size if d == dim else s for d, s in enumerate(shape))
+
+
+def _all_to_all(pieces: list[Tensor], in_splits: list[int], out_splits: list[int], dtype, device, pg) -> Tensor:
+    import torch.distributed as dist
+
+    inp = torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype, device=device)
+    out = torch.empty(sum(out_splits), dtype=dtype, device=device)
+    with collective_kind("owner"):
+        dist.all_to_all_single(out, inp, out_splits, in_splits, group=pg)
+    return out
+
+
+def _exchange_plan(items: list[tuple], pg):
+    """Shared bookkeeping of the two exchanges: ``items`` are ``(owner, tensor, whole shape, dim)``
+    with ``Shard(dim)`` (``torch.chunk``) shards over the ranks of ``pg``."""
+    import torch.distributed as dist
+
+    from ..sharding import chunk_sizes
+
+    world, me = dist.get_world_size(pg), dist.get_rank(pg)
+    sizes = [chunk_sizes(shape[dim], world) for _, _, shape, dim in items]
+    numel = [[math.prod(_chunk_shape(shape, dim, sizes[j][r])) for r in range(world)]
+             for j, (_, _, shape, dim) in enumerate(items)]
+    by_owner = [[j for j, it in enumerate(items) if it[0] == q] for q in range(world)]
+    return world, me, sizes, numel, by_owner
+
+
+def _to_owners(items: list[tuple], pg, dtype, device) -> list[Tensor | None]:
+    """One ``all_to_all``: this rank's shard of every item (``(owner, shard, whole shape, dim)``) to
+    its owner. Returns each item's whole tensor on its owner (in ``dtype``), None elsewhere."""
+    world, me, sizes, numel, by_owner = _exchange_plan(items, pg)
+    mine = by_owner[me]
+    send = [items[j][1].to(dtype).reshape(-1) for q in range(world) for j in by_owner[q]]
+    in_splits = [sum(numel[j][me] for j in by_owner[q]) for q in range(world)]
+    out_splits = [sum(numel[j][r] for j in mine) for r in range(world)]
+    recv = _all_to_all(send, in_splits, out_splits, dtype, device, pg)
+    per_source = [c.split([numel[j][r] for j in mine]) for r, c in enumerate(recv.split(out_splits))]
+    out: list[Tensor | None] = [None] * len(items)
+    for k, j in enumerate(mine):
+        _, _, shape, dim = items[j]
+        out[j] = torch.cat([per_source[r][k].view(_chunk_shape(shape, dim, sizes[j][r])) for r in range(world)],
+                           dim=dim)
+    return out
+
+
+def _from_owners(items: list[tuple], pg, dtype, device) -> list[Tensor]:
+    """One ``all_to_all``: every rank's shard of every item (``(owner, whole tensor on the owner else
+    None, whole shape, dim)``) from its owner. Returns this rank's shard of each item."""
+    world, me, sizes, numel, by_owner = _exchange_plan(items, pg)
+    mine = by_owner[me]
+    send = []
+    for r in range(world):
+        for j in mine:
+            _, whole, _, dim = items[j]
+            send.append(whole.to(dtype).narrow(dim, sum(sizes[j][:r]), sizes[j][r]).reshape(-1))
+    in_splits = [sum(numel[j][r] for j in mine) for r in range(world)]
+    out_splits = [sum(numel[j][me] for j in by_owner[q]) for q in range(world)]
+    recv = _all_to_all(send, in_splits, out_splits, dtype, device, pg)
+    out: list[Tensor | None] = [None] * len(items)
+    for q, chunk in enumerate(recv.split(out_splits)):
+        for j, piece in zip(by_owner[q], chunk.split([numel[j][me] for j in by_owner[q]])):
+            _, _, shape, dim = items[j]
+            out[j] = piece.view(_chunk_shape(shape, dim, sizes[j][me]))
+    return out  # type: ignore[return-value]
+
+
+def _contiguous_stride(shape: tuple) -> tuple:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))
 
 
 # ----------------------------------------------------------------------------- the optimizer
@@ -133,12 +240,17 @@ class SOAP(MatrixOptimizer):
     # fp32 statistics stay fp32 when a bf16 model resumes
     _own_dtype_keys = ("momentum", "exp_avg_sq", "stat_left", "stat_right", "basis_left", "basis_right")
 
+    def __init__(self, params, *, lr: float, **kwargs):
+        # sharded matrices: the rank (of the matrix's mesh) that keeps its state and computes its step
+        self.owners: dict[Tensor, int] = {}
+        self._owner_loads: dict[tuple[int, ...], list[float]] = {}  # per mesh (its ranks): planned work
+        super().__init__(params, lr=lr, **kwargs)
+
     def _check_matrix_group(self, group: dict[str, Any]) -> None:
         for i, p in enumerate(group["params"]):
             name = _name_of(p, self._param_names, i)
             if is_dtensor(p):
-                raise ValueError(f"{name} is a DTensor: SOAP computes on whole matrices and does not shard; "
-                                 f"use it on plain (DDP-replicated) weights")
+                _check_layout(name, p)
             n, b = p.shape[-1], group["blocks"]
             if n % b:
                 valid = [d for d in range(1, n + 1) if n % d == 0]
@@ -151,53 +263,126 @@ class SOAP(MatrixOptimizer):
         right = group["sides"] in ("both", "input") and nb <= limit
         return left, right
 
+    def _shapes(self, group: dict, p: Tensor) -> dict[str, tuple]:
+        """The whole shape of each state tensor of the matrix ``p``."""
+        m, n = p.shape
+        b = group["blocks"]
+        nb = n // b
+        left, right = self._sides(group, m, nb)
+        sl, sr = (m if left else 0), (nb if right else 0)
+        return dict(momentum=(m, n), exp_avg_sq=(b, m, nb), stat_left=(b, sl, sl), stat_right=(b, sr, sr),
+                    basis_left=(b, sl, sl), basis_right=(b, sr, sr))
+
+    def _plan_owners(self, group: dict, params: list[Tensor]) -> None:
+        """Owners of the sharded ``params`` (not yet planned), balanced per mesh over every group so far."""
+        by_mesh: dict[tuple[int, ...], list[Tensor]] = defaultdict(list)
+        for p in params:
+            if is_dtensor(p) and p not in self.owners:
+                by_mesh[_mesh_ranks(p)].append(p)
+        for ranks, ps in by_mesh.items():
+            loads = self._owner_loads.setdefault(ranks, [0.0] * len(ranks))
+            costs = []
+            for p in ps:
+                m, n = p.shape
+                nb = n // group["blocks"]
+                costs.append(soap_cost(m, nb, group["blocks"], *self._sides(group, m, nb)))
+            for p, r in zip(ps, plan_owners(costs, len(ranks), loads)):
+                self.owners[p] = r
+
     def _init_matrix_state(self, group: dict[str, Any]) -> None:
+        self._plan_owners(group, group["params"])
         for p in group["params"]:
             if "momentum" in self.state[p]:
                 continue
-            m, n = p.shape
-            b = group["blocks"]
-            nb = n // b
-            left, right = self._sides(group, m, nb)
-            kw = dict(dtype=_state_dtype(p), device=p.device)
-            sl, sr = (m if left else 0), (nb if right else 0)
-            # Eager and identical on every rank (distributed checkpoints load only into existing state);
-            # a side without a basis keeps an empty (b, 0, 0) tensor so the key set never varies.
-            self.state[p].update(
-                step=0,
-                momentum=torch.zeros(m, n, **kw),
-                exp_avg_sq=torch.zeros(b, m, nb, **kw),
-                stat_left=torch.zeros(b, sl, sl, **kw),
-                stat_right=torch.zeros(b, sr, sr, **kw),
-                basis_left=torch.zeros(b, sl, sl, **kw),
-                basis_right=torch.zeros(b, sr, sr, **kw),
-            )
+            kw = dict(dtype=_state_dtype(p), device=to_local(p).device)
+            # Eager and identical in keys on every rank (distributed checkpoints load only into existing
+            # state); a side without a basis keeps an empty (b, 0, 0) tensor so the key set never varies.
+            # A sharded matrix's state lives on its owner; the other ranks keep empty placeholders.
+            here = not is_dtensor(p) or self.owners[p] == p.device_mesh.get_local_rank(0)
+            self.state[p]["step"] = 0
+            for key, shape in self._shapes(group, p).items():
+                self.state[p][key] = torch.zeros(shape if here else (0,), **kw)
 
     def _matrix_step(self, group: dict[str, Any], active: list[Tensor]) -> None:
-        b = group["blocks"]
-        buckets: dict[tuple, list[Tensor]] = defaultdict(list)
-        for p in active:
-            # equal block shapes at the same step count share one batch (the step sets the bias
-            # correction and the refresh; all matrices of a group normally share it)
-            buckets[(p.shape[0], p.shape[1] // b, _state_dtype(p), p.device, self.state[p]["step"])].append(p)
-        params, updates, scales = [], [], []
-        for (m, nb, dtype, _, step), ps in buckets.items():
-            out = self._bucket_step(group, ps, m, nb, dtype, step)
-            if out is not None:
-                params += ps
-                updates += out[0]
-                scales += [out[1]] * len(ps)
+        local = [p for p in active if not is_dtensor(p)]
+        params, updates, scales = self._local_updates(group, local, [p.grad for p in local])
+        sharded: dict[tuple[int, ...], list[Tensor]] = defaultdict(list)
+        for p in active:  # parameter order: the same on every rank
+            if is_dtensor(p):
+                sharded[_mesh_ranks(p)].append(p)
+        for ps in sharded.values():
+            out = self._sharded_updates(group, ps)
+            params += out[0]
+            updates += out[1]
+            scales += out[2]
         C.apply_protocol(params, params, updates, scales, group["lr"], group["weight_decay"])
 
-    def _bucket_step(self, group: dict, ps: list[Tensor], m: int, nb: int, dtype: torch.dtype, t: int):
-        """One step of the matrices ``ps`` (equal shapes, step count ``t``): returns their updates
-        and the bias-correction factor, or None on the first step (statistics and bases only)."""
+    def _scale(self, group: dict, t: int) -> float:
+        b1, b2 = group["betas"]
+        return (1 - b2 ** t) ** 0.5 / (1 - b1 ** t) if group["correct_bias"] else 1.0
+
+    def _local_updates(self, group: dict, ps: list[Tensor], grads: list[Tensor]):
+        """SOAP's step on whole matrices ``ps`` held here, with gradients ``grads``: the
+        ``(params, updates, scales)`` of those that have an update this step."""
+        b = group["blocks"]
+        buckets: dict[tuple, list[int]] = defaultdict(list)
+        for i, p in enumerate(ps):
+            # equal block shapes at the same step count share one batch (the step sets the bias
+            # correction and the refresh; all matrices of a group normally share it)
+            buckets[(p.shape[0], p.shape[1] // b, _state_dtype(p), grads[i].device, self.state[p]["step"])].append(i)
+        params, updates, scales = [], [], []
+        for (m, nb, dtype, _, step), idx in buckets.items():
+            out = self._bucket_step(group, [ps[i] for i in idx], [grads[i] for i in idx], m, nb, dtype, step)
+            if out is not None:
+                params += [ps[i] for i in idx]
+                updates += out[0]
+                scales += [out[1]] * len(idx)
+        return params, updates, scales
+
+    def _sharded_updates(self, group: dict, ps: list[Tensor]):
+        """Owner compute for the sharded matrices ``ps`` of one mesh: gradient shards to the owners,
+        the step there, update shards back (one ``all_to_all`` each way per state dtype). Returns the
+        local shards ``(params, updates, scales)``."""
+        pg = ps[0].device_mesh.get_group(0)
+        params, updates, scales = [], [], []
+        for dtype in dict.fromkeys(_state_dtype(p) for p in ps):
+            sub = [p for p in ps if _state_dtype(p) == dtype]
+            device = to_local(sub[0]).device
+            steps = [self.state[p]["step"] for p in sub]  # the same on every rank
+            items = []
+            for p in sub:
+                g = p.grad
+                if tuple(g.placements) != tuple(p.placements) or g.device_mesh != p.device_mesh:
+                    g = g.redistribute(p.device_mesh, p.placements)
+                items.append((self.owners[p], g.to_local(), tuple(p.shape), p.placements[0].dim))
+            wholes = _to_owners(items, pg, dtype, device)
+            mine = [j for j, w in enumerate(wholes) if w is not None]
+            done = self._local_updates(group, [sub[j] for j in mine], [wholes[j] for j in mine])
+            result = dict(zip(map(id, done[0]), done[1]))
+            for j, p in enumerate(sub):
+                if wholes[j] is None:
+                    self.state[p]["step"] += 1  # the owner counted its own in the step
+            back = [j for j in range(len(sub)) if steps[j] > 0]  # the first step has no update
+            if back:
+                items = [(self.owners[sub[j]], result.get(id(sub[j])), tuple(sub[j].shape),
+                          sub[j].placements[0].dim) for j in back]
+                for j, u in zip(back, _from_owners(items, pg, dtype, device)):
+                    params.append(sub[j])
+                    updates.append(u)
+                    scales.append(self._scale(group, steps[j]))
+        return [p.to_local() for p in params], updates, scales
+
+    def _bucket_step(self, group: dict, ps: list[Tensor], grads: list[Tensor], m: int, nb: int,
+                     dtype: torch.dtype, t: int):
+        """One step of the matrices ``ps`` (equal shapes, step count ``t``, whole gradients ``grads``):
+        returns their updates and the bias-correction factor, or None on the first step (statistics
+        and bases only)."""
         b = group["blocks"]
         b1, b2 = group["betas"]
         sb = b2 if group["shampoo_beta"] is None else group["shampoo_beta"]
         left, right = self._sides(group, m, nb)
         states = [self.state[p] for p in ps]
-        grads = [p.grad.to(dtype) for p in ps]
+        grads = [x.to(dtype) for x in grads]
         g = torch.cat([_blocks(x, b) for x in grads])  # (K, m, nb), K = len(ps) * b
         cat = lambda key: torch.cat([st[key] for st in states])  # noqa: E731
         sl, sr = (cat("stat_left") if left else None), (cat("stat_right") if right else None)
@@ -210,7 +395,7 @@ class SOAP(MatrixOptimizer):
             v.lerp_(soap_project(g, ql, qr).square(), 1 - b2)
             mp = soap_project(torch.cat([_blocks(x, b) for x in moms]), ql, qr)
             o = soap_project_back(mp / v.sqrt().add_(group["eps"]), ql, qr)
-            scale = (1 - b2 ** t) ** 0.5 / (1 - b1 ** t) if group["correct_bias"] else 1.0
+            scale = self._scale(group, t)
             result = ([_unblock(x) for x in o.split(b)], scale)
         # Shampoo's factors from this step's gradient; the bases follow (first step: eigh).
         if sl is not None:
@@ -234,3 +419,108 @@ class SOAP(MatrixOptimizer):
         for st in states:
             st["step"] += 1
         return result
+
+    # ------------------------------------------------------------------ checkpoints of owner-held state
+    def _owned_entries(self):
+        """``(index in the state dict, logical matrix, group)`` of every sharded matrix, in order."""
+        index = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                v = self._views.get(p, p)
+                if group["algorithm"] != "adamw" and v in self.owners:
+                    yield index, p, v, group
+                index += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state dict, with each owner-held tensor of a sharded matrix as a DTensor ``Shard``
+        of its whole shape on the matrix's mesh (collective: every rank must call it)."""
+        sd = super().state_dict()
+        entries = list(self._owned_entries())
+        if not entries:
+            return sd
+        from torch.distributed.tensor import DTensor, Shard
+
+        state, copied = dict(sd["state"]), set()
+        groups: dict[tuple, list[tuple]] = defaultdict(list)
+        for i, p, v, group in entries:
+            st = self.state[p]
+            here = self.owners[v] == v.device_mesh.get_local_rank(0)
+            for key, shape in self._shapes(group, v).items():
+                dim = v.placements[0].dim if key == "momentum" else 1
+                groups[(_mesh_ranks(v), _state_dtype(v))].append(
+                    (i, v, key, (self.owners[v], st[key] if here else None, shape, dim)))
+        for (_, dtype), rows in groups.items():
+            v0 = rows[0][1]
+            shards = _from_owners([r[3] for r in rows], v0.device_mesh.get_group(0), dtype, to_local(v0).device)
+            for (i, v, key, (_, _, shape, dim)), local in zip(rows, shards):
+                if i not in copied:  # torch's state dict shares the live per-parameter dicts
+                    state[i], copied = dict(state[i]), copied | {i}
+                state[i][key] = DTensor.from_local(local.clone(), v.device_mesh, [Shard(dim)], run_check=False,
+                                                   shape=torch.Size(shape), stride=_contiguous_stride(shape))
+        return {**sd, "state": state}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(self._owner_state(state_dict))
+
+    def _owner_state(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``state_dict`` with each saved tensor of a sharded matrix as this run keeps it: whole on the
+        matrix's owner, an empty placeholder elsewhere. A saved DTensor is gathered to the owner (one
+        ``all_to_all`` per mesh and dtype, collective); a saved whole tensor (a single-process
+        checkpoint) is taken as it is."""
+        entries = list(self._owned_entries())
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        if not entries or len(saved_ids) != sum(len(g["params"]) for g in self.param_groups):
+            return state_dict  # nothing sharded here, or torch's own load raises the precise error
+        state = dict(state_dict["state"])
+        groups: dict[tuple, list[tuple]] = defaultdict(list)
+        for i, p, v, group in entries:
+            sid = saved_ids[i]
+            saved = state.get(sid)
+            if not saved:
+                continue
+            saved = state[sid] = dict(saved)
+            here = self.owners[v] == v.device_mesh.get_local_rank(0)
+            dtype = _state_dtype(v)
+            for key, shape in self._shapes(group, v).items():
+                value = saved.get(key)
+                if not isinstance(value, torch.Tensor):
+                    continue
+                name = _name_of(p, self._param_names, i)
+                if tuple(value.shape) != shape:
+                    raise ValueError(
+                        f"{name}: saved state {key!r} has shape {tuple(value.shape)}, but this optimizer's layout "
+                        f"needs {shape} (saved with other blocks, sides, max_precondition_dim or weight shape?)")
+                if is_dtensor(value):
+                    from torch.distributed.tensor import Shard
+
+                    dim = v.placements[0].dim if key == "momentum" else 1
+                    if value.device_mesh != v.device_mesh or tuple(value.placements) != (Shard(dim),):
+                        value = value.redistribute(v.device_mesh, [Shard(dim)])
+                    item = (self.owners[v], value.to_local(), shape, dim)
+                    groups[(_mesh_ranks(v), dtype)].append((sid, key, v, item))
+                else:
+                    saved[key] = value.to(dtype) if here else torch.zeros(0, dtype=dtype, device=value.device)
+        for (_, dtype), rows in groups.items():
+            v0 = rows[0][2]
+            wholes = _to_owners([r[3] for r in rows], v0.device_mesh.get_group(0), dtype, to_local(v0).device)
+            for (sid, key, v, _), whole in zip(rows, wholes):
+                state[sid][key] = whole if whole is not None else torch.zeros(0, dtype=dtype,
+                                                                               device=to_local(v).device)
+        return {**state_dict, "state": state}
+
+
+def _mesh_ranks(p: Tensor) -> tuple[int, ...]:
+    """The global ranks of a 1-D-mesh DTensor's mesh, in mesh order."""
+    return tuple(p.device_mesh.mesh.flatten().tolist())
+
+
+def _check_layout(name: str, p: Tensor) -> None:
+    """A sharded matrix SOAP can own-compute: ``Shard(0)`` or ``Shard(1)`` on a 1-D mesh."""
+    from torch.distributed.tensor import Shard
+
+    mesh, placements = p.device_mesh, tuple(p.placements)
+    if mesh.ndim != 1 or len(placements) != 1 or type(placements[0]) is not Shard:
+        raise ValueError(
+            f"{name} is a DTensor with placements {placements} on a {mesh.ndim}-D mesh: SOAP computes sharded "
+            f"matrices on owner ranks only for Shard(0) or Shard(1) on a 1-D mesh (FSDP2's fully_shard, or "
+            f"tensor parallelism alone); use one of those layouts, or plain (DDP-replicated) weights")

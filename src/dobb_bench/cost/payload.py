@@ -29,6 +29,7 @@ muonbp (period P)   ``2 mn / P`` (owner full step)      ``2 mn / P`` (blocks fol
 dion3 (fraction a)  ``k n`` (as dion2)                  ``k n``
 normuon             ``mn`` (as muon)                    ``mn``
 owner-muon          ``2 mn`` (shards to owner, back)    ``2 mn``
+soap                ``2 mn`` (owner compute)            ``2 mn``
 owner-placement     0 (whole matrix on its owner)       0
 dash, shampoo       0 (tiles within shards)             0 (tiles within shards)
 splus (Bi, Bo, T)   ``sum_c n_c^2 / T`` (G^T G blocks)  ``sum_b m_b^2 / T`` (G G^T blocks)
@@ -41,7 +42,8 @@ a side of length ``>= max_dim`` has no statistic).
 
 Owner compute (``owner-muon``, the ``dion`` package's megabatching) moves each matrix's shards to
 one owner rank and the result back: twice Muon's logical count, but NS5 runs once per matrix
-instead of on every rank. Owner *placement* (DMuon, MatrixFSDP) keeps each whole matrix on one
+instead of on every rank. SOAP under sharding is owner-computed the same way (the owner also keeps
+the matrix's statistics, bases and moments), so its count is owner-muon's. Owner *placement* (DMuon, MatrixFSDP) keeps each whole matrix on one
 rank, so the step exchanges nothing; the matrix moves in forward and backward instead (weight
 broadcast from the owner, gradient reduced to it), which ``forward_backward_entries`` reports:
 ``2 mn`` per step, the same leading count as FSDP2's own all-gather and reduce-scatter that every
@@ -443,7 +445,8 @@ STATE_FORMULAS: dict[str, Callable[..., float]] = {
 
 def _state_soap(m, n, hp, mn, out_shards, in_shards):
     """fp32 first and (rotated) second moments, plus fp32 L, R and their bases for every column
-    block on each preconditioned side (whole matrices: SOAP does not shard)."""
+    block on each preconditioned side, for the whole matrix (under sharding all of it on the
+    matrix's owner rank and none on the others, so a rank holds the sum over the matrices it owns)."""
     blocks, limit = int(hp["blocks"]), int(hp["max_precondition_dim"])
     nb = n // blocks
     left = m if hp["sides"] in ("both", "output") and m <= limit else 0

@@ -40,8 +40,13 @@ def compact(final: dict, evals: list[dict]) -> dict:
         # [step, largest matrix RMS, largest top singular value] on the raw weights
         rec["norm_curve"] = [[e["step"], _r(e["weight_norms"].get("max_rms")), _r(e["weight_norms"].get("max_top_sv"))]
                              for e in evals if "weight_norms" in e]
-        last = next(e for e in reversed(evals) if "weight_norms" in e)
-        rec["final_norms"] = {k: [_r(a), _r(b)] for k, (a, b) in last["weight_norms"]["matrices"].items()}
+        normed = [e for e in evals if "weight_norms" in e]
+        # each matrix's [rms, top singular value] at the first eval (the initial weights), halfway
+        # and at the last: the growth of each matrix, and whether it is still growing at the end
+        rec["norms_by_matrix"] = {
+            k: [[e["step"], _r(e["weight_norms"]["matrices"][k][0]), _r(e["weight_norms"]["matrices"][k][1])]
+                for e in (normed[0], normed[len(normed) // 2], normed[-1])]
+            for k in normed[-1]["weight_norms"]["matrices"]}
     if any(e.get("eval_weights", "raw") != "raw" and "val_loss_raw" in e for e in evals):
         rec["raw_curve"] = [[e["step"], _r(e.get("val_loss_raw"))] for e in evals if "val_loss_raw" in e]
     losses = final.get("train_losses") or []

@@ -28,13 +28,22 @@ def _loss(f: dict) -> float:
     return math.inf if v is None or f.get("diverged") or not math.isfinite(v) else v
 
 
-def results_markdown(finals: list[dict], *, grid: bool, shared_lr: float | None) -> str:
-    """One row per optimizer label. With ``grid``: shared-lr loss and best-of-grid (lr, loss)."""
+def results_markdown(finals: list[dict], *, grid: bool, shared_lr: float | None,
+                     row_lrs: dict[str, float] | None = None) -> str:
+    """One row per optimizer label. With ``grid``: shared-lr loss and best-of-grid (lr, loss).
+    ``row_lrs``: each label's own lr (compare's rows), which then takes the shared lr's place."""
     by_label: dict[str, list[dict]] = defaultdict(list)
     for f in finals:
         by_label[f["run"]].append(f)
+
+    def at_own_lr(label, runs):
+        lr = (row_lrs or {}).get(label, shared_lr)
+        return next((r for r in runs if lr is not None and abs(r["lr"] - lr) < 1e-12), None)
+
     head = ["optimizer"]
-    if grid and shared_lr is not None:
+    if grid and row_lrs:
+        head += ["row lr", "val loss @ row lr", "best lr", "best val loss"]
+    elif grid and shared_lr is not None:
         head += [f"val loss @ lr {shared_lr:.3g}", "best lr", "best val loss"]
     elif grid:
         head += ["best lr", "best val loss"]
@@ -47,24 +56,28 @@ def results_markdown(finals: list[dict], *, grid: bool, shared_lr: float | None)
         runs = by_label.get(label)
         if not runs:
             return None
-        shared = next((r for r in runs if shared_lr is not None and abs(r["lr"] - shared_lr) < 1e-12), None)
-        v = _loss(shared or min(runs, key=_loss))
+        v = _loss(at_own_lr(label, runs) or min(runs, key=_loss))
         return None if v == math.inf else v
 
     adamw, muon = ref_loss("AdamW"), ref_loss("Muon")
+    one_seed = len({(f.get("train") or {}).get("seed") for f in finals}) == 1
     for label, runs in by_label.items():
         best = min(runs, key=_loss)
-        shared = next((r for r in runs if shared_lr is not None and abs(r["lr"] - shared_lr) < 1e-12), None)
+        shared = at_own_lr(label, runs)
         ref = shared or best
         cells = [label]
-        if grid and shared_lr is not None:
+        if grid and row_lrs:
+            cells += [_fmt(row_lrs.get(label), ".3g"), _cell_loss(shared), _fmt(best["lr"], ".3g"), _cell_loss(best)]
+        elif grid and shared_lr is not None:
             cells += [_cell_loss(shared), _fmt(best["lr"], ".3g"), _cell_loss(best)]
         elif grid:
             cells += [_fmt(best["lr"], ".3g"), _cell_loss(best)]
         else:
             cells += [_fmt(ref["lr"], ".3g"), _cell_loss(ref)]
         gc = gap_closure(_loss(ref), adamw, muon) if _loss(ref) < math.inf else None
-        cells += ["—" if gc is None or label in ("AdamW", "Muon") else f"{100 * gc:.0f}%",
+        near = gc is not None and one_seed and min(abs(_loss(ref) - adamw), abs(_loss(ref) - muon)) <= ONE_SEED_NOISE
+        cells += ["—" if gc is None or label in ("AdamW", "Muon") else f"{100 * gc:.0f}%"
+                  + (" (within noise)" if near else ""),
                   block_widths(ref["optimizer"], ref.get("hparams", {}), ref.get("model", {})) or "—"]
         cells += [_fmt(ref.get("final_val_bpb"), ".4f"), _fmt(ref.get("tokens_per_s"), ".0f"),
                   _fmt(ref.get("opt_ms_per_step"), ".2f"), _fmt(ref.get("peak_mem_mb"), ".0f"),
@@ -80,10 +93,17 @@ def results_markdown(finals: list[dict], *, grid: bool, shared_lr: float | None)
                 "held-out sequences; opt ms/step times optimizer.step() only, first step excluded; "
                 "peak mem is the max RSS of the run's process on CPU (with --no-isolate, a high-water "
                 "mark shared by the runs before it) or max allocated CUDA memory. Gap closure = "
-                "(AdamW - x) / (AdamW - Muon) at the shared lr; block widths: attention and MLP-in / "
+                f"(AdamW - x) / (AdamW - Muon) at {'each row' + chr(39) + 's own lr' if row_lrs else 'the shared lr'}"
+                f"{'' if len({(f.get('train') or {}).get('seed') for f in finals}) > 1 else _ONE_SEED}; block widths: attention and MLP-in / "
                 "MLP-out input (input side), or attention-out and MLP-out / MLP-in / fused qkv output "
                 "(output side).")
     return "\n".join(rows) + "\n"
+
+
+# The Findings' noise rule for one seed (dobb_bench.reports.tables.noise with no spread known)
+ONE_SEED_NOISE = 0.1
+_ONE_SEED = (f" (one seed: a loss difference under {ONE_SEED_NOISE:g} nats, and the gap closure it moves, "
+             "is within noise)")
 
 
 def _cell_loss(f: dict | None) -> str:
@@ -228,15 +248,19 @@ def gap_closure(x: float, adamw: float, muon: float) -> float | None:
     return (adamw - x) / (adamw - muon)
 
 
-def plain_summary(finals: list[dict], shapes: list[tuple[int, int]], noise: float = 0.1) -> str:
+def plain_summary(finals: list[dict], shapes: list[tuple[int, int]], noise: float | None = None) -> str:
     """Where each Dobb row lands against AdamW, Muon and Dion (nearest payload), in plain words.
 
-    One row per label (its run at the shared lr, else its first run). With one seed a
-    difference under ``noise`` nats is called within noise. That bar is a floor, not a bound: a run
-    that leaves the loss plateau late can differ from its other seeds by more (docs/results.md).
+    One row per label (its first run: compare's row at its own lr). Verdicts follow the Findings'
+    noise rule (``dobb_bench.reports.tables.noise``, whose floor ``ONE_SEED_NOISE`` is defined
+    here): with one seed no spread is known, so a
+    difference under ``noise`` (0.1 nats) is within noise, and neither a lead nor a gap closure is
+    claimed from it. That bar is a floor, not a bound: a run that leaves the loss plateau late can
+    differ from its other seeds by more (docs/results.md).
     """
     from dobb_bench.cost.payload import relative_payload
 
+    noise = ONE_SEED_NOISE if noise is None else noise  # tables.noise(None, None): one seed, no spread known
     rows = {}
     for f in finals:
         rows.setdefault(f["run"], f)
@@ -256,11 +280,12 @@ def plain_summary(finals: list[dict], shapes: list[tuple[int, int]], noise: floa
         if other == math.inf:
             return f"{name}: no finite result"
         d = x - other
-        where = "ahead of" if d < 0 else "behind"
-        tail = f" (within the {noise:g}-nat noise of one seed)" if abs(d) < noise else ""
-        return f"{abs(d):.3f} {where} {name}{tail}"
+        if abs(d) <= noise:
+            return f"within noise of {name} ({d:+.3f}; one seed cannot tell apart less than {noise:g} nats)"
+        return f"{abs(d):.3f} {'ahead of' if d < 0 else 'behind'} {name} (beyond one-seed noise)"
 
-    lines = [f"Summary (one seed; differences under {noise:g} nats are within noise):"]
+    lines = [f"Summary (one seed, each row at its lr above; by the Findings' noise rule a difference under "
+             f"{noise:g} nats is within noise):"]
     for k, f in rows.items():
         entry = dobb.registry.OPTIMIZERS.get(f["optimizer"])
         if entry is None or not entry.refreshes:  # the summary reads the Dobb family's rows
@@ -276,15 +301,29 @@ def plain_summary(finals: list[dict], shapes: list[tuple[int, int]], noise: floa
             near = min(dions, key=lambda d: abs((pay[d] or 0) - pay[k]))
             parts.append(versus(x, loss[near], f"{near} (the Dion row nearest in payload: "
                                                f"{pay[near]:.3f} of Muon's vs {pay[k]:.3f})"))
-        lines.append(f"- {k} (blocks {bw} wide, {block_width_note(f['optimizer'], f.get('hparams'))}): loss {x:.3f}; "
-                     + "; ".join(parts)
-                     + ("" if gc is None else f"; closes {100 * gc:.0f}% of the AdamW-Muon gap")
+        lines.append(f"- {k} (lr {f.get('lr', math.nan):.3g}; blocks {bw} wide, "
+                     f"{block_width_note(f['optimizer'], f.get('hparams'))}): loss {x:.3f}; "
+                     + "; ".join(parts) + _closure_text(gc, x, adamw, muon, noise)
                      + f"; cost: {_cost(k, rows, pay)}.")
-    ran = [f"{k} {d}" for k, f in rows.items() for d in [product_dtype(f)] if d]
+    ran = {k: d for k, f in rows.items() for d in [product_dtype(f)] if d}
     if ran:
-        lines.append("- Matrix products ran in: " + ", ".join(ran) + " (the optimizer step costs above compare "
-                     "these dtypes; a bf16 row on a CPU without native bf16 would be emulated and slow).")
+        kinds = sorted(set(ran.values()))
+        same = (f"every matrix row's products ran in {kinds[0]}, so the optimizer step costs above compare "
+                "like with like" if len(kinds) == 1 else
+                "the products ran in different dtypes (" + ", ".join(f"{k} {d}" for k, d in ran.items())
+                + "), so the optimizer step costs above do not compare like with like")
+        lines.append(f"- Product dtype: {same} (a bf16 row on a CPU without native bf16 would be emulated and slow).")
     return "\n".join(lines) + "\n"
+
+
+def _closure_text(gc: float | None, x: float, adamw, muon, noise: float) -> str:
+    """The gap closure, only where one seed can resolve it: the row is beyond noise of both ends."""
+    if gc is None:
+        return ""
+    if abs(x - muon) <= noise or abs(x - adamw) <= noise:
+        return (f"; gap closure {100 * gc:.0f}% is not resolved by one seed (within {noise:g} nats of "
+                f"{'Muon' if abs(x - muon) <= noise else 'AdamW'})")
+    return f"; closes {100 * gc:.0f}% of the AdamW-Muon gap (one seed; beyond noise of both)"
 
 
 def product_dtype(final: dict) -> str | None:

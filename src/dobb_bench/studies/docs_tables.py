@@ -19,15 +19,16 @@ from pathlib import Path
 from dobb_bench.cost import projection
 from dobb_bench.cost.payload import relative_payload
 from dobb_bench.reports import best_row
+from dobb_bench.reports import claims as claims_check
 from dobb_bench.reports import records as R
 from dobb_bench.reports.figure_check import scan
 from dobb_bench.reports.report import _pyplot, _typed
 from dobb_bench.reports.tables import _group, _loss, stats
-from dobb_bench.studies import (family_dash, family_soap, long_horizon, main_job, operating_point, refresh_width,
+from dobb_bench.studies import (family_dash, family_soap, frontier, long_horizon, main_job, operating_point, refresh_width,
                                 shard_local, two_sided)
 
 _STUDIES = (main_job, operating_point, family_dash, family_soap, two_sided, refresh_width, shard_local, long_horizon,
-            projection)
+            frontier, projection)
 TABLES = {}
 for _module in _STUDIES:
     _clash = set(TABLES) & set(_module.TABLES)
@@ -165,7 +166,14 @@ def cmd_report(args) -> int:
         if claims:
             print(f"report: {sum(map(len, claims.values()))} 'best row' claim(s) disagree with their table "
                   "(rule: dobb_bench.reports.best_row)")
-        if changed or claims or (figures and args.strict_figures):
+        said = claims_check.scan()  # prose figures, "bracketed", seed counts, "ends lowest" against the tables
+        for path, hits in said.items():
+            for line, sentence, problem in hits:
+                print(f"prose claim: {path}:{line}: {problem}: {sentence[:100]}")
+        if said:
+            print(f"report: {sum(map(len, said.values()))} prose claim(s) contradict their tables or records "
+                  "(rule: dobb_bench.reports.claims)")
+        if changed or claims or said or (figures and args.strict_figures):
             return 1
     if not changed:
         print("report: every docs table matches its records")
@@ -174,8 +182,9 @@ def cmd_report(args) -> int:
 
 def add_parsers(sub) -> None:
     p = sub.add_parser("report", help="regenerate the docs tables from docs/results/records")
-    p.add_argument("--check", action="store_true", help="only compare; exit 1 if a table differs or a 'best row' "
-                   "sentence does not name its table's lowest row; also list figures in README.md and "
+    p.add_argument("--check", action="store_true", help="only compare; exit 1 if a table differs, a 'best row' "
+                   "sentence does not name its table's lowest row, or a prose claim contradicts its table "
+                   "(dobb_bench.reports.claims); also list figures in README.md and "
                    "docs/**/*.md that name no record")
     p.add_argument("--strict-figures", action="store_true", help="with --check: exit 1 on unsourced figures too")
     p.add_argument("--collect", metavar="RUN_DIR", help="add a compare/sweep output folder's runs to the records")

@@ -12,7 +12,8 @@ derived formulas:
   GPT-2 Small layer 0's six matrices with rows sharded over 4 ranks;
 - the FSDP2 step: ``optimizer.step()`` amortized over each row's cycle, on GPT-2 Small layer 0 and
   4 gloo ranks, as a ratio to owner-compute Muon timed side by side in the same run (the
-  ``timing.jsonl`` records under ``docs/results/cost/shard-local/``);
+  ``timing.jsonl`` records under ``docs/results/cost/shard-local/``: ``fsdp4`` every row,
+  ``fsdp4-splus`` SPlus over its 100-step cycle, ``fsdp4-soap`` SOAP owner-computed);
 - state: ``dobb_bench.cost.payload.derived_state_bytes`` per parameter of those matrices.
 """
 from __future__ import annotations
@@ -27,7 +28,11 @@ from dobb_bench.reports.tables import _loss, noise, paired, setting_line, stats
 from dobb_bench.specs import parse_spec
 
 STUDY = "shard-local"
-TIMING = ("cost/shard-local/fsdp4/timing.jsonl", "cost/shard-local/fsdp4-splus/timing.jsonl")
+TIMING = ("cost/shard-local/fsdp4/timing.jsonl", "cost/shard-local/fsdp4-splus/timing.jsonl",
+          "cost/shard-local/fsdp4-soap/timing.jsonl")
+# the rows a record may set (a record not listed sets every row it timed): fsdp4-soap timed AdamW
+# and owner-compute Muon beside SOAP only to have SOAP's ratio measured side by side
+TIMING_ROWS = {"cost/shard-local/fsdp4-soap/timing.jsonl": ("soap",)}
 OWNER = "owner-muon:ns_dtype=float32"
 LAYER0 = [(768, 768)] * 4 + [(3072, 768), (768, 3072)]  # GPT-2 Small layer 0 (fused qkv as 3)
 
@@ -40,7 +45,11 @@ ROWS = (
     ("Row-block Muon R=4", "Row-block Muon-fp32 R=4", (STUDY,), "block-muon:axis=0:blocks=4:ns_dtype=float32"),
     ("MuonBP R=4 P=5", "MuonBP-fp32 R=4 P=5", (STUDY,), "muonbp:blocks=4:period=5:ns_dtype=float32"),
     ("MuonBP R=4 P=10", "MuonBP-fp32 R=4 P=10", (STUDY,), "muonbp:blocks=4:period=10:ns_dtype=float32"),
-    ("SPlus Bo=4", "SPlus Bo=4", (STUDY,), "splus:out_blocks=4"),
+    # SPlus as its authors run it: b2=0.95 (every training script of theirs) and its AdamW part at
+    # lr/8, 0.01 at its 800-step best 0.08, where the other rows' AdamW parts run; before: b2=0.999
+    # and the AdamW part at lr/50
+    ("SPlus Bo=4, authors' setup", "SPlus Bo=4 authors", (STUDY,), "splus:out_blocks=4:b2=0.95:adamw_lr_ratio=0.125"),
+    ("SPlus Bo=4, earlier setup", "SPlus Bo=4", (STUDY,), "splus:out_blocks=4"),
     ("Dion2 1/4 per shard", "Dion2-fp32 1/4 per shard R=4", (STUDY,), "dion2:select=shard:blocks=4:ns_dtype=float32"),
     ("DASH, 32 x 32 tiles", "DASH 32", ("family-dash", STUDY), "dash:block_size=32"),
 )
@@ -99,6 +108,10 @@ def state_per_param(spec: str) -> float:
     return total / sum(m * n for m, n in LAYER0)
 
 
+# a spec whose step costs what another's does (b2 and the AdamW part's lr change no product or byte)
+TIMED_AS = {"splus:out_blocks=4:b2=0.95:adamw_lr_ratio=0.125": "splus:out_blocks=4"}
+
+
 def _timing_ratios() -> tuple[dict[str, float], list[str]]:
     """``{spec: step time / owner-compute Muon's}`` from the committed timing records, and their paths."""
     ratios, paths = {}, []
@@ -111,8 +124,9 @@ def _timing_ratios() -> tuple[dict[str, float], list[str]]:
             rec = json.loads(line)
             if rec.get("kind") == "run":
                 mat = rec["ratio_matrix"]
-                for label, row in mat.items():  # a later record wins: fsdp4-splus times SPlus's
-                    if OWNER in row:  # whole 100-step cycle, fsdp4 one step
+                # a later record wins: fsdp4-splus times SPlus's whole 100-step cycle, fsdp4 one step
+                for label, row in mat.items():
+                    if OWNER in row and label in TIMING_ROWS.get(rel, (label,)):
                         ratios[label] = row[OWNER]
     return ratios, paths
 
@@ -151,7 +165,7 @@ def frontier() -> tuple[str, list[dict]]:
             results[name] = (m, sd, n)
             used += list(at.values()) + [r for (x, s), r in runs.items() if s == 0]
             nbytes, when = communication(spec)
-            ratio = ratios.get("torch-adamw" if spec == "adamw" else spec)  # timed as torch's own AdamW
+            ratio = ratios.get("torch-adamw" if spec == "adamw" else TIMED_AS.get(spec, spec))  # AdamW: torch's own
             grid_txt = ", ".join(f"{x:.3g}" for x in grid)
             mark = "" if bracketed else " (edge)"
             lines.append(
@@ -162,6 +176,7 @@ def frontier() -> tuple[str, list[dict]]:
                 + f" | {_fmt_bytes(nbytes)} | {'—' if ratio is None else f'{ratio:.2f}'} | {state_per_param(spec):.1f} |")
     body = "\n".join(lines) + "\n"
     body += _reading(results)
+    body += _raw_note(ROWS)
     uniq = list({id(r): r for r in used}.values())
     return body + setting_line(uniq), uniq
 
@@ -192,19 +207,42 @@ def paired_text(vals: list, ref: list) -> str:
     return f"{mean:+.3f} ({' / '.join(f'{x:+.3f}' for x in d)}), {verdict}"
 
 
+def _raw_note(rows) -> str:
+    """For a row validated on its iterate average (SPlus), the same runs' raw weights at the last
+    eval (``raw_curve`` in the records, kept from the runs that recorded it)."""
+    out = []
+    for name, label, studies, _ in rows:
+        runs = runs_of(label, studies)
+        lr = best_lr(runs)[0]
+        raw = {s: r["raw_curve"][-1][1] for (x, s), r in runs.items() if x == lr and r.get("raw_curve")}
+        if raw:
+            avg = {s: _loss(runs[(lr, s)]) for s in raw}
+            out.append(f"{name} at lr {lr:.3g}, raw weights against its iterate average: "
+                       + ", ".join(f"seed {s}: {raw[s]:.3f} against {avg[s]:.3f}" for s in sorted(raw)))
+    return ("\n" + "; ".join(out) + ".\n") if out else ""
+
+
 def _reading(results: dict[str, tuple]) -> str:
-    """The lowest zero-communication row, and every other zero-communication row's distance to it
+    """The lowest row that sends nothing (communication "none"), the lowest of the group if that is
+    another row (with its periodic traffic), and every other row of the group against the first
     under the project's noise rule (2 std of the noisier row)."""
-    zero = [(name, results[name]) for name, *_ in ROWS if results.get(name, (math.nan, None, 0))[2]]
-    best_name, (bm, bs, _) = min(zero, key=lambda kv: kv[1][0])
+    group = [(name, spec, results[name]) for name, _, _, spec in ROWS
+             if results.get(name, (math.nan, None, 0))[2]]
+    silent = [g for g in group if communication(g[1])[1] == "none"] or group
+    best_name, _, (bm, bs, _) = min(silent, key=lambda g: g[2][0])
+    low_name, low_spec, (lm, _, _) = min(group, key=lambda g: g[2][0])
     parts = []
-    for name, (m, s, n) in zero:
+    for name, _, (m, s, n) in group:
         if name == best_name:
             continue
         d = m - bm
         parts.append(f"{name} {d:+.3f} ({'beyond' if abs(d) > noise(s, bs) else 'within'} noise)")
-    return (f"\nLowest zero-communication row: **{best_name}** ({bm:.3f}). Others against it: "
-            + "; ".join(parts) + ".\n")
+    text = f"\nLowest row with no step communication: **{best_name}** ({bm:.3f})."
+    if low_name != best_name:
+        nbytes, when = communication(low_spec)
+        text += (f" Lowest of the group, periodic communication included: {low_name} ({lm:.3f}; {when}, "
+                 f"{_fmt_bytes(nbytes)} per step).")
+    return text + f" Others against {best_name}: " + "; ".join(parts) + ".\n"
 
 
 def shard1() -> tuple[str, list[dict]]:

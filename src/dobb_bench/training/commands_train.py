@@ -33,7 +33,7 @@ from dobb_bench.errors import CliError, Interrupted
 from dobb_bench.provenance import provenance
 from dobb_bench.reports import report
 from dobb_bench.specs import OptimizerSpec, default_label, parse_hparams, parse_spec, refreshes  # noqa: F401 (re-exported)
-from dobb_bench.training import children
+from dobb_bench.training import children, row_settings
 from dobb_bench.training.data import load_corpus
 from dobb_bench.training.model import GPT, PRESETS, ModelConfig, config_from_preset
 from dobb_bench.training.outdir import _check_out, _check_rows, _finished_with, _read_final  # noqa: F401 (_read_final re-exported)
@@ -43,10 +43,13 @@ GRID_BASE = 5e-3
 # The Dobb rows follow the README's recommendation ("Which B, at what cost"): B=1 (the library's
 # default, best one-sided loss), B=4 (sharded, where the step matters) and two-sided B=1 Bo=1 (Muon's
 # loss with Dobb's collectives, docs/results.md "Two-sided Dobb"), plus the l2 and output-side
-# variants at B=4. Rows keep blocks >= 32 wide (width 128 / B=4): narrower blocks are a measured
-# quality risk (docs/results.md, block-width study), not the regime a user should pick.
+# variants at B=4; and row-block Muon with 4 row blocks, the README's answer where FSDP2 shards
+# rows (docs/results.md, study shard-local). Rows keep blocks >= 32 wide (width 128 / B=4): narrower
+# blocks are a measured quality risk (docs/results.md, block-width study), not the regime a user
+# should pick. Each row runs at its recorded best lr (row_settings.RECORDED_BEST_LR) where the
+# records have one.
 DEFAULT_COMPARE = ("adamw,muon,dion:rank_fraction=1/4,dion:rank_fraction=1/16,rmnp,"
-                   "block-muon:blocks=4,dobb:blocks=1,dobb:blocks=4,dobb:side=both@Two-sided B=1 Bo=1,"
+                   "block-muon:axis=0:blocks=4@Row-block Muon R=4,dobb:blocks=1,dobb:blocks=4,dobb:side=both@Two-sided B=1 Bo=1,"
                    "dobb-l2:blocks=4,dobb-g:blocks=4")
 # Measured wall times are in the final report / README; both fit their budgets on 2 CPU cores.
 RUN_PRESETS = {
@@ -133,7 +136,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     t.add_argument("--steps", type=int)
     t.add_argument("--batch-size", type=int, help="global sequences per optimizer step")
     t.add_argument("--micro-batches", type=int, default=1, help="gradient-accumulation micro-batches")
-    t.add_argument("--lr", type=float, help="base lr (default 5e-3*2**(-1/2) = 3.54e-3, grid j=-1)")
+    t.add_argument("--lr", type=float, help="base lr (default 5e-3*2**(-1/2) = 3.54e-3, grid j=-1; "
+                   "compare: each row's recorded best lr, this lr for every row when given)")
     t.add_argument("--weight-decay", type=float, default=0.1)
     t.add_argument("--warmup", type=int, help="warmup steps (default 5%% of steps)")
     t.add_argument("--schedule", choices=("cosine", "linear", "constant"), default="cosine")
@@ -333,8 +337,10 @@ def _close_dist() -> None:
         torch.distributed.destroy_process_group()
 
 
-def _finish(out: Path, finals: list[dict], model_cfg: ModelConfig, *, grid: bool, shared_lr: float | None) -> None:
-    """Writes results.jsonl, results.md and the plots (rank 0 only)."""
+def _finish(out: Path, finals: list[dict], model_cfg: ModelConfig, *, grid: bool, shared_lr: float | None,
+            row_lrs: dict[str, float] | None = None, notes: tuple[str, ...] = ()) -> None:
+    """Writes results.jsonl, results.md and the plots (rank 0 only). ``row_lrs``: each label's own lr
+    (``compare``), in place of one ``shared_lr``; ``notes``: lines said under the table."""
     if not _rank0():
         return
     records = []
@@ -343,8 +349,8 @@ def _finish(out: Path, finals: list[dict], model_cfg: ModelConfig, *, grid: bool
         records += [json.loads(x) for x in path.read_text().splitlines() if x.strip()][:-1]
         records.append(f)
     write_jsonl(out / "results.jsonl", records)
-    table = report.results_markdown(finals, grid=grid, shared_lr=shared_lr)
-    notes = [report.plot_curves(records, out / "val_loss.png")]
+    table = report.results_markdown(finals, grid=grid, shared_lr=shared_lr, row_lrs=row_lrs)
+    notes = list(notes) + [report.plot_curves(records, out / "val_loss.png")]
     shapes = [tuple(m.weight.shape) for blk in GPT(replace(model_cfg, layers=1)).blocks
               for m in blk.modules() if isinstance(m, torch.nn.Linear)] * model_cfg.layers
     notes.append(report.plot_payload(finals, shapes, out / "payload_vs_loss.png"))
@@ -395,21 +401,46 @@ def cmd_compare(args) -> int:
         raise CliError("--optimizers has duplicate labels; add @Label to tell them apart")
     grid = [float(j) for j in _parse_grid(args.lr_grid)] if args.lr_grid else []
     model_cfg, train_cfg, corpus_info = _configs(args)
+    # one product dtype for every row (row_settings.product_dtype), so the step times compare alike
+    dtype = (row_settings.product_dtype(train_cfg.device) if args.product_dtype == "rule"
+             else getattr(torch, args.product_dtype))
+    specs = [row_settings.with_product_dtype(s, dtype) for s in specs]
     for spec in specs:
         validate_spec(spec, model_cfg)
-    lrs = [train_cfg.lr] + [lr for lr in map(grid_lr, grid) if abs(lr - train_cfg.lr) > 1e-12]
-    jobs = [(s, lr) for s in specs for lr in lrs]
+    # each row at its own recorded best lr (row_settings.RECORDED_BEST_LR) unless --lr is given
+    row_lr, lr_source = row_settings.row_lrs(specs, args.lr)
+    jobs = [(s, lr) for s in specs for lr in [row_lr[s.label]] + [
+        x for x in map(grid_lr, grid) if abs(x - row_lr[s.label]) > 1e-12]]
     out = _out(args, "compare")
     _check_out(out, "compare")
     if not args.no_resume:
         _check_rows(out, jobs)
     t0 = time.perf_counter()
     finals = run_many(jobs, args, model_cfg, train_cfg, corpus_info, out)
-    _finish(out, finals, model_cfg, grid=bool(grid), shared_lr=train_cfg.lr)
+    _finish(out, finals, model_cfg, grid=bool(grid), shared_lr=None, row_lrs=row_lr,
+            notes=_compare_notes(specs, row_lr, lr_source, dtype, args))
     if _rank0():
         print(f"compare: {len(jobs)} runs in {time.perf_counter() - t0:.0f} s; results in {out}")
     _close_dist()
     return 0
+
+
+def _compare_notes(specs, row_lr: dict, lr_source: dict, dtype: torch.dtype, args) -> tuple[str, ...]:
+    """The lines under compare's table: where each row's lr comes from, and the product dtype."""
+    if args.lr is not None:
+        lr_line = f"learning rate: every row at --lr {args.lr:.3g}"
+    else:
+        lr_line = (f"learning rate: each row at its own best lr in the committed records "
+                   f"({row_settings.RECORDS_SETTING}; dobb_bench.training.row_settings): "
+                   + "; ".join(f"{s.label} {row_lr[s.label]:.3g} ({lr_source[s.label]})" for s in specs)
+                   + ". Pass --lr to put every row at one lr, --lr-grid to tune here")
+    rule = ("the rule: bf16 where this device multiplies bf16 natively, fp32 elsewhere"
+            if args.product_dtype == "rule" else "--product-dtype")
+    has = [s.label for s in specs if any(k in s.hparams for k in row_settings.DTYPE_KEYS)]
+    dtype_line = (f"product dtype: {row_settings.dtype_name(dtype)} ({rule}) for the matrix products of every "
+                  f"row that has them ({', '.join(has) or 'none'}: Newton-Schulz, Dobb's projections), "
+                  "so the optimizer step times compare like with like")
+    return lr_line, dtype_line
 
 
 def cmd_sweep(args) -> int:
@@ -465,6 +496,10 @@ def add_parsers(sub) -> None:
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                    help="one child process per run (default on CPU without torchrun)")
     p.add_argument("--jobs", type=int, default=2, help="isolated runs at a time (default 2: two cores)")
+    p.add_argument("--product-dtype", choices=("rule", "bfloat16", "float32"), default="rule",
+                   help="dtype of every row's matrix products (Muon-family ns_dtype, Dobb's product_dtype) "
+                        "unless its spec sets one; default 'rule': bf16 where the device runs it natively, "
+                        "fp32 elsewhere")
     _add_common(p)
     _allow_negative_lists(p)
     p.set_defaults(func=cmd_compare)

@@ -153,9 +153,127 @@ def test_gpu_check_model_check_cpu(tmp_path):
     spec.loader.exec_module(mod)
     assert mod.main(["--cpu-smoke", "--model-check", "--out", str(tmp_path)]) == 0
     rec = json.loads((tmp_path / "model_check.json").read_text())
-    hw = PJ.Hardware.from_inputs(PJ.load_inputs()["hardware"]["h100-sxm"])
+    inputs = PJ.load_inputs()
+    hw = PJ.Hardware.from_inputs(inputs["hardware"]["h100-sxm"], PJ.fit_constants(inputs))
     ns = [r for r in rec["rows"] if r["quantity"].startswith("NS5")]
     assert len(ns) == len(mod.SMOKE_SHAPES)
-    # 64 x 64: 5 (4 * 64^3 + 2 * 64^3) FLOPs at the H100's bf16 peak
-    assert ns[0]["model_ms"] == pytest.approx(1e3 * 5 * 6 * 64 ** 3 / hw.bf16_flops)
+    # 64 x 64: 5 (4 * 64^3 + 2 * 64^3) FLOPs at 60% of the H100's bf16 peak (989.4 TFLOP/s)
+    assert ns[0]["model_ms"] == pytest.approx(1e3 * 5 * 6 * 64 ** 3 / (0.6 * 989.4e12))
     assert all(r["measured_ms"] > 0 for r in rec["rows"])
+    # the per-kernel and per-QR costs beside the fitted constants; a step of every method
+    assert rec["kernel"]["kernel_ms"] > 0 and rec["kernel"]["kernel_model_ms"] == pytest.approx(1e3 * hw.kernel_s)
+    assert [s["method"] for s in rec["steps"]] == [m[0] for m in mod.STEP_METHODS]
+    dobb_row = next(s for s in rec["steps"] if s["method"] == "Dobb B=1")
+    assert dobb_row["steady_ms"] > 0 and dobb_row["refresh_ms"] > 0 and dobb_row["model_refresh_ms"] > dobb_row["model_steady_ms"]
+    adamw = next(s for s in rec["steps"] if s["method"].startswith("AdamW"))
+    assert adamw["model_kernels"] == 7 * len(rec["step_shapes"])  # single-tensor AdamW: 7 kernels a matrix
+    assert rec["provenance"]["git_rev"]
+
+
+# ----------------------------------------------------------------------------- the launch, QR and owner terms
+COUNTS = {  # hand-made kernel counts (per matrix, per group, per extra shape)
+    "adamw": {"steady": {"per_matrix": 7, "per_group": 0, "per_shape": 0}},
+    "muon": {"steady": {"per_matrix": 1, "per_group": 20, "per_shape": 10}},
+    "dobb-b4": {"steady": {"per_matrix": 5, "per_group": 6, "per_shape": 0},
+                "refresh": {"per_matrix": 8, "per_group": 10, "per_shape": 0}},
+}
+HWK = PJ.Hardware(bf16_flops=1e12, fp32_flops=1e11, hbm=1e11, nvlink=1e10, internode=1e9, gpus_per_node=8,
+                  lat_intra=1e-5, lat_inter=2e-5, bf16_eff=0.5, fp32_eff=0.25, kernel_s=1e-6, qr_s=3e-6)
+
+
+def test_adamw_launch_term_counts_every_tensor():
+    got = PJ.project({"kind": "adamw"}, MAT, 10, LAY, HWK, counts=COUNTS, tensors=2)
+    # 7 kernels a tensor: 1 matrix + 2 other tensors = 21 kernels at 1 us
+    assert got["launch_ms"] == pytest.approx(_ms(21e-6))
+    assert got["amortized_ms"] == pytest.approx(_ms(28 * (16 + 5) / 1e11 + 21e-6))
+
+
+def test_efficiency_divides_the_peak():
+    got = PJ.project({"kind": "owner-muon", "ns_bytes": 2}, MAT, 0, LAY, HWK, counts=COUNTS)
+    # NS5 on 8 x 4: 3200 FLOPs at half the bf16 peak; kernels: 20 a group + 1 a matrix
+    assert got["matmul_ms"] == pytest.approx(_ms(3200 / 0.5e12))
+    assert got["launch_ms"] == pytest.approx(_ms(21e-6))
+
+
+def test_dobb_refresh_charges_one_qr_a_block():
+    got = PJ.project({"kind": "dobb", "blocks": 2, "refresh_every": 4}, MAT, 0, LAY, HWK, stat_sync=False, counts=COUNTS)
+    # local 4 x 4, blocks of 2: 2 QR factorizations in the refresh step, 3 us each; refresh kernels
+    # (10 + 8) - (6 + 5) = 7 more than the steady step's 11
+    steady = (20 * 16 + 2 * 8) / 1e11 + 4 * 4 * 4 * 2 / 0.5e12 + 11e-6
+    refresh = (32 + 64 / 3) / 0.25e11 + 128 / 1e11 + 7e-6 + 2 * 3e-6
+    assert got["steady_ms"] == pytest.approx(_ms(steady))
+    assert got["periodic_ms"] == pytest.approx(_ms(steady + refresh))
+    assert got["qr"] == pytest.approx(2 / 4)  # amortized: 2 factorizations every 4 steps
+
+
+def test_owner_plan_is_the_busiest_rank_not_the_mean():
+    mats = [PJ.Matrix("a", 8, 8, True), PJ.Matrix("b", 4, 4, True), PJ.Matrix("c", 4, 4, True)]
+    mine, owners = PJ.owner_plan(mats, 2)
+    assert mine == [0] and owners == 2  # the 8 x 8 alone outweighs both 4 x 4s
+    got = PJ.project({"kind": "owner-muon", "ns_bytes": 2}, mats, 0, PJ.Layout(fs=2), HWK, counts=COUNTS)
+    # busiest owner: NS5 on 8 x 8 = 5 * 6 * 512 = 15360 FLOPs (the mean would be (15360 + 2 * 1920) / 2)
+    assert got["matmul_ms"] == pytest.approx(_ms(15360 / 0.5e12))
+
+
+def test_fit_solves_the_named_points_exactly():
+    rec = PJ.build(PJ.load_inputs())
+    fitted = [c for c in rec["calibration"] if c["fitted"]]
+    assert sorted(c["fitted"] for c in fitted) == ["kernel_s", "qr_s"]
+    assert all(c["ratio"] == pytest.approx(1.0) for c in fitted)
+    assert rec["summary"]["unfitted"] == len(rec["calibration"]) - 2
+
+
+def _tiny_inputs(tmp_path):
+    inputs = PJ.load_inputs()
+    inputs["hardware"] = {"round": {"bf16_flops": 1e12, "fp32_flops": 1e11, "hbm_bytes_per_s": 1e11,
+                                    "nvlink_bytes_per_s": 1e10, "internode_bytes_per_s": 1e9, "gpus_per_node": 8,
+                                    "latency_intra_s": 1e-5, "latency_inter_s": 2e-5,
+                                    "bf16_efficiency": 0.5, "fp32_efficiency": 0.25}}
+    inputs["fit"] = []
+    inputs["fixed"] = {"kernel_s": 1e-6, "qr_s": 3e-6}
+    inputs["kernels"]["methods"] = {**inputs["kernels"]["methods"], **COUNTS}
+    path = tmp_path / "inputs.json"
+    path.write_text(json.dumps(inputs))
+    cfg = {"model_type": "llama", "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+           "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 10, "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return inputs, path
+
+
+def test_user_config_adamw_and_share_by_hand(tmp_path):
+    inputs, _ = _tiny_inputs(tmp_path)
+    spec = PJ.config_spec(str(tmp_path / "config.json"), inputs)
+    res = PJ.user_projection(spec, gpus=2, tp=1, dtype="bf16", mfu=0.5, tokens=1000, inputs=inputs, hardware="round")
+    # q, k, v, o 8 x 8; gate, up 16 x 8; down 8 x 16: 640 entries in 7 matrices; other: tied
+    # embedding 10 x 8 + 3 RMSNorms of 8 = 104 entries in 4 tensors (2 norms, embedding, final norm)
+    assert res["params"] == 744 and res["matrices"] == 7 and res["other_tensors"] == 4
+    adamw = next(r for r in res["rows"] if r["method"] == "AdamW")
+    # HBM: 28 B x 744 / 2 ranks over 1e11 B/s; launch: 7 kernels x 11 tensors x 1 us
+    assert adamw["amortized_ms"] == pytest.approx(_ms(28 * 372 / 1e11 + 77e-6))
+    # forward + backward: 6 x 744 x 1000 / (2 x 1e12 x 0.5) s
+    assert res["fwd_bwd_ms"] == pytest.approx(_ms(6 * 744 * 1000 / 1e12))
+    assert adamw["share"] == pytest.approx(adamw["amortized_ms"] / (adamw["amortized_ms"] + res["fwd_bwd_ms"]))
+
+
+def test_project_config_command_and_its_errors(tmp_path, capsys):
+    from dobb_bench.cli import main
+
+    _, path = _tiny_inputs(tmp_path)
+    cfg = str(tmp_path / "config.json")
+    assert main(["project", "--inputs", str(path), "--hardware", "round", "--config", cfg, "--gpus", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "Assumptions:" in out and "| AdamW |" in out and "| Dobb B=1 |" in out and "| Muon (owner compute) |" in out
+    assert "MFU 0.4" in out
+    for bad in (["--config", cfg, "--gpus", "3", "--tp", "2"], ["--config", str(tmp_path / "none.json"), "--gpus", "2"],
+                ["--config", cfg], ["--config", cfg, "--gpus", "2", "--dtype", "fp8"],
+                ["--config", cfg, "--gpus", "2", "--mfu", "0"]):
+        assert main(["project", "--inputs", str(path), "--hardware", "round", *bad]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("dobb-bench project: error:"), err
+    (tmp_path / "zero.json").write_text(json.dumps({**json.loads((tmp_path / "config.json").read_text()),
+                                                     "num_hidden_layers": 0}))
+    assert main(["project", "--config", str(tmp_path / "zero.json"), "--gpus", "2"]) == 2
+    assert "positive integers" in capsys.readouterr().err
+    (tmp_path / "bert.json").write_text(json.dumps({"model_type": "bert"}))
+    assert main(["project", "--config", str(tmp_path / "bert.json"), "--gpus", "2"]) == 2
+    assert "not supported" in capsys.readouterr().err

@@ -72,9 +72,10 @@ def test_cycle_covers_the_longest_refresh_period():
     assert T.cycle_length(torch.optim.AdamW(model.parameters())) == 1
     assert T.cycle_length(dobb.MuonBP(mats, lr=0.1, period=5, blocks=1)) == 5  # one full step per cycle
     assert T.cycle_length(dobb.MuonBP(mats, lr=0.1, period=0, blocks=1)) == 1
-    # the periodic refreshes of SPlus (eigh of both bases) and DASH (inverse roots) are amortized
+    # the periodic refreshes of SPlus (eigh of both bases), DASH (inverse roots) and SOAP (QR) are amortized
     assert T.cycle_length(dobb.build_optimizer("splus", model, lr=0.1, inverse_every=7)) == 7
     assert T.cycle_length(dobb.build_optimizer("dash", model, lr=0.1, precondition_every=4)) == 4
+    assert T.cycle_length(dobb.build_optimizer("soap", model, lr=0.1, precondition_frequency=6)) == 6
 
 
 def test_slow_optimizers_run_one_cycle_per_repeat(tmp_path):

@@ -126,6 +126,39 @@ def test_reeval_reproduces_the_logged_loss_and_refuses_other_weights(tmp_path, t
     assert not out2.exists() or out2.read_text() == ""
 
 
+def test_reeval_scores_an_iterate_average_and_the_raw_weights(tmp_path, text_dir, cache_dir):
+    """SPlus validates its iterate average: the re-evaluation rebuilds the optimizer, swaps the
+    average in (the own-window loss must equal the logged one) and scores the raw weights too."""
+    run = tmp_path / "cmp"
+    assert cli_main(["compare", "--optimizers", "splus:inverse_every=2@S", "--no-isolate", "--data", str(text_dir),
+                     "--cache-dir", str(cache_dir), "--layers", "1", "--width", "32", "--heads", "2", "--context",
+                     "32", "--steps", "4", "--batch-size", "4", "--eval-every", "2", "--eval-seqs", "8", "--seed",
+                     "3", "--checkpoint-every", "2", "--no-progress", "--lr", "0.05", "--out", str(run)]) == 0
+    mod = _script()
+    mod.GROUPS = 4
+    out = tmp_path / "re.jsonl"
+    assert mod.main([str(run), "--out", str(out), "--windows", "16", "--data", str(text_dir), "--cache-dir",
+                     str(cache_dir)]) == 0
+    (rec,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rec["eval_weights"] == "iterate-ema"
+    assert rec["own_val_loss"] == pytest.approx(rec["logged_val_loss"], abs=1e-6)
+    # the raw weights, scored by hand on the same common windows
+    from dobb_bench.training.data import eval_offsets, load_corpus
+    from dobb_bench.training.dist_env import DistEnv
+    from dobb_bench.training.evaluate import evaluate
+    from dobb_bench.training.model import GPT, ModelConfig
+
+    (ckpt,) = run.glob("runs/*/checkpoint.pt")
+    state = torch.load(ckpt, weights_only=False)
+    cfg = ModelConfig(**rec["model"])
+    model = GPT(cfg, seed=0)
+    model.load_state_dict(state["model"])
+    corpus = load_corpus(str(text_dir), cache_dir=str(cache_dir), val_fraction=0.02)
+    raw = evaluate(model, corpus, eval_offsets(corpus.val, cfg.seq_len, 16, 12345), cfg.seq_len, 8, DistEnv())
+    assert rec["common_val_loss_raw"] == pytest.approx(raw, abs=1e-6)
+    assert abs(rec["common_val_loss"] - raw) > 1e-4  # the average is another set of weights
+
+
 def test_best_on_common_picks_each_rows_lr_on_the_common_windows(tmp_path, monkeypatch):
     """Best lr per row and setting on the common windows (seed 0 only), edges marked, ranks within a
     setting, and the paired gap to Muon at Muon's own best lr."""

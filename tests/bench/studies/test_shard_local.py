@@ -62,3 +62,18 @@ def test_paired_gap_is_a_paired_t_test():
     assert S.paired_text([1.1, 1.2], [1.0, 1.0]) == ("+0.150 (+0.100 / +0.200), within noise "
                                                      "(same sign at every seed)")  # t(1) = 12.7
     assert S.paired_text([1.1, 0.9], [1.0, 1.0]) == "+0.000 (+0.100 / -0.100), within noise"
+
+
+def test_the_reading_names_the_lowest_row_that_sends_nothing():
+    """MuonBP's full steps are periodic traffic: a lower MuonBP row is named apart, never as the
+    lowest zero-communication row (issue 39 item 6)."""
+    from dobb_bench.studies import shard_local as S
+
+    results = {"Row-block Muon R=4": (1.609, 0.040, 3), "MuonBP R=4 P=5": (1.608, 0.031, 3),
+               "Dobb B=4": (1.801, 0.038, 3), "DASH, 32 x 32 tiles": (1.762, 0.036, 3)}
+    text = S._reading(results)
+    assert text.startswith("\nLowest row with no step communication: **Row-block Muon R=4** (1.609). "
+                           "Lowest of the group, periodic communication included: MuonBP R=4 P=5 (1.608; periodic, ")
+    assert "MuonBP R=4 P=5 -0.001 (within noise)" in text and "DASH, 32 x 32 tiles +0.153" in text
+    results["MuonBP R=4 P=5"] = (1.700, 0.031, 3)
+    assert "Lowest of the group" not in S._reading(results)

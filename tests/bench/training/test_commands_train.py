@@ -108,7 +108,7 @@ def test_compare_lr_grid_reports_shared_and_best(tmp_path, text_dir, cache_dir):
     finals = [f for f in finals if f["type"] == "final"]
     assert [f["lr"] for f in finals] == pytest.approx([C.grid_lr(-1), 2.5e-3])  # j=-1 is the shared lr
     md = (out / "results.md").read_text()
-    assert "val loss @ lr 0.00354" in md and "best lr" in md
+    assert "| row lr | val loss @ row lr | best lr |" in md  # AdamW's recorded best lr is j=-1
     best = min(finals, key=lambda f: f["final_val_loss"])
     assert f"| {best['lr']:.3g} | {best['final_val_loss']:.4f} |" in md
 
@@ -124,7 +124,7 @@ def test_parallel_isolated_runs_equal_sequential(tmp_path, text_dir, cache_dir, 
     assert main(common + ["--jobs", "2", "--out", str(tmp_path / "par")]) == 0
     assert main(common + ["--jobs", "1", "--out", str(tmp_path / "seq")]) == 0
     out = capsys.readouterr().out
-    assert "Summary (one seed" in out and "- Dobb B=2 (blocks 16 / 64 wide" in out
+    assert "Summary (one seed" in out and "- Dobb B=2 (lr 0.00354; blocks 16 / 64 wide" in out
 
     def finals(d):
         rows = [json.loads(x) for x in (d / "results.jsonl").read_text().splitlines()]

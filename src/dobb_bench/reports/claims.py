@@ -1,0 +1,367 @@
+"""Prose claims against the tables and records they rest on: four kinds of contradiction.
+
+Why: ``dobb-bench report --check`` regenerates every marked table from its records, but the prose
+around the tables quotes them, and drifts when a table changes (a figure rounded from an older
+record, a row called bracketed that its table now marks "(edge)", "one seed" beside a table with
+second seeds, a row said to end lowest that no longer does). This module checks those four kinds
+of sentence in README.md and docs/*.md; each problem fails ``report --check``.
+
+**Prose.** Text outside marked tables and fenced code, cut into blocks (paragraphs and list items,
+as ``figure_check`` cuts them), blocks into sentences (``best_row``'s rule) and sentences into
+clauses at ``;``.
+
+**Which tables a sentence talks about.** The tables it cites (``table:NAME``); else the tables of
+the setting it names: ``SCOPES`` maps a phrase ("width 256", "20 tokens per parameter", "8,300
+steps") to the tables of that setting, each with the value of its ``setting`` column where one
+table holds several settings. A sentence that names no setting takes it from its block, then from
+the blocks that enclose it (an outer list item, the paragraph introducing a list); a level that
+names two settings decides nothing. "common windows" in the sentence keeps only the tables judged
+on the common windows, "own windows" or "logged" the others. A sentence with no table is not
+checked.
+
+**A row is named** when the clause contains its label or short form (``best_row.names``; "Dobb"
+after "two-sided" is dropped first, so "two-sided Dobb B=1 Bo=4" names ``Two-sided B=1 Bo=4``).
+The rows a claim is about are those named in its clause before the claim's words.
+
+**The four kinds.**
+(a) *A figure that differs from its source* (``FIGURES``): a phrase that quotes a value the
+    tables or records give (the spread of a 64-window eval, how far a seed moves a gap to Muon)
+    must quote it as the source rounds it.
+(b) *"bracketed"* (not "bracketed:" defining it, not "not bracketed"): every row it is about
+    ("every row" or "all rows": all of the setting's rows) has no "(edge)" in the ``best lr``
+    column of any of the sentence's tables.
+(c) *A seed count* ("one seed", "two seeds", "three seeds", "a single seed"; "any second seed"
+    in a "Not measured" sentence counts as "one seed"): each row it is about has that many seeds
+    in at least one of the sentence's tables; with no row named before or after it in its clause,
+    or when it opens a clause after the first, it is about the sentence's rows; with no row at
+    all, "one seed" is about every row of the setting and must hold in at least one table.
+(d) *"ends lowest" / "the lowest"* (not "lowest lr", not "lowest of them"): the rows it is about
+    are the lowest of their table by its gap to Muon: the mean over seeds where the table gives
+    one ("over three seeds", "on average"), else the seed-0 gap (also when the sentence says
+    "seed 0"); Muon is 0. Tables without a gap column are not used for (d).
+
+A table's seed count per row: its ``seeds`` column (``0,1,2``), or 1 plus the seeds named in its
+``other seeds ...`` column (``seed 1: ..., seed 2: ...``).
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from dobb_bench.reports import records as R
+from dobb_bench.reports.best_row import _SENTENCE_END, names, parse_table
+from dobb_bench.reports.figure_check import _FENCE, _blank, _blocks
+
+SCOPES = (
+    (re.compile(r"\bwidth 256\b|\b3,?200 steps\b", re.I),
+     (("width-256", None), ("long-horizon-best", "3200 steps, width 256"))),
+    (re.compile(r"\b20 tokens per parameter\b|\b20-tokens\b|\b8,?300 steps\b", re.I),
+     (("long-horizon", None), ("long-horizon-best", "8300 steps, width 128"))),
+)
+COMMON_WINDOW_TABLES = ("long-horizon-best",)  # tables judged on the common windows
+_COMMON = re.compile(r"\bcommon windows\b", re.I)
+_OWN = re.compile(r"\bown (?:64 )?windows\b|\blogged\b", re.I)
+_CITE = re.compile(r"table:([\w.-]+)")
+_BRACKETED = re.compile(r"(?<!not )(?<!un)\bbracketed\b(?!\s*:)", re.I)
+_EVERY = re.compile(r"\bevery row(?:'s)?\b|\ball (?:the )?rows\b", re.I)
+_SEEDS = re.compile(r"(?<!of )(?<!per )\b(one|two|three|a single) seeds?\b(?!['’-])", re.I)
+_NO_SECOND = re.compile(r"\bany second seeds?\b", re.I)
+_NOT_MEASURED = re.compile(r"\bnot measured\b", re.I)
+_LOWEST = re.compile(r"\b(?:ends?|the|is|are)\s+lowest\b(?!\s+(?:lr|learning|grid|edge|seed|loss|row)\b)"
+                     r"(?!\s+(?:of|among) them\b)", re.I)
+_SEED0 = re.compile(r"\bseed 0\b", re.I)
+_NUM = re.compile(r"[+-]?\d+\.\d+")
+_WORDS = {"one": 1, "a single": 1, "two": 2, "three": 3}
+
+
+# ----- the tables, as rows -----------------------------------------------------------------------------
+def docs_tables(docs: Path | None = None) -> dict[str, str]:
+    """{table name: body} of every marked table in docs/*.md."""
+    docs = Path(R.DOCS if docs is None else docs)
+    out = {}
+    for md in sorted(docs.glob("*.md")):
+        for m in R.TABLE.finditer(md.read_text()):
+            out[m.group(2)] = m.group(3)
+    return out
+
+
+def table_rows(body: str) -> list[dict]:
+    """Each data row as {label, setting, edge, seeds, mean, seed0} (None where the table does not say)."""
+    head, rows = parse_table(body)
+    if not head:
+        return []
+    col = {h: i for i, h in enumerate(head)}
+    label_i = col.get("row", 0)
+    other = next((i for i, h in enumerate(head) if h.startswith("other seeds")), None)
+    gap = next((i for i, h in enumerate(head) if h.startswith("gap to Muon at its best lr")), None)
+    out = []
+    for r in rows:
+        if len(r) < len(head):
+            continue
+        cell = lambda i: r[i] if i is not None else ""
+        label = r[label_i].replace("**", "").strip()
+        seeds = None
+        if "seeds" in col:
+            seeds = len([x for x in r[col["seeds"]].split(",") if x.strip().isdigit()]) or None
+        elif other is not None:
+            seeds = 1 + len(re.findall(r"\bseed \d+", cell(other)))
+        seed0 = mean = None
+        if gap is not None:
+            nums = _NUM.findall(cell(gap))
+            seed0 = float(nums[0]) if nums else (0.0 if label == "Muon" else None)
+            m = re.search(r"\bmean ([+-]?\d+\.\d+)", cell(other))
+            mean = float(m.group(1)) if m else seed0
+        out.append({"label": label, "setting": r[col["setting"]] if "setting" in col else None,
+                    "edge": "(edge)" in r[col["best lr"]] if "best lr" in col else False,
+                    "seeds": seeds, "mean": mean, "seed0": seed0})
+    return out
+
+
+# ----- (a): figures quoted from a source -----------------------------------------------------------------
+def _window_spread(tables: dict[str, str]) -> str | None:
+    m = re.search(r"64-window eval of one checkpoint varies by (\d+\.\d+) nats", tables.get("common-windows", ""))
+    return m.group(1) if m else None
+
+
+def _seed_move(tables: dict[str, str]) -> str | None:
+    """The largest change between seeds of one row's gap to Muon at one Muon lr (common-windows'
+    per-seed gaps, each against Muon at the lr it ran at with the most seeds)."""
+    body = tables.get("common-windows", "")
+    moves = []
+    for line in body.splitlines():
+        gaps = [float(g) for g in re.findall(r"([+-]\d+\.\d+) \(seed \d+\)", line)]
+        if len(gaps) > 1:
+            moves.append(max(gaps) - min(gaps))
+    return f"{max(moves):.3f}" if moves else None
+
+
+def _seed_move_at(muon_lr: float):
+    """The same against Muon at ``muon_lr`` (8,300 steps, width 128): from the re-evaluation record."""
+    def value(_tables) -> str | None:
+        from dobb_bench.studies.long_horizon import _reeval_records
+
+        recs = [r for r in _reeval_records() if r["steps"] == 8300 and r["model"]["width"] == 128]
+        muon = {r["seed"]: r["common_val_loss"] for r in recs if r["run"] == "Muon" and abs(r["lr"] - muon_lr) < 1e-4}
+        by: dict = {}
+        for r in recs:
+            if r["run"] != "Muon" and r["seed"] in muon:
+                by.setdefault((r["run"], round(r["lr"], 6)), []).append(r["common_val_loss"] - muon[r["seed"]])
+        moves = [max(g) - min(g) for g in by.values() if len(g) > 1]
+        return f"{max(moves):.3f}" if moves else None
+    return value
+
+
+FIGURES = (
+    ("the spread of a 64-window eval (table common-windows)",
+     re.compile(r"64-window eval\b[^.;]{0,60}?\bvar(?:y|ies) by (\d+\.\d+)", re.I), _window_spread),
+    ("how far a seed moves a gap to Muon at one Muon lr (table common-windows)",
+     re.compile(r"\bgap to Muon at one Muon lr moves by up to (\d+\.\d+)|\ba seed moves a gap by up to (\d+\.\d+)|"
+                r"\bthe (\d+\.\d+) by which a seed moved a gap\b", re.I), _seed_move),
+    ("how far a seed moves a gap to Muon at 0.01 (record docs/results/checks/reeval-windows/reeval.jsonl)",
+     re.compile(r"\bgap against Muon at 0\.01 moved by up to (\d+\.\d+)", re.I), _seed_move_at(0.01)),
+)
+
+
+# ----- sentences and their tables --------------------------------------------------------------------------
+_SHORT_RUN = re.compile(r"\b[28]00[ -]steps?\b", re.I)
+_LONG_256 = re.compile(r"\b3,?200 steps\b", re.I)
+
+
+def _scope(text: str) -> list[tuple[str, str | None]] | None:
+    """The tables of the one setting ``text`` names; None if it names none, [] if several. Width
+    256 at 800 or 200 steps (the block-width study, withdrawn runs) is not the long run's setting."""
+    hits = [tables for pattern, tables in SCOPES if pattern.search(text)
+            and not (tables is SCOPES[0][1] and _SHORT_RUN.search(text) and not _LONG_256.search(text))]
+    return list(hits[0]) if len(hits) == 1 else ([] if hits else None)  # [] = ambiguous
+
+
+def _sentence_tables(sentence: str, levels: list[str], tables: dict[str, str]) -> list[tuple[str, list[dict]]]:
+    """(name, rows) of the tables a sentence talks about (rules in the module docstring)."""
+    cited = [n for n in _CITE.findall(sentence) if n in tables]
+    scope = None
+    for text in [sentence, *levels]:
+        scope = _scope(text)
+        if scope is not None:
+            break
+    if cited:
+        settings = {n: s for n, s in (scope or []) if n in cited}
+        chosen = [(n, settings.get(n)) for n in dict.fromkeys(cited)]
+    elif scope:
+        chosen = scope
+        if _COMMON.search(sentence) and not _OWN.search(sentence):
+            chosen = [t for t in chosen if t[0] in COMMON_WINDOW_TABLES]
+        elif _OWN.search(sentence) and not _COMMON.search(sentence):
+            chosen = [t for t in chosen if t[0] not in COMMON_WINDOW_TABLES]
+    else:
+        return []
+    out = []
+    for name, setting in chosen:
+        rows = [r for r in table_rows(tables.get(name, "")) if setting is None or r["setting"] == setting]
+        if rows:
+            out.append((name, rows))
+    return out
+
+
+def _normalize(text: str, labels: list[str]) -> str:
+    """"two-sided Dobb" -> "two-sided"; a label's base name (its hyperparameters dropped: "row-block
+    Muon" for ``Row-block Muon R=4``) -> the label, where no other label has that base."""
+    text = re.sub(r"\b(two-sided)\s+Dobb\b", r"\1", text, flags=re.I)
+    base = {x: re.sub(r"(?:\s+\S+=\S+)+$", "", x) for x in labels}
+    for x, b in base.items():
+        if b != x and list(base.values()).count(b) == 1 and b not in labels:
+            text = re.sub(r"(?<![\w-])" + re.escape(b) + r"(?![\w-])(?!\s+\S+=)", x, text, flags=re.I)
+    return text
+
+
+def _named(text: str, labels: list[str]) -> list[str]:
+    """The labels ``text`` names, in the order it names them."""
+    text = _normalize(text, labels)
+    hits = [(m.start(), x) for x in labels if names(text, x, labels)
+            for m in [re.search(re.escape(x), text, re.I) or re.search(".", text)]]
+    return [x for _, x in sorted(hits)]
+
+
+def _lead(clause: str, end: int) -> str:
+    """The words before a claim that its rows are named in: from the clause's last ':' on."""
+    head = clause[:end]
+    return head[head.rfind(":") + 1:]
+
+
+def _paren(clause: str, at: int) -> tuple[int, int] | None:
+    """The innermost parentheses around position ``at``, or None."""
+    depth, start = 0, None
+    for i in range(at - 1, -1, -1):
+        if clause[i] == ")":
+            depth += 1
+        elif clause[i] == "(":
+            if depth == 0:
+                start = i
+                break
+            depth -= 1
+    if start is None:
+        return None
+    end = clause.find(")", at)
+    return (start, len(clause) if end < 0 else end)
+
+
+def _outside_parens(text: str) -> str:
+    while True:
+        new = re.sub(r"\([^()]*\)", " ", text)
+        if new == text:
+            return text
+        text = new
+
+
+def _clauses(sentence: str) -> list[str]:
+    return [c for c in sentence.split(";") if c.strip()]
+
+
+def _check_sentence(sentence: str, levels: list[str], tables: dict[str, str]) -> list[str]:
+    problems = []
+    for what, pattern, value in FIGURES:  # (a)
+        for m in pattern.finditer(sentence):
+            quoted = next(g for g in m.groups() if g)
+            want = value(tables)
+            if want is not None and quoted != want:
+                problems.append(f"quotes {quoted} for {what}, which gives {want}")
+    found = _sentence_tables(sentence, levels, tables)
+    if not found:
+        return problems
+    labels = sorted({r["label"] for _, rows in found for r in rows})
+    clauses = _clauses(sentence)
+    for k, clause in enumerate(clauses):
+        for m in _BRACKETED.finditer(clause):  # (b)
+            about = _named(_lead(clause, m.start()), labels)
+            every = bool(_EVERY.search(_lead(clause, m.start())))
+            if not about and not every:
+                continue
+            for name, rows in found:
+                edges = [r["label"] for r in rows if r["edge"] and (every or r["label"] in about)]
+                if edges:
+                    problems.append(f"calls {'every row' if every else ', '.join(about)} bracketed; table "
+                                    f"{name!r} marks {', '.join(edges)} (edge)")
+        seed_claims = [(m, _WORDS[m.group(1).lower()]) for m in _SEEDS.finditer(clause)]
+        if _NOT_MEASURED.search(sentence):
+            seed_claims += [(m, 1) for m in _NO_SECOND.finditer(clause)]
+        for m, n in seed_claims:  # (c)
+            opens = k > 0 and len(clause[:m.start()].split()) <= 2  # "...; one seed, and ...": the setting's
+            about = []
+            if not opens:
+                group = _paren(clause, m.start())
+                if group is not None:
+                    about = _named(clause[group[0] + 1:group[1]], labels)
+                if not about:
+                    about = _named(_outside_parens(clause), labels)[:1]  # the clause's subject
+            counts = {x: {r["seeds"] for _, rows in found for r in rows if r["label"] == x and r["seeds"]} for x in about}
+            wrong = [f"{x} ({'/'.join(map(str, sorted(c)))})" for x, c in counts.items() if c and n not in c]
+            if wrong:
+                problems.append(f"says {m.group(0)!r}; the tables give {', '.join(wrong)} seeds")
+            elif not about and n == 1:
+                known = [(name, rows) for name, rows in found if any(r["seeds"] for r in rows)]
+                if known and all(any((r["seeds"] or 1) != 1 for r in rows) for _, rows in known):
+                    more = sorted({r["label"] for _, rows in known for r in rows if (r["seeds"] or 1) > 1})
+                    problems.append(f"says {m.group(0)!r}; the tables give more seeds for {', '.join(more)}")
+        for m in _LOWEST.finditer(clause):  # (d)
+            about = _named(_lead(clause, m.start()), labels)
+            if not about:
+                continue
+            key = "seed0" if _SEED0.search(sentence) else "mean"
+            for name, rows in found:
+                vals = {r["label"]: r[key] for r in rows if r[key] is not None}
+                if not vals or not all(x in vals for x in about):
+                    continue
+                rest = [v for x, v in vals.items() if x not in about]
+                if rest and max(vals[x] for x in about) > min(rest) + 1e-9:
+                    low = sorted(vals, key=vals.get)[:len(about)]
+                    problems.append(f"says {', '.join(about)} end{'s' if len(about) == 1 else ''} lowest; table "
+                                    f"{name!r} ({'seed 0' if key == 'seed0' else 'mean over seeds'}) has "
+                                    + ", ".join(f"{x} {vals[x]:+.3f}" for x in low) + " lowest")
+    return problems
+
+
+def check_text(text: str, tables: dict[str, str]) -> list[tuple[int, str, str]]:
+    """(line, sentence, problem) for every claim in ``text`` that its tables contradict."""
+    body = _FENCE.sub(_blank, R.TABLE.sub(_blank, text))
+    lines = body.split("\n")
+    blocks = _blocks(lines)
+    full = ["\n".join(b["lines"]) for b in blocks]
+    flat = [re.sub(r"\s+", " ", x) for x in full]  # a setting's words may cross a line break
+    out = []
+    for j, b in enumerate(blocks):
+        if b["kind"] not in ("para", "item"):
+            continue
+        levels, seen, stack = [flat[j]], set(), list(reversed(b["parents"]))
+        while stack:  # enclosing items and introducing paragraphs, nearest first (not headings)
+            p = stack.pop(0)
+            if p in seen or blocks[p]["kind"] == "heading":
+                continue
+            seen.add(p)
+            levels.append(flat[p])
+            stack += list(reversed(blocks[p]["parents"]))
+        pos, running = 0, []  # running: the last sentence of this block that named one setting
+        for piece in _SENTENCE_END.split(full[j]):
+            start = full[j].index(piece, pos)
+            pos = start + len(piece)
+            sentence = re.sub(r"\s+", " ", piece).strip()
+            if not sentence:
+                continue
+            line = b["first"] + full[j].count("\n", 0, start) + 1
+            out += [(line, sentence, p) for p in _check_sentence(sentence, running + levels, tables)]
+            if _scope(sentence):
+                running = [sentence]
+    return out
+
+
+def scan(root: Path | None = None) -> dict[str, list[tuple[int, str, str]]]:
+    """{path relative to the checkout: problems} over README.md and docs/*.md."""
+    docs = Path(R.DOCS)
+    root = docs.parent if root is None else root
+    tables = docs_tables(docs)
+    found = {}
+    for md in [root / "README.md", *sorted(docs.glob("*.md"))]:
+        if md.exists():
+            hits = check_text(md.read_text(), tables)
+            if hits:
+                found[str(md.relative_to(root))] = hits
+    return found
+

@@ -1,0 +1,198 @@
+"""The sharded frontier at 20 tokens per parameter (``table:frontier-20``), from committed records.
+
+Every row trained 8,300 steps (about 20 tokens per parameter) on the width-128 bench model, and
+every finished run was re-evaluated at its last checkpoint on 2,048 held-out windows common to
+every run (``scripts/reeval_windows.py``, record ``docs/results/checks/reeval-windows/reeval.jsonl``).
+
+The protocol, applied here to whatever has been run:
+- a row's lr is chosen at seed 0 on the common windows; it is *bracketed* when a worse lr lies on
+  each side of it;
+- its loss is the mean over the seeds run at that lr (seeds 1 and 2 were run there);
+- its gap to owner-compute Muon (each at its own best lr) is paired by seed: a seed gives both
+  rows the same initial weights, data order and windows. A gap is *beyond noise* under a 95%
+  paired t-test over the seeds; because seed 0 also chose the lr, the verdict is repeated on the
+  seeds that did not (1 and 2) and a lead that holds only with seed 0 is said to rest on it;
+- step cost, bytes and state come from ``table:shard-local``'s timing run and formulas (GPT-2
+  Small layer 0 over 4 gloo ranks, each ratio against owner-compute Muon measured side by side);
+- weight norms: each hidden matrix's top singular value and RMS at the first eval (the initial
+  weights), halfway and at the end (``norms_by_matrix`` in the run records of study
+  ``long-horizon``); "growth" is the largest final / initial ratio over the matrices.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+
+from dobb_bench.reports import records as R
+from dobb_bench.reports.tables import paired
+from dobb_bench.studies import long_horizon as LH
+from dobb_bench.studies.shard_local import OWNER, T95, _fmt_bytes, _timing_ratios, communication, state_per_param
+
+STEPS, WIDTH = 8300, 128
+# (row as labelled in the runs, spec whose step was timed in table:shard-local)
+ROWS = (
+    ("Dobb B=1", "dobb:blocks=1"),
+    ("Dobb B=4", "dobb:blocks=4"),
+    ("Two-sided B=1 Bo=4", "dobb:side=both:blocks=1:out_blocks=4"),
+    ("Two-sided B=4 Bo=4", "dobb:side=both:blocks=4:out_blocks=4"),
+    ("Row-block Muon R=4", "block-muon:axis=0:blocks=4:ns_dtype=float32"),
+    ("MuonBP R=4 P=5", "muonbp:blocks=4:period=5:ns_dtype=float32"),
+    ("MuonBP R=4 P=10", "muonbp:blocks=4:period=10:ns_dtype=float32"),
+    # b2 and the AdamW part's lr do not change the step's cost: timed as splus:out_blocks=4
+    ("SPlus Bo=4 authors", "splus:out_blocks=4"),
+    ("Dion2 1/4 per shard R=4", "dion2:select=shard:blocks=4:ns_dtype=float32"),
+    ("DASH 32", "dash:block_size=32"),
+)
+REFS = (
+    ("Muon", OWNER),
+    ("SOAP", "soap"),
+    ("AdamW", "adamw"),
+    ("Two-sided B=1 Bo=1", "dobb:side=both"),
+)
+REF = "Muon"
+
+
+def _lr(r: dict) -> float:
+    return float(f"{r['lr']:.4g}")
+
+
+def _common() -> dict[str, dict[float, dict[int, dict]]]:
+    """``{row: {lr: {seed: reeval record}}}`` at this setting."""
+    out: dict = {}
+    for r in LH._reeval_records():
+        if r["steps"] == STEPS and r["model"]["width"] == WIDTH:
+            out.setdefault(r["run"], {}).setdefault(_lr(r), {})[r["seed"]] = r
+    return out
+
+
+def choose(by_lr: dict[float, dict[int, dict]]) -> tuple[float | None, bool]:
+    """The seed-0 best lr on the common windows and whether it is bracketed."""
+    grid = sorted((lr, s[0]["common_val_loss"]) for lr, s in by_lr.items() if 0 in s)
+    if not grid:
+        return None, False
+    i = min(range(len(grid)), key=lambda k: grid[k][1])
+    return grid[i][0], 0 < i < len(grid) - 1
+
+
+def verdict(gaps: dict[int, float]) -> tuple[float, str]:
+    """The mean of per-seed gaps and the noise verdict: a 95% paired t-test over every seed, then
+    over the seeds other than 0 (which chose the lr); with fewer than three seeds no verdict."""
+    seeds = sorted(gaps)
+    d = [gaps[s] for s in seeds]
+    mean = statistics.fmean(d)
+    if len(d) < 3:
+        return mean, f"{len(d)} seed{'s' if len(d) > 1 else ''}: no verdict"
+
+    def beyond(xs):
+        se = statistics.stdev(xs) / len(xs) ** 0.5
+        return abs(statistics.fmean(xs)) > T95.get(len(xs) - 1, 1.96) * se, statistics.fmean(xs) / se if se else math.inf
+
+    all_ok, t_all = beyond(d)
+    later = [gaps[s] for s in seeds if s != 0]
+    later_ok, t_later = beyond(later) if len(later) >= 2 else (False, 0.0)
+    if all_ok and later_ok:
+        return mean, f"beyond noise (t = {t_all:.1f}; seeds 1+ alone t = {t_later:.1f})"
+    if all_ok:
+        return mean, f"beyond noise only with seed 0, which chose the lr (t = {t_all:.1f}; seeds 1+ alone t = {t_later:.1f})"
+    return mean, f"within noise (t = {t_all:.1f})"
+
+
+def norm_stats(recs: list[dict]) -> tuple[float, float, float] | None:
+    """Over the records that carry norms: the mean final largest top singular value, the largest
+    final / initial top-singular-value ratio over matrices (mean over seeds), and the largest
+    final / halfway ratio (growth still going on at the end)."""
+    have = [r["norms_by_matrix"] for r in recs if r.get("norms_by_matrix")]
+    if not have:
+        return None
+    top = [max(v[-1][2] for v in m.values()) for m in have]
+    grow = [max(v[-1][2] / v[0][2] for v in m.values()) for m in have]
+    late = [max(v[-1][2] / v[1][2] for v in m.values()) for m in have]
+    return statistics.fmean(top), statistics.fmean(grow), statistics.fmean(late)
+
+
+def _run_records() -> dict[tuple[str, float, int], dict]:
+    out = {}
+    for r in R.load(LH.STUDY):
+        m = r.get("model") or {}
+        if r.get("steps") == STEPS and m.get("width") == WIDTH and m.get("layers") == 2:
+            out[(r["run"], _lr(r), r["seed"])] = r
+    return out
+
+
+def pareto(points: dict[str, tuple[float, float]]) -> set[str]:
+    """Rows on the loss / step-cost frontier: no other row is both cheaper (or as cheap) and lower
+    in loss (or as low), one of them strictly."""
+    on = set()
+    for a, (la, ca) in points.items():
+        dominated = any((lb <= la and cb <= ca) and (lb < la or cb < ca) for b, (lb, cb) in points.items() if b != a)
+        if not dominated:
+            on.add(a)
+    return on
+
+
+def frontier_20() -> tuple[str, list[dict]]:
+    common, runs = _common(), _run_records()
+    ratios, _ = _timing_ratios()
+    ref_lr, _ = choose(common.get(REF, {}))
+    ref = common.get(REF, {}).get(ref_lr, {})
+    head = ("| row | communication under `Shard(0)` | lrs run: seed-0 loss, common windows | best lr | "
+            "seeds at best: loss | mean ± std (n) | gap to Muon, paired by seed | bytes per step | "
+            "FSDP2 step / owner-compute Muon | state B/param | largest top singular value, end | growth: end / initial "
+            "(end / halfway) |")
+    lines = [head, "|" + "---|" * 12]
+    used: list[dict] = []
+    summary: dict[str, tuple] = {}
+    compared = 0
+    for group, rows in (("zero step communication", ROWS), ("references", REFS)):
+        lines.append(f"| *{group}* |" + " |" * 11)
+        for name, spec in rows:
+            by_lr = common.get(name, {})
+            nbytes, when = communication(spec)
+            ratio = ratios.get("torch-adamw" if spec == "adamw" else spec)
+            cost = (f" | {_fmt_bytes(nbytes)} | {'—' if ratio is None else f'{ratio:.2f}'} | "
+                    f"{state_per_param(spec):.1f}")
+            lr, bracketed = choose(by_lr)
+            if lr is None:
+                lines.append(f"| {name} | {when} | not run yet | | | |{cost} | | |")
+                continue
+            grid = ", ".join(f"{x:.3g}: {s[0]['common_val_loss']:.3f}" for x, s in sorted(by_lr.items()) if 0 in s)
+            at = by_lr[lr]
+            used += [s[0] for s in by_lr.values() if 0 in s] + list(at.values())
+            losses = {sd: at[sd]["common_val_loss"] for sd in sorted(at)}
+            vals = list(losses.values())
+            m = statistics.fmean(vals)
+            sd_txt = f" ± {statistics.stdev(vals):.3f}" if len(vals) > 1 else ""
+            per_seed = ", ".join(f"{v:.3f} (s{sd})" for sd, v in losses.items())
+            if name == REF:
+                gap = ""
+            else:
+                gaps = {sd: losses[sd] - ref[sd]["common_val_loss"] for sd in losses if sd in ref}
+                if gaps:
+                    mean, text = verdict(gaps)
+                    compared += len(gaps) >= 3
+                    gap = f"{mean:+.3f} ({', '.join(f'{g:+.3f}' for g in gaps.values())}), {text}"
+                else:
+                    gap = "—"
+            recs = [runs[(name, lr, sd)] for sd in at if (name, lr, sd) in runs]
+            ns = norm_stats(recs)
+            norms = " | — | —" if ns is None else f" | {ns[0]:.2f} | {ns[1]:.2f}x ({ns[2]:.2f}x)"
+            summary[name] = (m, ratio, losses, when)
+            lines.append(f"| {name} | {when} | {grid} | {lr:.3g}{'' if bracketed else ' (edge)'} | {per_seed} | "
+                         f"{m:.3f}{sd_txt} ({len(vals)}) | {gap}{cost}{norms} |")
+    text = "\n".join(lines) + "\n"
+    points = {k: (v[0], v[1]) for k, v in summary.items() if v[1] is not None and len(v[2]) >= 3}
+    on = sorted(pareto(points), key=lambda k: points[k][1]) if points else []
+    text += (f"\n{compared} rows were compared with Muon by a paired t-test over at least three seeds, each at 95% "
+             "and not corrected for the number of comparisons. ")
+    if on:
+        text += ("On the loss / FSDP2-step frontier (rows with three seeds and a timed step; mean loss): "
+                 + ", ".join(f"{k} ({points[k][0]:.3f}, {points[k][1]:.2f}x)" for k in on) + ".")
+    text += "\n"
+    revs = sorted({(r.get("provenance") or {}).get("git_rev", "")[:7] for r in used})
+    text += (f"\nLosses: 2,048 common windows at the last checkpoint (record "
+             f"`docs/results/checks/reeval-windows/reeval.jsonl`, re-evaluated at {', '.join(revs) or '—'}); "
+             "norms: run records of study `long-horizon` (only runs made after norms were recorded have them).\n")
+    return text, used + [runs[k] for k in runs if k[0] in summary]
+
+
+TABLES = {"frontier-20": frontier_20}
