@@ -101,14 +101,15 @@ def _sd(model, opt):
 
 
 def full_state(opt) -> dict:
-    """Every state entry as a full plain tensor or a Python value, by (param index, key)."""
-    index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+    """Every entry of ``opt.state_dict()["state"]`` as a full plain tensor or a Python value, by
+    (param index, key): the state as a checkpoint holds it (SOAP keeps each sharded matrix's state
+    on its owner rank, and gives it as DTensor shards here)."""
     out = {}
-    for p, st in opt.state.items():
+    for i, st in opt.state_dict()["state"].items():
         for k, v in st.items():
             if isinstance(v, torch.Tensor):
                 v = (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-            out[(index[id(p)], k)] = v
+            out[(i, k)] = v
     return out
 
 
