@@ -5,7 +5,7 @@ the projected momentum); ``build_optimizer`` gives it and the baselines under on
 protocol, by the names of ``dobb.registry`` (every optimizer declared once); ``param_groups``
 splits a model between a matrix optimizer and AdamW.
 """
-from . import functional, registry
+from . import functional, registry, resume
 from .baselines import RMNP, BlockMuon, Dion, Dion2, Dion3, Muon, MuonBP, NorMuon, OwnerMuon, PeriodicRowMuon, SAMuon
 from .baselines.dash import Dash, Shampoo
 from .baselines.newton_muon import NewtonMuon

@@ -41,7 +41,8 @@ from .functional import block_sizes, identity_blocks
 from .layout import MatrixLayout, is_dtensor, to_local
 
 __all__ = ["DTensorLayout", "dtensor_layout", "data_parallel_dims", "chunk_sizes", "mesh_group", "AxisSplit", "axis_split",
-           "gather_full", "local_slice", "rows_are_local", "row_wise", "replicate_like"]
+           "gather_full", "local_slice", "rows_are_local", "row_wise", "replicate_like", "shard_count",
+           "local_shapes", "per_shard_state"]
 
 def chunk_sizes(length: int, parts: int) -> list[int]:
     """Shard lengths of an axis split ``torch.chunk``-style (DTensor ``Shard``): trailing shards may
@@ -292,6 +293,50 @@ def replicate_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     mesh = like.device_mesh
     return DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False,
                               shape=full.shape, stride=full.stride())
+
+
+def shard_count(like: torch.Tensor) -> int:
+    """How many different shards ``like`` has: the product of the sizes of the mesh dims that shard
+    it (1 for a plain tensor or a replicated DTensor)."""
+    if not is_dtensor(like):
+        return 1
+    mesh, n = like.device_mesh, 1
+    for d, pl in enumerate(like.placements):
+        if pl.is_shard():
+            n *= mesh.size(d)
+    return n
+
+
+def local_shapes(like: torch.Tensor) -> list[tuple[int, ...]]:
+    """Every local shape a rank can hold of ``like`` (``torch.chunk`` sizes of each sharded axis; an
+    axis sharded over several mesh dims is split by their product). Pure: the same on every rank."""
+    if not is_dtensor(like):
+        return [tuple(int(s) for s in like.shape)]
+    parts = [1] * like.dim()
+    for d, pl in enumerate(like.placements):
+        if pl.is_shard():
+            parts[pl.dim % like.dim()] *= like.device_mesh.size(d)
+    lengths = [sorted(set(chunk_sizes(int(n), k))) for n, k in zip(like.shape, parts)]
+    return [tuple(c) for c in itertools.product(*lengths)]
+
+
+def per_shard_state(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """State that each shard of ``like`` keeps for itself (a partial sum, factors of tiles cut
+    within the shard), as one DTensor: the shards' ``local`` tensors (the same shape on every rank:
+    pad to the largest) stacked along dim 0, ``Shard(0)`` over every mesh dim that shards ``like``
+    and ``Replicate`` elsewhere. A plain ``like`` returns ``local``.
+
+    Why not a plain tensor per rank: ``torch.distributed.checkpoint`` takes a plain tensor for a
+    replicated one and saves a single rank's copy, so every other rank would resume with it. Its
+    global shape counts the shards, so a checkpoint of another sharding does not load into it
+    (``dobb.resume.check_resume`` says so before anything loads)."""
+    if not is_dtensor(like):
+        return local
+    mesh = like.device_mesh
+    placements = [Shard(0) if pl.is_shard() else Replicate() for pl in like.placements]
+    shape = torch.Size((local.shape[0] * shard_count(like), *local.shape[1:]))
+    stride = tuple(int(x) for x in torch.empty(shape, device="meta").stride())
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
 @dataclass

@@ -61,7 +61,30 @@ def _say(command: str, text: str) -> None:
         time.sleep(2.0)
 
 
+def _leave_torchrun(code: int) -> int:
+    """Under torchrun (several ranks), end this rank with ``os._exit(code)`` once its process group
+    is gone and its output flushed. The commands have written their records by now; what is left
+    is interpreter teardown, where gloo's threads can abort the process on a loaded host (SIGABRT,
+    "terminate called without an active exception") and turn a completed run into a failed launch.
+    A single process (and any in-process call, as the tests make) returns ``code`` as before."""
+    if not os.environ.get("TORCHELASTIC_RUN_ID") or int(os.environ.get("WORLD_SIZE", "1") or 1) < 2:
+        return code
+    import logging
+
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():  # an error path that did not leave the group
+        dist.destroy_process_group()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def main(argv: list[str] | None = None, modules=None) -> int:
+    return _leave_torchrun(_main(argv, modules))
+
+
+def _main(argv: list[str] | None = None, modules=None) -> int:
     parser = build_parser(modules)
     args = parser.parse_args(argv)
     args.argv = ["dobb-bench", *(sys.argv[1:] if argv is None else argv)]  # for run records' provenance

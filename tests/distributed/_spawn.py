@@ -14,6 +14,15 @@ abandoned after ``timeout_s``.
 
 Between calls each rank resets torch's default generator to its start-up seed, so a call sees the
 random state a fresh process would.
+
+Exit: a pool is stopped by one message to every rank; the ranks meet in a last ``barrier`` and
+call ``destroy_process_group`` (ranks 1.. first, rank 0, the TCP store's host, once they are gone).
+A rank that dies *after* every result of the pool was delivered (all of them are verified by the
+tests) is a platform abort at exit (SIGABRT "terminate called without an active exception" from
+gloo's threads on a loaded host), not a failure of any check: ``stop`` reports it as a
+``PlatformExitAbort`` warning (stderr for the pools stopped at exit) naming the rank and its exit
+code. A rank that dies before its result is a failure of that call (``RuntimeError``, as before).
+``DOBB_SPAWN_EXIT_LOG``: a file the reports of pools stopped at exit are appended to as well.
 """
 from __future__ import annotations
 
@@ -25,12 +34,14 @@ import socket
 import sys
 import time
 import traceback
+import warnings
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-_START_SEED = torch.initial_seed()  # the generator's seed in a process that never seeded it
+_START_SEED = torch.initial_seed()
+_EXIT_GRACE_S = 60.0  # how long a stopped rank may take to exit before it is killed  # the generator's seed in a process that never seeded it
 
 
 def free_port() -> int:
@@ -39,11 +50,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class PlatformExitAbort(UserWarning):
+    """A rank exited with an error after every result of its pool was delivered and verified."""
+
+
 def _serve(rank, world, port, conn, collective_timeout_s, once):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=collective_timeout_s))
+    clean = False  # a stop message (every rank got one): the ranks can meet in a last barrier
     try:
         while True:
             try:
@@ -51,6 +67,7 @@ def _serve(rank, world, port, conn, collective_timeout_s, once):
             except EOFError:  # the test process is gone
                 return
             if not message:  # stop
+                clean = True
                 return
             path, payload = pickle.loads(message)
             sys.path[:] = path + [p for p in sys.path if p not in path]  # the test's modules import
@@ -66,11 +83,19 @@ def _serve(rank, world, port, conn, collective_timeout_s, once):
             conn.send_bytes(reply)
             if once:
                 conn.recv_bytes()  # the stop, sent once every rank has replied
+                clean = True
                 return
     finally:
-        # Rank 0 hosts the TCP store; the test process stops it last (see _Pool.stop), so no rank
-        # loses its store peer while tearing gloo down.
         if dist.is_initialized():
+            if clean:
+                dist.barrier()  # every rank leaves together
+                if rank == 0:
+                    # Rank 0 hosts the TCP store: it leaves once the others are gone (see _Pool.stop),
+                    # so no rank loses its store peer while tearing gloo down.
+                    try:
+                        conn.recv_bytes()
+                    except EOFError:
+                        pass
             dist.destroy_process_group()
 
 
@@ -135,15 +160,36 @@ class _Pool:
                     ranks.discard(rank)
         return failures
 
-    def stop(self) -> None:
-        """Ranks 1.. first, rank 0 (the store's host) last; whatever does not leave is killed."""
-        for rank in [*range(1, self.world), 0]:
+    def stop(self) -> str | None:
+        """Every rank gets the stop (they meet in a barrier), ranks 1.. leave first, then rank 0 (the
+        store's host); whatever does not leave is killed. Returns the report of ranks that exited
+        with an error after every result was delivered (``None`` when all exited cleanly)."""
+        for conn in self.conns:
             try:
-                self.conns[rank].send_bytes(b"")
+                conn.send_bytes(b"")
             except OSError:
                 pass
-            self.procs[rank].join(timeout=30 if rank else 10)
+        # A rank's exit (torch and gloo teardown) took 8-20 s on 2 cores at a load average of 30.
+        for rank in range(1, self.world):
+            self.procs[rank].join(timeout=_EXIT_GRACE_S)
+        try:
+            self.conns[0].send_bytes(b"")  # rank 0 may leave now
+        except OSError:
+            pass
+        self.procs[0].join(timeout=_EXIT_GRACE_S)
+        alive = [r for r, p in enumerate(self.procs) if p.is_alive()]
         self.kill()
+        codes = {r: p.exitcode for r, p in enumerate(self.procs) if r not in alive and p.exitcode}
+        if not codes and not alive:
+            return None
+        after = f"after every result of this {self.world}-rank pool was delivered and verified (not a test failure)"
+        parts = []
+        if codes:
+            parts.append(f"platform abort at exit, {after}: " + ", ".join(
+                f"rank {r} exit code {c}{' (SIGABRT)' if c == -6 else ''}" for r, c in sorted(codes.items())))
+        if alive:
+            parts.append(f"slow exit, {after}: rank(s) {alive} still exiting after {_EXIT_GRACE_S:.0f} s, killed")
+        return "; ".join(parts)
 
     def kill(self) -> None:
         for proc in self.procs:
@@ -171,9 +217,14 @@ def spawn(fn, world: int, *args, timeout_s: float = 240, collective_timeout_s: f
     if fresh:
         pool = _Pool(world, collective_timeout_s, once=True)
         try:
-            return pool.call(fn, args, timeout_s)
-        finally:
-            pool.stop()
+            result = pool.call(fn, args, timeout_s)
+        except BaseException:
+            pool.kill()
+            raise
+        report = pool.stop()
+        if report:
+            warnings.warn(PlatformExitAbort(f"{_name(fn)}: {report}"), stacklevel=2)
+        return result
     key = (world, collective_timeout_s)
     if key not in _POOLS:
         _POOLS[key] = _Pool(world, collective_timeout_s)
@@ -202,4 +253,10 @@ def spawn_once(fn, world: int, *args, **kwargs) -> list:
 @atexit.register
 def shutdown() -> None:
     while _POOLS:
-        _POOLS.popitem()[1].stop()
+        report = _POOLS.popitem()[1].stop()
+        if report:
+            print(f"_spawn: {report}", file=sys.stderr, flush=True)
+            log = os.environ.get("DOBB_SPAWN_EXIT_LOG")  # an xdist worker's stderr at exit is not shown
+            if log:
+                with open(log, "a") as f:
+                    f.write(f"_spawn: {report}\n")

@@ -32,8 +32,10 @@ multiple of ``block_size`` (the usual case); otherwise the shard boundaries are 
 
 State per matrix: ``momentum`` and ``graft_sq`` (like the weight, sharded with it), ``step``, and
 the local tile factors and their roots as flat fp32 buffers ``L``, ``R``, ``L_root``, ``R_root``
-(tile by tile, in tile order; their length depends on the local shard, so a checkpoint resumes on
-the same layout; ``torch.distributed.checkpoint`` resharding of them is not supported).
+(tile by tile, in tile order). Their length depends on the local shard: for a DTensor weight they
+are one DTensor with a row per shard (``dobb.sharding.per_shard_state``), so
+``torch.distributed.checkpoint`` saves every rank's factors, and a checkpoint resumes on the same
+sharding; ``dobb.resume.check_resume`` refuses another one before anything loads.
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ from torch import Tensor
 
 from .._base import MatrixOptimizer, _name_of
 from ..layout import is_dtensor, to_local
+from ..sharding import local_shapes, per_shard_state
 from . import _common as C
 from ._matrix_roots import INVERSE_ROOTS, inverse_root
 from .._hparams import (ScaledOptions, closed_unit_interval, integer, non_negative, one_of, option, positive,
@@ -116,6 +119,11 @@ def _factor_views(flat: Tensor, specs, side: int) -> list[Tensor]:
     return views
 
 
+def _flat(buffer: Tensor) -> Tensor:
+    """This rank's flat factor buffer (a DTensor's local row, its padding at the end)."""
+    return to_local(buffer).view(-1)
+
+
 def _factor_dtype(p: Tensor) -> torch.dtype:
     return torch.float64 if p.dtype == torch.float64 else torch.float32
 
@@ -180,12 +188,25 @@ class Dash(MatrixOptimizer):
             st["momentum"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             st["graft_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             local = to_local(p)
-            specs = tile_specs(*local.shape, self._block_size(group, local.shape))
             kw = dict(dtype=_factor_dtype(p), device=local.device)
             for key, side in (("L", 1), ("R", 2)):
-                numel = sum(s[0] * s[side] ** 2 for s in specs)
-                st[key] = torch.zeros(numel, **kw)
-                st[key + "_root"] = torch.zeros(numel, **kw)
+                if is_dtensor(p):
+                    # every rank's factors as one DTensor (one row per shard, padded to the largest)
+                    numel = max(self._factor_numel(group, shape, side) for shape in local_shapes(p))
+                    for k in (key, key + "_root"):
+                        st[k] = per_shard_state(torch.zeros(1, numel, **kw), p)
+                else:
+                    numel = self._factor_numel(group, tuple(local.shape), side)
+                    st[key] = torch.zeros(numel, **kw)
+                    st[key + "_root"] = torch.zeros(numel, **kw)
+
+    def _factor_numel(self, group, shape, side: int) -> int:
+        specs = tile_specs(*shape, self._block_size(group, shape))
+        return sum(s[0] * s[side] ** 2 for s in specs)
+
+    def _layout_note(self, group) -> str:
+        return (f"its tile factors are cut within each shard of the weight (block_size="
+                f"{group['block_size']}), so they follow the shards")
 
     def _matrix_step(self, group, active):
         graft = group["graft"]
@@ -209,8 +230,8 @@ class Dash(MatrixOptimizer):
         for p, g, st in zip(active, grads, states):
             B = self._block_size(group, g.shape)
             specs = tile_specs(*g.shape, B)
-            views = {k: _factor_views(st[k], specs, 1 if k[0] == "L" else 2) for k in ("L", "R", "L_root", "R_root")}
-            for t, lf, rf in zip(to_tiles(g.to(st["L"].dtype), B), views["L"], views["R"]):
+            views = {k: _factor_views(_flat(st[k]), specs, 1 if k[0] == "L" else 2) for k in ("L", "R", "L_root", "R_root")}
+            for t, lf, rf in zip(to_tiles(g.to(_flat(st["L"]).dtype), B), views["L"], views["R"]):
                 if b_lr == 1:
                     lf.baddbmm_(t, t.mT)
                     rf.baddbmm_(t.mT, t)
@@ -241,7 +262,7 @@ class Dash(MatrixOptimizer):
         for m, st, (B, specs, views) in zip(moms, states, plans):
             t = st["step"]
             bc_g = 1 - b_g ** t if b_g > 0 else 1.0
-            m32 = m.to(st["L"].dtype)
+            m32 = m.to(_flat(st["L"]).dtype)
             if graft == "adam":
                 adam = (m32 / bc_g) / ((to_local(st["graft_sq"]).to(m32.dtype) / (1 - b_a ** t)).sqrt() + group["eps_graft"])
                 norms = [torch.linalg.matrix_norm(a, keepdim=True) for a in to_tiles(adam, B)]
@@ -268,3 +289,6 @@ class Shampoo(Dash):
 
     def _block_size(self, group, shape) -> int:
         return max(1, *shape)
+
+    def _layout_note(self, group) -> str:
+        return "its factors are those of each shard of the weight (one tile per shard), so they follow the shards"

@@ -94,6 +94,24 @@ def _state_dtype(p: Tensor) -> torch.dtype:
 
 
 # ----------------------------------------------------------------------------- the optimizer
+def _refuse_dtensors(params: list, names: dict | None) -> None:
+    """``ValueError`` naming the first DTensor matrix (FSDP2, tensor parallel) among ``params``
+    (tensors, ``(name, tensor)`` pairs or param group dicts); ``"adamw"`` groups may hold DTensors."""
+    for i, item in enumerate(params):
+        if isinstance(item, dict):
+            if item.get("algorithm") == "adamw":
+                continue
+            _refuse_dtensors(item["params"], names)
+            continue
+        name, p = item if isinstance(item, tuple) else (None, item)
+        if is_dtensor(p):
+            name = name or _name_of(p, dict(names or {}), i)
+            raise ValueError(
+                f"{name} is a DTensor ({type(p).__name__} with placements {tuple(p.placements)}: FSDP2 or tensor "
+                f"parallel): NewtonMuon computes on whole matrices and does not shard. Use it on plain weights "
+                f"(one process), or pick an optimizer that shards (muon, owner-muon, dion, dobb)")
+
+
 class NewtonMuon(_MuonFamily):
     """Newton-Muon for hidden matrices, AdamW for the rest (see the module docstring).
 
@@ -115,6 +133,10 @@ class NewtonMuon(_MuonFamily):
         self._hooks: CaptureHooks | None = None
         if model is None:
             raise ValueError("NewtonMuon reads layer inputs with hooks: pass model=<the nn.Module>")
+        params = [params] if isinstance(params, torch.Tensor) else [
+            dict(g, params=[g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"]))
+            if isinstance(g, dict) else g for g in params]
+        _refuse_dtensors(params, kwargs.get("param_names"))  # before the plain-parameter checks below
         if plain_stat_group(model, stat_group) is not None:
             raise ValueError("NewtonMuon does not average its statistic across data-parallel ranks yet: "
                              "stat_group must resolve to None (a single process), or every rank's "

@@ -41,7 +41,10 @@ over the ranks holding other parts of that axis (the layout's ``l2_group``) befo
 linearity the sum of the partial EMAs is the EMA of the whole statistic, so the bases are exactly
 those of the unsharded matrix with the same blocks; that all-reduce (``sum_c s_c^2`` entries per
 matrix and sharded side, every ``inverse_every`` steps) is the optimizer's only communication.
-Its per-rank partial statistic is a plain tensor (saved per rank with ``state_dict()``).
+For a DTensor weight the statistics and bases are DTensors with one part per shard
+(``dobb.sharding.per_shard_state``: each rank's rows, padded to the largest), so
+``torch.distributed.checkpoint`` saves every rank's partial statistic; a checkpoint resumes on the
+same sharding, and ``dobb.resume.check_resume`` refuses another one before anything loads.
 
 State per matrix: ``momentum`` and ``ema`` (weight-shaped, the weight's dtype as the authors'),
 ``stat_out``/``basis_out`` and ``stat_in``/``basis_in`` (row-stacked ``(k, s_max)`` blocks, fp32,
@@ -63,6 +66,7 @@ from ..layout import to_local
 from .._hparams import Options, integer, option, positive, unit_interval
 from ..functional import blockwise
 from ..placement import layout_for
+from ..sharding import local_shapes, per_shard_state
 from . import _common as C
 
 __all__ = ["SPlus", "splus_direction"]
@@ -116,6 +120,12 @@ def _eigh_into_(basis: Tensor, stat: Tensor, sizes: list[int], eps: float) -> No
         a = F.block_view(stat, run)
         eye = torch.eye(run.size, dtype=a.dtype, device=a.device)
         F.block_view(basis, run).copy_(torch.linalg.eigh(a + eps * eye).eigenvectors)
+
+
+def _mine(state: Tensor, lay) -> Tensor:
+    """This rank's rows of a statistic or basis (a DTensor's local part, less the padding that
+    makes every rank's part the same size)."""
+    return to_local(state)[: lay.local_blocked_len]
 
 
 def _state_dtype(p: Tensor) -> torch.dtype:
@@ -181,21 +191,28 @@ class SPlus(MatrixOptimizer):
             left, right = self._sides(group, p)
             dt, dev = _state_dtype(p), to_local(p).device
 
-            def side(lay, on):
+            def side(lay, axis, on):
                 if not on:
-                    return torch.zeros(0, 0, dtype=dt, device=dev), torch.zeros(0, 0, dtype=dt, device=dev)
-                k, s = lay.local_blocked_len, max(lay.global_sizes)
+                    empty = torch.zeros(0, 0, dtype=dt, device=dev)
+                    return per_shard_state(empty, p), per_shard_state(empty.clone(), p)
+                # the largest local length on any rank: every rank's rows then stack into one DTensor
+                k = max(shape[axis] for shape in local_shapes(p))
+                s = max(lay.global_sizes)
                 basis = torch.zeros(k, s, dtype=dt, device=dev)
                 if lay.local_sizes:
                     eye = F.identity_blocks(lay.local_sizes, dtype=dt, device=dev)
-                    basis[:, : eye.shape[1]] = eye
-                return torch.zeros(k, s, dtype=dt, device=dev), basis
+                    basis[: eye.shape[0], : eye.shape[1]] = eye
+                return per_shard_state(torch.zeros(k, s, dtype=dt, device=dev), p), per_shard_state(basis, p)
 
-            stat_out, basis_out = side(out_lay, left)
-            stat_in, basis_in = side(in_lay, right)
+            stat_out, basis_out = side(out_lay, 0, left)
+            stat_in, basis_in = side(in_lay, 1, right)
             st.update(step=0, ema_step=0, momentum=torch.zeros_like(p, memory_format=torch.preserve_format),
                       ema=torch.zeros_like(p, memory_format=torch.preserve_format),
                       stat_out=stat_out, basis_out=basis_out, stat_in=stat_in, basis_in=basis_in)
+
+    def _layout_note(self, group) -> str:
+        return ("its blocks are cut at the weight's shard boundaries and each rank keeps its partial "
+                "statistic of the other side, so its state follows the shards")
 
     def _init_adamw_state(self, p: Tensor, fused: bool = False) -> dict[str, Any]:
         state = super()._init_adamw_state(p, fused)
@@ -236,8 +253,8 @@ class SPlus(MatrixOptimizer):
             out_lay, in_lay = self._layouts[p]
             left, right = self._sides(group, p)
             dt = st["basis_out"].dtype
-            out = (st["basis_out"], out_lay.local_sizes) if left and out_lay.local_sizes else None
-            inp = (st["basis_in"], in_lay.local_sizes) if right and in_lay.local_sizes else None
+            out = (_mine(st["basis_out"], out_lay), out_lay.local_sizes) if left and out_lay.local_sizes else None
+            inp = (_mine(st["basis_in"], in_lay), in_lay.local_sizes) if right and in_lay.local_sizes else None
             u = splus_direction(mom.to(dt), out, inp) if w.numel() else mom.to(dt)
             ws, us = by_scale[self._scale(group, p)]
             ws.append(w)
@@ -249,7 +266,7 @@ class SPlus(MatrixOptimizer):
             for on, lay, key, gram in ((left, out_lay, "out", _gram_rows), (right, in_lay, "in", _gram_cols)):
                 if not on or not lay.local_sizes:
                     continue
-                stat = st[f"stat_{key}"]
+                stat = _mine(st[f"stat_{key}"], lay)
                 if g.numel():
                     stat.lerp_(lay.pad_state_cols(gram(g, lay.local_sizes)), 1 - b2)
                 else:
@@ -259,7 +276,7 @@ class SPlus(MatrixOptimizer):
                     if lay.l2_group is not None:  # partial sums over the other axis' shards
                         total = stat.clone()
                         torch.distributed.all_reduce(total, group=lay.l2_group)
-                    _eigh_into_(st[f"basis_{key}"], total, lay.local_sizes, eps)
+                    _eigh_into_(_mine(st[f"basis_{key}"], lay), total, lay.local_sizes, eps)
         for s, (ws, us) in by_scale.items():
             wd = group["weight_decay"]
             C.apply_protocol(ws, ws, us, [s] * len(ws), group["lr"], wd * s)

@@ -568,6 +568,10 @@ class Dobb(MatrixOptimizer):
                        for k, st in sd["state"].items()}
         return sd
 
+    def _layout_note(self, group) -> str:
+        return (f"blocks={group['blocks']} on the {group['side']} side are cut at the weight's shard "
+                f"boundaries, so the block partition follows the shards")
+
     def _after_load(self) -> None:
         self._rebuild()
         for p, plan in self._plans.items():  # older checkpoints kept other forms of the counts

@@ -30,6 +30,9 @@ def cmd_timing(args) -> int:
         paths = write_timing(result, Path(args.out))
         print(paths[1].read_text(), end="")
         print("wrote " + ", ".join(str(p) for p in paths))
+    if torch.distributed.is_available() and torch.distributed.is_initialized():  # torchrun: leave together
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     return 0
 
 

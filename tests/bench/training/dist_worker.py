@@ -2,6 +2,7 @@
 
 For each optimizer and each of DDP / FSDP2: one uninterrupted run, and one run stopped after 3
 steps and resumed from its checkpoint; under DDP also whether the replicas ended identical. Rank 0 writes the curves as JSON to argv[3]/curves.json.
+Every rank then ends with ``_ranks.finish_rank`` (barrier, a marker, ``destroy_process_group``).
 """
 import functools
 import json
@@ -13,6 +14,9 @@ from dobb_bench.training.data import load_corpus
 from dobb_bench.training.model import ModelConfig
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: _ranks
+from _ranks import finish_rank  # noqa: E402
 
 from dobb_bench.training.train import Run, TrainConfig, run_training, setup_dist
 
@@ -48,6 +52,7 @@ def main():
             results[f"{name}-{mode}-resumed"] = curve(resumed)
     if env.rank == 0:
         (out / "curves.json").write_text(json.dumps(results))
+    finish_rank(out)
 
 
 if __name__ == "__main__":

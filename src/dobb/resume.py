@@ -1,0 +1,90 @@
+"""``check_resume``: refuse, before anything loads, a distributed checkpoint whose optimizer state
+was laid out for another sharding.
+
+Most of this package's optimizers keep state that ``torch.distributed.checkpoint`` (DCP) reshards
+with the weights: momentum shaped like the weight, blocks that do not move with the shards. Some lay
+their state out by the shards themselves: DASH's and Shampoo's tile factors are cut within each
+rank's shard, SPlus's blocks are cut at the shard boundaries and each rank keeps a partial
+statistic, Dobb's blocks are cut at the shard boundaries when ``blocks`` follows the world size.
+Their state then has another global shape on another number of shards, and DCP's own error names
+a tensor size only. Call this on every rank before ``dcp.load``::
+
+    dobb.resume.check_resume(model, opt, path)
+    sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(sd, checkpoint_id=path)
+
+It reads the checkpoint's metadata only (no tensor is read, no collective beyond those of
+``get_optimizer_state_dict``) and raises a ``ValueError`` naming the optimizer, the state, the saved
+and the current layout, and what works.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+__all__ = ["check_resume", "optimizer_label"]
+
+
+def optimizer_label(opt: torch.optim.Optimizer) -> str:
+    """The registry label of ``opt`` (``"DASH"``, ``"Dobb-G"``): the entry of its class whose preset
+    its first matrix group matches most closely; the class name for an optimizer not registered."""
+    from .registry import OPTIMIZERS
+
+    group = next((g for g in opt.param_groups if g.get("algorithm") != "adamw"), opt.defaults)
+    best, score = type(opt).__name__, -1
+    for entry in OPTIMIZERS.values():
+        if entry.cls is type(opt) and all(group.get(k) == v for k, v in entry.preset.items()):
+            if len(entry.preset) > score:
+                best, score = entry.label, len(entry.preset)
+    return best
+
+
+def _shards(t: torch.Tensor) -> int:
+    from .sharding import shard_count
+    return shard_count(t)
+
+
+def check_resume(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint_id=None, *,
+                 storage_reader=None) -> None:
+    """Raise ``ValueError`` when a state tensor of ``optimizer`` has another global shape in the
+    checkpoint than here (its layout follows the shards, and they changed); see the module
+    docstring. ``storage_reader``: DCP's reader, when not a file system path."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    if storage_reader is None:
+        if checkpoint_id is None:
+            raise ValueError("check_resume needs checkpoint_id (a path) or storage_reader")
+        storage_reader = FileSystemReader(os.fspath(checkpoint_id))
+    saved = storage_reader.read_metadata().state_dict_metadata
+    current = get_optimizer_state_dict(model, optimizer)
+    label = optimizer_label(optimizer)
+    notes = ""
+    for group in optimizer.param_groups:
+        note = getattr(optimizer, "_layout_note", None)
+        if note is not None and group.get("algorithm") != "adamw":
+            notes = note(group)
+            break
+    for fqn, state in current["state"].items():
+        for key, value in state.items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            name = f"state.{fqn}.{key}"
+            hits = [k for k in saved if k == name or k.endswith("." + name)]
+            if len(hits) != 1 or not isinstance(saved[hits[0]], TensorStorageMetadata):
+                continue  # absent, or ambiguous: DCP's own load reports it
+            meta = saved[hits[0]]
+            if tuple(meta.size) == tuple(value.shape):
+                continue
+            before, now = len(meta.chunks), _shards(value)
+            why = f" ({notes})" if notes else ""
+            raise ValueError(
+                f"{label} cannot resume from this checkpoint: state {key!r} of {fqn} was saved on {before} "
+                f"shard(s) of the weight (global shape {tuple(meta.size)}), now {now} shard(s) (global shape "
+                f"{tuple(value.shape)}){why}. Saved layout: {before} shard(s); current layout: {now} shard(s). "
+                f"What works: resume on {before} ranks (the saved sharding), or load the model's weights "
+                f"alone and start a new {label} state here"
+            )
