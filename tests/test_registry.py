@@ -72,7 +72,7 @@ def test_a_name_or_label_declared_twice_is_refused():
     with pytest.raises(ValueError, match="'muon'.*declared twice"):
         registry._index((muon, muon))
     with pytest.raises(ValueError, match="label 'Muon'.*declared twice"):
-        registry._index((muon, registry.Entry("muon2", muon.cls, "Muon", payload="dense", state="momentum")))
+        registry._index((muon, registry.Entry("muon2", muon.cls, "Muon")))
 
 
 def test_presets_are_read_only():

@@ -1,11 +1,12 @@
 """Every optimizer of this package, declared once: ``dobb.build_optimizer``, the integrations and the bench read this.
 
-To add an optimizer (five lines of work):
-1. write its class: a ``dobb._base.MatrixOptimizer`` subclass with ``algorithm`` and ``Options`` (its typed
-   options: a frozen dataclass, see ``dobb._hparams``);
-2. add one ``Entry(name, Class, label, payload=..., state=...)`` line to ``_ENTRIES`` below (``preset``: fixed kwargs of a variant);
-3. ``payload``/``state`` name formulas in ``dobb_bench.cost.payload.PAYLOAD_FORMULAS``/``STATE_FORMULAS`` (add one there if none fits);
-4. export the class from ``dobb/__init__.py``; ``tests/test_registry.py`` then builds, validates and steps it.
+It holds what the library needs: the name, the class, the label (in ``dobb.resume``'s messages),
+the preset and the builder defaults. To add an optimizer: write its class (a
+``dobb._base.MatrixOptimizer`` subclass with ``algorithm`` and ``Options``, its typed options: see
+``dobb._hparams``) and export it from ``dobb/__init__.py``; add one ``Entry(name, Class, label)``
+line to ``_ENTRIES`` below (``preset``: fixed kwargs of a variant); ``tests/test_registry.py`` then
+builds, validates and steps it. The bench's fields of each name (its cost formulas, its blocked
+axis) are in its own table, outside this package (docs/CONTRIBUTING.md, "Adding an optimizer").
 
 An entry's accepted hyperparameters, with their defaults, are read from its class' ``Options``
 (the shared ones, ``tau``, ``adamw_betas``, ``adamw_eps``, ``fused``, ``foreach``, among them) and
@@ -46,22 +47,16 @@ _NOT_HPARAMS = ("self", "params", "model", "lr", "weight_decay", "param_names")
 
 @dataclass(frozen=True)
 class Entry:
-    """One optimizer as ``build_optimizer(name, ...)`` builds it and the bench labels and prices it.
+    """One optimizer as ``build_optimizer(name, ...)`` builds it.
 
-    ``preset``: constructor kwargs the name fixes (a variant of a class). ``defaults``: builder
-    defaults the user may override (AdamW's betas). ``payload``/``state``: names of the formulas
-    of ``dobb_bench.cost.payload`` (cross-shard entries per step; state bytes per matrix).
-    ``blocks_side``: the matrix axis the optimizer cuts into ``blocks`` (``"input"``/``"output"``;
-    ``side``/``axis`` hyperparameters override it), ``None`` when it does not block.
+    ``label``: its display name (``"Dobb-G"``). ``preset``: constructor kwargs the name fixes (a
+    variant of a class). ``defaults``: builder defaults the user may override (AdamW's betas).
     """
     name: str
     cls: type
     label: str
-    payload: str
-    state: str
     preset: Mapping[str, Any] = field(default_factory=dict)
     defaults: Mapping[str, Any] = field(default_factory=dict)
-    blocks_side: str | None = None
 
     def __post_init__(self):  # read-only, so no caller can change a preset for everyone
         object.__setattr__(self, "preset", MappingProxyType(dict(self.preset)))
@@ -110,42 +105,37 @@ def _ctor_keywords(cls: type) -> dict[str, Any]:
 
 _SIDE_OUT = {"side": "output", "source": "output_grad"}
 _ENTRIES = (
-    Entry("adamw", torch.optim.AdamW, "AdamW", payload="none", state="adamw", defaults={"betas": (0.9, 0.95)}),
-    Entry("muon", Muon, "Muon", payload="dense", state="momentum"),
-    Entry("owner-muon", OwnerMuon, "Owner-compute Muon", payload="owner", state="momentum"),
-    Entry("dion", Dion, "Dion", payload="dion", state="dion"),
-    Entry("rmnp", RMNP, "RMNP", payload="rmnp", state="momentum"),
-    Entry("pr-muon", PeriodicRowMuon, "PR-Muon", payload="pr-muon", state="momentum"),
-    Entry("block-muon", BlockMuon, "Block Muon", payload="block-muon", state="momentum", blocks_side="input"),
-    Entry("dion2", Dion2, "Dion2", payload="selected-rows", state="momentum"),
-    # block steps on each shard (no exchange), owner-computed whole matrices every period-th step
-    Entry("muonbp", MuonBP, "MuonBP", payload="muonbp", state="momentum", blocks_side="output"),
-    Entry("normuon", NorMuon, "NorMuon", payload="dense", state="momentum+rows"),
-    Entry("dion3", Dion3, "Dion3", payload="selected-rows", state="momentum+rows"),
+    Entry("adamw", torch.optim.AdamW, "AdamW", defaults={"betas": (0.9, 0.95)}),
+    Entry("muon", Muon, "Muon"),
+    Entry("owner-muon", OwnerMuon, "Owner-compute Muon"),
+    Entry("dion", Dion, "Dion"),
+    Entry("rmnp", RMNP, "RMNP"),
+    Entry("pr-muon", PeriodicRowMuon, "PR-Muon"),
+    Entry("block-muon", BlockMuon, "Block Muon"),
+    Entry("dion2", Dion2, "Dion2"),
+    # block steps on each shard, owner-computed whole matrices every period-th step
+    Entry("muonbp", MuonBP, "MuonBP"),
+    Entry("normuon", NorMuon, "NorMuon"),
+    Entry("dion3", Dion3, "Dion3"),
     # CMuon: Muon with Q/K/V of every fused (3n x n) weight as three matrices (other sizes: muon's split_sizes)
-    Entry("cmuon", Muon, "CMuon", payload="dense", state="momentum", preset={"split_sizes": "qkv"}),
+    Entry("cmuon", Muon, "CMuon", preset={"split_sizes": "qkv"}),
     # Spectral-Aware Muon; lite = one top pair by warm-started power iteration
-    Entry("samuon", SAMuon, "SAMuon", payload="dense", state="samuon"),
-    Entry("samuon-lite", SAMuon, "SAMuon-lite", payload="dense", state="samuon",
-          preset={"top_k": 1, "topk_method": "power"}),
-    Entry("dobb", Dobb, "Dobb", payload="dobb", state="dobb", blocks_side="input"),
-    Entry("dobb-l2", Dobb, "Dobb-l2", payload="dobb", state="dobb", preset={"norm": "l2"}, blocks_side="input"),
-    Entry("dobb-g", Dobb, "Dobb-G", payload="dobb", state="dobb", preset=_SIDE_OUT, blocks_side="output"),
-    Entry("dobb-g-l2", Dobb, "Dobb-G-l2", payload="dobb", state="dobb", preset={**_SIDE_OUT, "norm": "l2"},
-          blocks_side="output"),
+    Entry("samuon", SAMuon, "SAMuon"),
+    Entry("samuon-lite", SAMuon, "SAMuon-lite", preset={"top_k": 1, "topk_method": "power"}),
+    Entry("dobb", Dobb, "Dobb"),
+    Entry("dobb-l2", Dobb, "Dobb-l2", preset={"norm": "l2"}),
+    Entry("dobb-g", Dobb, "Dobb-G", preset=_SIDE_OUT),
+    Entry("dobb-g-l2", Dobb, "Dobb-G-l2", preset={**_SIDE_OUT, "norm": "l2"}),
     # Dobb-preconditioned Muon: Adam in the input-side bases, then NS5 of each of out_blocks row blocks
-    Entry("dobb-muon", Dobb, "Dobb-Muon", payload="dobb", state="dobb", preset={"norm": "muon"},
-          blocks_side="input"),
+    Entry("dobb-muon", Dobb, "Dobb-Muon", preset={"norm": "muon"}),
     # block Shampoo as DASH does it (tiles within shards: no cross-shard exchange); Shampoo = one tile per matrix
-    Entry("dash", Dash, "DASH", payload="none", state="dash"),
-    Entry("shampoo", Shampoo, "Shampoo", payload="none", state="dash"),
-    # SOAP (Adam in Shampoo's eigenbases): sharded matrices owner-computed (shards to the owner, the
-    # update back), as owner-muon; Newton-Muon (Muon on G Sigma^-1): whole matrices, not sharded here;
-    # a sharded step would gather each matrix as Muon does, hence "dense"
-    Entry("soap", SOAP, "SOAP", payload="owner", state="soap", blocks_side="input"),
-    Entry("newton-muon", NewtonMuon, "Newton-Muon", payload="dense", state="newton-muon", blocks_side="input"),
-    # SPlus: sign of the momentum in the eigenbases of G G^T and G^T G (blocks/out_blocks within shards)
-    Entry("splus", SPlus, "SPlus", payload="splus", state="splus", blocks_side="input"),
+    Entry("dash", Dash, "DASH"),
+    Entry("shampoo", Shampoo, "Shampoo"),
+    # SOAP: Adam in Shampoo's eigenbases; Newton-Muon: Muon on G Sigma^-1
+    Entry("soap", SOAP, "SOAP"),
+    Entry("newton-muon", NewtonMuon, "Newton-Muon"),
+    # SPlus: sign of the momentum in the eigenbases of G G^T and G^T G
+    Entry("splus", SPlus, "SPlus"),
 )
 
 

@@ -6,7 +6,8 @@ functions included, and on any use of the library outside its public API):
 
 - top level: ``cli`` (the ``dobb-bench`` entry point; ``python -m dobb_bench.cli`` under
   ``torchrun``), ``errors`` (``CliError``, ``Interrupted``), ``specs`` (the optimizer-spec grammar;
-  what an optimizer is, asked of ``dobb.registry``), ``provenance`` (revision, machine, command of
+  what an optimizer is, asked of ``dobb.registry``), ``bench_entries`` (each registry name's cost
+  formulas and blocked axis), ``provenance`` (revision, machine, command of
   a record), ``timing`` (``python -m dobb_bench.timing``: the timing and payload commands alone).
 - ``training``: ``model`` (the GPT), ``data`` (corpora, batches), ``train`` (the resumable
   training loop), ``checkpoint_io``, ``run_stats``, ``outdir`` (``--out`` safety), ``children``

@@ -116,7 +116,7 @@ def parse_spec(text: str) -> OptimizerSpec:
 def registry_entry(name: str) -> "dobb.registry.Entry | None":
     """The ``dobb.registry`` entry of an optimizer name (a torch reference: the entry it stands for);
     ``None`` for a name the registry does not know. The bench asks the registry what an optimizer
-    is (its class, preset, blocked axis) instead of reading it from the name's prefix."""
+    is (its class, preset) instead of reading it from the name's prefix."""
     return dobb.registry.OPTIMIZERS.get(TORCH_REFERENCES.get(name, name))
 
 

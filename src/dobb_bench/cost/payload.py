@@ -72,6 +72,7 @@ from dobb import registry
 from dobb.baselines.dion import dion_rank
 from dobb.functional import block_sizes
 from dobb.sharding import chunk_sizes
+from dobb_bench.bench_entries import bench_entry
 
 __all__ = [
     "PAYLOAD_NAMES",
@@ -175,7 +176,7 @@ def _blocks(hparams: dict) -> int:
     return b
 
 
-# ----- payload formulas: f(m, n, hparams, sharded, shards) -> entries; named by registry entries
+# ----- payload formulas: f(m, n, hparams, sharded, shards) -> entries; named by dobb_bench.bench_entries
 def _pay_none(m, n, hp, sharded, shards):
     return 0.0
 
@@ -299,7 +300,7 @@ def payload_entries(name: str, m: int, n: int, hparams: dict | None = None, *, s
         raise ValueError(f"matrix shape must be positive, got {(m, n)}")
     if shards == 1 or key in PLACEMENTS:
         return 0.0
-    return PAYLOAD_FORMULAS[_entry(key).payload](m, n, hp, sharded, int(shards))
+    return PAYLOAD_FORMULAS[bench_entry(_entry(key).name).payload](m, n, hp, sharded, int(shards))
 
 
 def forward_backward_entries(name: str, m: int, n: int, *, shards: int = 4) -> float:
@@ -384,11 +385,11 @@ def derived_state_bytes(name: str, m: int, n: int, hparams: dict | None = None, 
     """
     key, hp = _with_defaults(name, hparams)
     mn = m * n * param_bytes / (out_shards * in_shards)
-    return float(STATE_FORMULAS[_entry(key).state](m, n, hp, mn, out_shards, in_shards))
+    return float(STATE_FORMULAS[bench_entry(_entry(key).name).state](m, n, hp, mn, out_shards, in_shards))
 
 
 # ----- state formulas: f(m, n, hparams, mn, out_shards, in_shards) -> bytes per rank; ``mn`` is the
-# weight-shaped buffer's bytes on this rank; named by registry entries
+# weight-shaped buffer's bytes on this rank; named by dobb_bench.bench_entries
 def _state_adamw(m, n, hp, mn, out_shards, in_shards):  # exp_avg, exp_avg_sq
     return 2 * mn
 

@@ -21,6 +21,7 @@ import torch
 
 import dobb
 
+from dobb_bench.bench_entries import bench_entry
 from dobb_bench.cost.payload import derived_state_bytes
 from dobb_bench.provenance import native_bf16, provenance
 from dobb_bench.specs import refreshes, registry_entry
@@ -72,7 +73,7 @@ def traffic(name: str, m: int, n: int, hp: dict | None = None) -> dict:
         B, T = hp.get("blocks", 16), hp.get("refresh_every", 9)
         # the blocked axis: the preset's (Dobb-G: output), a side= hyperparameter overrides it;
         # side="both" is priced as its input side (the output side's work is not counted here)
-        side = "output" if hp.get("side", entry.blocks_side) == "output" else "input"
+        side = "output" if hp.get("side", bench_entry(entry.name).blocks_side) == "output" else "input"
         k, rows = (n, m) if side == "input" else (m, n)
         s = _dobb_block_width(k, B)
         stat = k * s  # entries of the row-stacked block statistic / basis (k^2 / B)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import dobb.registry
 
+from dobb_bench.bench_entries import BENCH_ENTRIES
 from dobb_bench.specs import parse_value
 
 
@@ -194,8 +195,8 @@ def typed_hparams(hparams: dict) -> dict:
 
 
 # ----- normalised reading of a loss table ----------------------------------------------------------
-# The axis each optimizer blocks by default (dobb.registry's blocks_side; None: it does not block)
-_BLOCKED = {name: e.blocks_side for name, e in dobb.registry.OPTIMIZERS.items() if e.blocks_side}
+# The axis each optimizer blocks by default (dobb_bench.bench_entries' blocks_side; absent: it does not block)
+_BLOCKED = {name: e.blocks_side for name, e in BENCH_ENTRIES.items() if e.blocks_side}
 
 
 def block_widths(optimizer: str, hparams: dict, model: dict) -> str | None:
