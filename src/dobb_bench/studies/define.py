@@ -114,7 +114,9 @@ class Setting:
                "--no-progress", "--checkpoint-every", str(self.checkpoint_every)]
         if self.width is not None:
             out += ["--width", str(self.width)]
-        return out + ["--steps", str(self.steps), "--eval-every", str(self.eval_every)]
+        # fp32 products on every host: the study's first runs had them (their host had no native
+        # bf16), and compare's default rule would give bf16 where a host has it
+        return out + ["--steps", str(self.steps), "--eval-every", str(self.eval_every), "--product-dtype", "float32"]
 
 
 @dataclass(frozen=True)

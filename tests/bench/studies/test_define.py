@@ -45,18 +45,19 @@ def _next(study, runs):
 
 
 def test_commands_and_folders_are_those_of_the_running_grid(tmp_path):
-    """Byte for byte the command lines and --out folders scripts/long_horizon.py has always written
-    (a running grid is re-pointed at this code: a changed name would rerun finished runs)."""
+    """Byte for byte the --out folders scripts/long_horizon.py has always written (a running grid
+    is re-pointed at this code: a changed name would rerun finished runs) and the command lines,
+    which pin fp32 products as the study's first runs had them."""
     d = D.Driver(D.RunsFolder("/work/runs/fr"), "wt", H.SETTINGS)
     row = next(r for r in H.FR if r.label == "Two-sided B=4 Bo=4")
     assert " ".join(d.command(("lh", row, -3, 0))) == (
         "dobb-bench compare --jobs 1 --layers 2 --context 64 --no-progress --checkpoint-every 500 --steps 8300 "
-        "--eval-every 250 --seed 0 --lr 0.001767766952966369 --out /work/runs/fr/lh-TwosidedB4Bo4-j-3-s0 "
+        "--eval-every 250 --product-dtype float32 --seed 0 --lr 0.001767766952966369 --out /work/runs/fr/lh-TwosidedB4Bo4-j-3-s0 "
         "--optimizers dobb:side=both:blocks=4:out_blocks=4@Two-sided B=4 Bo=4")
     row = next(r for r in H.W256 if r.label == "Row-block Muon R=4")
     assert " ".join(d.command(("w256", row, 3, 1))) == (
         "dobb-bench compare --jobs 1 --layers 2 --context 64 --no-progress --checkpoint-every 500 --width 256 "
-        "--steps 3200 --eval-every 200 --seed 1 --lr 0.014142135623730952 --out /work/runs/fr/w256-RowblockMuonR4-j3-s1 "
+        "--steps 3200 --eval-every 200 --product-dtype float32 --seed 1 --lr 0.014142135623730952 --out /work/runs/fr/w256-RowblockMuonR4-j3-s1 "
         "--optimizers block-muon:axis=0:blocks=4@Row-block Muon R=4")
     assert [r.label for r in H.W256] == ["AdamW", "Muon", "Row-block Muon R=4", "Dobb B=1", "Two-sided B=1 Bo=4"]
     fr = H.STUDIES["frontier-20"]
