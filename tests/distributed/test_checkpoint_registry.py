@@ -45,6 +45,8 @@ TOL = 1e-12
 F64 = {"basis_dtype": torch.float64, "stat_dtype": torch.float64}
 HPARAMS = {
     **{n: {"blocks": 4, "refresh_every": 2, **F64} for n in ("dobb", "dobb-l2", "dobb-g", "dobb-g-l2")},
+    # row blocks must sit within a shard: 4 blocks of the 32 rows fit 2 and 4 ranks alike
+    "dobb-muon": {"blocks": 4, "out_blocks": 4, "refresh_every": 2, **F64},
     "dash": {"block_size": 8, "precondition_every": 2},
     "shampoo": {"precondition_every": 2},
     "splus": {"inverse_every": 2, "out_blocks": 4},
