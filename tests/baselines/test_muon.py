@@ -21,7 +21,7 @@ def test_muon_matches_torch_muon_bitwise(nesterov):
     mats = [ref[0].weight, ref[2].weight, ref[4].weight]
     rest = [p for p in ref.parameters() if all(p is not q for q in mats)]
     a = torch.optim.Muon(mats, lr=0.02, weight_decay=0.1, nesterov=nesterov, adjust_lr_fn="match_rms_adamw")
-    b = torch.optim.AdamW(rest, lr=0.02, weight_decay=0.1, betas=(0.9, 0.95))
+    b = torch.optim.AdamW(rest, lr=0.02, weight_decay=0.1, betas=(0.9, 0.95), fused=True)  # ours: fused by default
     opt = Muon(dobb.param_groups(ours, algorithm="muon", **ALL_2D), lr=0.02, weight_decay=0.1, nesterov=nesterov,
                ns_dtype="bfloat16")  # torch's Muon always runs NS5 in bf16
     X, Y = data()

@@ -142,7 +142,7 @@ def test_adamw_groups_match_torch_adamw_exactly():
     groups = [{"params": list(a[0].parameters()) + list(a[1].parameters()) + [a[2].bias], "algorithm": "adamw"}]
     opt_a = dobb.Dobb(groups, a, lr=0.01, weight_decay=0.1)
     opt_b = torch.optim.AdamW(list(b[0].parameters()) + list(b[1].parameters()) + [b[2].bias], lr=0.01,
-                              betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+                              betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)  # ours: fused by default
     tokens = torch.randint(0, 10, (4, 5))
     for _ in range(5):
         for model, opt in ((a, opt_a), (b, opt_b)):

@@ -47,7 +47,6 @@ from torch import Tensor
 
 from .._base import MatrixOptimizer, _name_of
 from ..layout import is_dtensor, to_local
-from ..sharding import local_shapes, per_shard_state
 from . import _common as C
 from ._matrix_roots import INVERSE_ROOTS, inverse_root
 from .._hparams import (ScaledOptions, closed_unit_interval, integer, non_negative, one_of, option, positive,
@@ -191,6 +190,8 @@ class Dash(MatrixOptimizer):
             kw = dict(dtype=_factor_dtype(p), device=local.device)
             for key, side in (("L", 1), ("R", 2)):
                 if is_dtensor(p):
+                    from ..sharding import local_shapes, per_shard_state  # DTensor code loads on use
+
                     # every rank's factors as one DTensor (one row per shard, padded to the largest)
                     numel = max(self._factor_numel(group, shape, side) for shape in local_shapes(p))
                     for k in (key, key + "_root"):

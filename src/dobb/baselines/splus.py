@@ -66,7 +66,6 @@ from ..layout import to_local
 from .._hparams import Options, integer, option, positive, unit_interval
 from ..functional import blockwise
 from ..placement import layout_for
-from ..sharding import local_shapes, per_shard_state
 from . import _common as C
 
 __all__ = ["SPlus", "splus_direction"]
@@ -190,6 +189,8 @@ class SPlus(MatrixOptimizer):
             out_lay, in_lay = self._layouts[p]
             left, right = self._sides(group, p)
             dt, dev = _state_dtype(p), to_local(p).device
+
+            from ..sharding import local_shapes, per_shard_state  # DTensor code loads on use
 
             def side(lay, axis, on):
                 if not on:

@@ -53,7 +53,9 @@ def test_one_product_dtype_rule_for_every_row():
     assert RS.product_dtype("cuda:0") is torch.bfloat16 and RS.product_dtype("mps") is torch.float32
     muon, dobb, adamw = (RS.with_product_dtype(parse_spec(s), torch.bfloat16) for s in ("muon", "dobb:blocks=4", "adamw"))
     assert muon.hparams == {"ns_dtype": torch.bfloat16} and muon.label == "Muon"
-    assert dobb.hparams == {"blocks": 4, "product_dtype": torch.bfloat16} and dobb.label == "Dobb B=4"
+    # Dobb has both keys (ns_dtype is its Newton-Schulz under norm="muon"): both follow the rule
+    assert dobb.hparams == {"blocks": 4, "product_dtype": torch.bfloat16, "ns_dtype": torch.bfloat16}
+    assert dobb.label == "Dobb B=4"
     assert adamw.hparams == {}
     mine = RS.with_product_dtype(parse_spec("muon:ns_dtype=float32"), torch.bfloat16)
     assert mine.hparams == {"ns_dtype": torch.float32}  # a spec's own dtype is kept
