@@ -19,6 +19,7 @@ import dobb
 from dobb import functional as F
 from _dobb_reference import block_bases, dense_direction, eigh_bases
 from dobb.core import optimizer as O
+from dobb.core import update as U
 
 
 # --------------------------------------------------------------- the optimizer
@@ -643,7 +644,7 @@ def _observed_direction(r):
 
 def _force_path(monkeypatch, path):
     monkeypatch.setattr(F, "SMALL_BLOCK", PATHS[path]["small"])
-    monkeypatch.setattr(O, "FUSE_MIN_BLOCK_WORK", PATHS[path]["fuse"])
+    monkeypatch.setattr(U, "FUSE_MIN_BLOCK_WORK", PATHS[path]["fuse"])  # read by core.update.decay_in_update
 
 
 VARIANTS = [("sign", "input", "activation"), ("l2", "input", "activation"), ("sign", "output", "output_grad")]
@@ -1010,3 +1011,19 @@ def test_build_optimizer_passes_two_sided_options():
     opt = dobb.build_optimizer("dobb", model, lr=0.01, side="both", out_blocks=2, norm="adam")
     st = opt.state[model[0].weight]
     assert F.block_runs([4, 4])[0].count == 2 and st["out_basis"].shape == (8, 4) and "second_moment" in st
+
+
+def test_a_step_keeps_no_step_data_on_the_instance():
+    """One step's data (the agreed statistics, the idle matrices) is passed between the step's methods,
+    not kept on the instance (issue 42): a step adds or rebinds no attribute, refresh step or not."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 12, bias=False), nn.ReLU(), nn.Linear(12, 4, bias=False))
+    opt = dobb.Dobb([model[0].weight, model[2].weight], model, lr=0.01, refresh_every=2)
+    assert not hasattr(opt, "_agreed") and not hasattr(opt, "_idle")
+    for _ in range(3):
+        before = dict(vars(opt))
+        model(torch.randn(5, 8)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        after = vars(opt)
+        assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)

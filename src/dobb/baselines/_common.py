@@ -1,7 +1,7 @@
 """Helpers shared by the baselines: the update protocol and forwarders to the DTensor gather/slice
 helpers of ``dobb.sharding``. (Their options and value rules are declared with ``dobb._hparams``.)
 
-Why a separate ``apply_protocol`` (and not one apply shared with Dobb's ``core.optimizer.apply_directions``): the Muon family
+Why a separate ``apply_protocol`` (and not one apply shared with Dobb's ``core.update.apply_directions``): the Muon family
 produces bf16 directions, and ``torch.optim.Muon`` adds them with ``param.add_(O, alpha=-lr*s)``,
 one rounding per entry. Scaling ``O`` first and adding afterwards rounds twice (in bf16 even), so
 the baselines add with ``alpha`` to stay bitwise equal to torch's Muon on CPU.

@@ -4,12 +4,15 @@ Why a room: the package root holds what every optimizer of ``dobb`` uses (the sh
 ``_base``, the math ``functional``, the layouts ``layout``/``placement``/``sharding``, capture hooks
 ``capture``, ``collectives``, the meter, the typed options machinery ``_hparams``, the registry and
 factory); the baselines have ``dobb.baselines``. What only Dobb needs lives here, folded by concern
-so that one eager ``Dobb.step()`` is read in five files: ``_base`` (the shared step loop),
-``core.optimizer``, ``core.statistics``, ``functional`` and ``layout``.
+so that one eager ``Dobb.step()`` is read in seven files: ``_base`` (the shared step loop),
+``core.optimizer``, ``core.schedule``, ``core.statistics``, ``core.update``, ``functional`` and ``layout``.
 
-- ``optimizer``: the ``Dobb`` class, its per-matrix ``Plan`` and the one refresh rule ``due``, the
-  two-sided layouts, and the update (``apply_directions``, ``apply_two_sided``: which kernel runs
-  where, equal blocks batched);
+- ``optimizer``: the ``Dobb`` class (state, capture API, the step's order); it re-exports the public
+  names of ``schedule`` and ``update``;
+- ``schedule``: the per-matrix ``Plan`` and the one refresh rule ``due``, refresh periods and
+  staggered offsets, the two-sided layouts and the queue of a step's refreshes (``queue_refresh``);
+- ``update``: the update (``apply_directions``, ``apply_two_sided``, ``apply_preconditioned_muon``,
+  whole-matrix steps: which kernel runs where, equal blocks batched);
 - ``statistics``: what the ranks agree on before a step (``agree``), the statistic of a refresh
   (``gram_statistic``, ``fold_side``) and the basis solve with its split across ranks (``solve``);
 - ``options``: ``DobbOptions``, Dobb's typed options and the combinations that make sense (read at

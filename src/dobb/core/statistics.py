@@ -11,7 +11,7 @@ In the step's order (``core.optimizer.Dobb._prepare_step`` says what is due, the
 2. **The statistic** of one side of one stack (a 2-D matrix is a stack of one, see ``layout``):
    the agreed capture, or with ``source="grad_gram"`` the gradient's block Gram (``gram_statistic``).
    ``fold_side`` applies the rules once for every matrix: a matrix of the captured span counts a
-   capture when it is due (``core.optimizer.due``) and some rank saw a row for it; each such local
+   capture when it is due (``core.schedule.due``) and some rank saw a row for it; each such local
    matrix folds the new statistic (a copy on its first capture, else the EMA) and queues its blocks
    for a new basis, exact (``eigh``) with ``basis="eigh"`` or on a first capture with
    ``init_basis="eigh"``, else by warm-started orthogonal iteration.

@@ -1,0 +1,224 @@
+"""Dobb's update: ``W <- (1 - lr wd) W - lr * s * O`` for every matrix of a param group.
+
+The direction ``O`` comes from ``functional.add_directions_`` (one-sided: ``apply_directions``),
+``functional.two_sided_update_`` (``side="both"``: ``apply_two_sided``) or Newton-Schulz on the
+Dobb-preconditioned update (``norm="muon"``: ``apply_preconditioned_muon``). This module decides which
+kernel runs where and batches equal blocks; ``core.optimizer.Dobb._matrix_step`` hands it plain local
+tensors. Every matrix is a stack (a 2-D parameter a stack of one, an expert stack one of ``E``, see
+``layout``): its blocks join the batch of their shape whatever the stack size. Per matrix ``W``
+(``m x n``) with gradient ``G`` the step is
+
+1. ``M <- mu M + G``; ``U = G + mu M`` (Nesterov) or ``U = M``;
+2. on refresh steps: block statistics ``A_b`` (EMA over captures) and bases
+   ``Q_b <- qr(A_b Q_b)`` (``ortho_steps`` times) or ``eigh(A_b)``;
+3. ``O[:, b] = normalize(U[:, b] Q_b) Q_b^T`` (sign: ``sign(.)/sqrt(m)``, or unit ell2 columns);
+4. ``W <- (1 - lr*wd) W - lr * tau*sqrt(max(m, n)) * O``.
+
+Steps 1-2 run in ``core.optimizer.Dobb`` (momentum) and ``core.statistics`` (refresh), 3-4 here. All
+equal-size blocks of all matrices of a param group go through one batched ``bmm``/QR call.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from .. import functional as F
+from ..functional import BlockBasis, two_sided_update_
+from ..layout import MatrixLayout
+from .statistics import all_reduce_sum_
+
+__all__ = ["FUSE_MIN_BLOCK_WORK", "OneSided", "TwoSided", "decay_in_update", "apply_directions", "apply_two_sided",
+           "apply_preconditioned_muon", "precondition", "apply_whole_steps", "whole_step_owner"]
+
+# torch runs baddbmm_ into a strided weight view as one addmm_ per block: a win (one pass over
+# W, no update temporary) for large blocks, launch-bound for small ones (docs/timing.md)
+FUSE_MIN_BLOCK_WORK = 1 << 18
+
+
+class OneSided(NamedTuple):
+    """One matrix (stack) of a one-sided group, local tensors: its ``layout``, ``basis`` (row-stacked
+    blocks), update ``u`` and weight ``w``; ``decay`` is the weight decay folded into its
+    reconstruction (``decay_in_update``), or None when ``w`` is already decayed."""
+
+    layout: MatrixLayout
+    basis: Tensor
+    u: Tensor
+    w: Tensor
+    decay: float | None = None
+
+
+class TwoSided(NamedTuple):
+    """One matrix (stack) of a ``side="both"`` group: its ``plan`` (``Plan``: both sides'
+    layouts and state keys), its optimizer ``state`` (bases, ``second_moment``, ``step``) and the
+    local update ``u``, gradient ``g`` and weight ``w``."""
+
+    plan: Any
+    state: dict
+    u: Tensor
+    g: Tensor
+    w: Tensor
+
+
+def decay_in_update(w: Tensor, layout: MatrixLayout, *, lr, basis_dtype: torch.dtype, product_dtype) -> bool:
+    """Whether the weight decay of ``w`` (local, one-sided) is the ``beta`` of its reconstruction
+    ``baddbmm`` (one pass over ``W`` instead of a multiply pass and a strided add pass): on CPU, for
+    a stack of one whose products run in the weight's dtype and whose smallest block is large enough."""
+    if layout.stack_local != 1:
+        return False  # decayed by one foreach pass: the fused baddbmm writes one matrix's strided view
+    if torch.compiler.is_compiling():
+        # Inductor cannot functionalize an in-place baddbmm into a strided view of W; the compiler
+        # fuses the separate decay pass anyway
+        return False
+    rows = w.shape[-1 - layout.blocked_axis]  # the axis that is not blocked
+    # a list, not min(..., default=): Dynamo cannot trace the keyword, and a graph break here split
+    # every compiled step in two
+    return (w.device.type == "cpu" and not isinstance(lr, torch.Tensor)
+            and w.dtype == F.matmul_dtype(basis_dtype, w.device, product_dtype)
+            and min([rows * s * s for s in layout.local_sizes if s > 0] or [0]) >= FUSE_MIN_BLOCK_WORK)
+
+
+def _oriented(t: Tensor, layout: MatrixLayout) -> Tensor:
+    """A stack ``(E, m, n)`` with the blocked axis last."""
+    return t if layout.blocked_axis == 1 else t.transpose(1, 2)
+
+
+def apply_directions(mats: list[OneSided], *, norm: str, lr, tau: float, product_dtype) -> None:
+    """``W -= lr * s * O`` with ``O`` from batched project -> normalize -> reconstruct, for every
+    matrix of ``mats``.
+
+    All equal-shape blocks of the group go through one ``add_directions_`` call on accelerators
+    (stacked to save kernel launches); on CPU, where a strided block view feeds ``bmm`` at no cost
+    while stacking matrices costs a transposing copy, one call per matrix. The constant
+    ``-lr * s`` (and sign's ``1/sqrt(rows)``) is the kernel's ``factor``, so no update-sized
+    temporary is written besides the coefficients.
+    """
+    batches: dict[tuple, list] = defaultdict(list)
+    for layout, basis, ut, pt, beta in mats:
+        factor = -lr * F.update_scale(*layout.shape, tau) / (math.sqrt(layout.rows) if norm == "sign" else 1.0)
+        dtype = F.matmul_dtype(basis.dtype, basis.device, product_dtype)
+        u3, w3, b3 = _oriented(layout.stacked(ut), layout), _oriented(layout.stacked(pt), layout), layout.stacked(basis)
+        # l2 with sharded rows: one batch per matrix, so every rank of the l2 group issues the same
+        # norm reductions in the same order (local row counts may differ across ranks)
+        l2_key = (id(layout.l2_group), id(pt) if layout.l2_group is not None else None) if norm == "l2" else None
+        for run in F.block_runs(layout.local_sizes):
+            cols = slice(run.start, run.stop)
+            key = (u3.shape[1], run.size, dtype, layout.rows, l2_key)
+            batches[key].append((F.Blocks(w=w3[:, :, cols], u=u3[:, :, cols], q=F.stack_block_view(b3, run),
+                                          factor=factor, beta=beta), layout.l2_group))
+    for (_, _, dtype, _, _), items in batches.items():
+        l2_group = items[0][1]
+        col_sq_sum = (lambda sq: all_reduce_sum_(sq, l2_group)) if l2_group is not None else None
+        if items[0][0].w.device.type == "cpu":
+            for it, _ in items:
+                F.add_directions_([it], norm=norm, dtype=dtype, col_sq_sum=col_sq_sum)
+        else:
+            F.add_directions_([it for it, _ in items], norm=norm, dtype=dtype, col_sq_sum=col_sq_sum)
+
+
+def apply_two_sided(mats: list[TwoSided], *, norm: str, lr, tau: float, basis_dtype: torch.dtype, product_dtype,
+                    momentum: float, beta2: float, eps: float) -> None:
+    """``side="both"``: ``W += factor * Q_rows D Q_cols^T`` (``functional.two_sided_update_``) for
+    every matrix of every stack of ``mats`` (an expert stack: each expert with its own bases and
+    ``second_moment``)."""
+    for plan, state, ut, gt, pt in mats:
+        lin = plan.layout
+        dtype = F.matmul_dtype(basis_dtype, pt.device, product_dtype)
+        sides = sorted(plan.sides, key=lambda side: side.layout.blocked_axis)  # (rows side, cols side)
+        bases = [side.layout.stacked(state[side.basis]) for side in sides]
+        # sign's 1/sqrt(m) with m = the global output axis (lin.rows), as one-sided Dobb
+        factor = -lr * F.update_scale(*lin.shape, tau) / math.sqrt(lin.rows)
+        v = lin.stacked(state["second_moment"]) if norm == "adam" else None
+        w, u, g = lin.stacked(pt), lin.stacked(ut), lin.stacked(gt)
+        for e in range(w.shape[0]):
+            two_sided_update_(w=w[e], u=u[e], g=g[e], rows=BlockBasis(bases[0][e], sides[0].layout.local_sizes),
+                              cols=BlockBasis(bases[1][e], sides[1].layout.local_sizes), factor=factor, dtype=dtype,
+                              norm=norm, v=None if v is None else v[e], step=state["step"] + 1, momentum=momentum,
+                              beta2=beta2, eps=eps)
+
+
+def apply_preconditioned_muon(mats: list[TwoSided], *, lr, tau: float, basis_dtype: torch.dtype, product_dtype,
+                              momentum: float, beta2: float, eps: float, ns_dtype) -> None:
+    """``norm="muon"`` (Dobb-preconditioned Muon), per matrix (local rows, whole columns):
+
+    1. ``C = U Q`` and ``Gq = G Q`` with ``Q`` the block-diagonal input-side basis;
+    2. ``V <- beta2 V + (1 - beta2) Gq^2`` and ``R = (C / (1 - mu^t)) / (sqrt(V / (1 - beta2^t)) + eps)``
+       (SOAP's rule on one side, ``functional.adam_direction``);
+    3. ``P = R Q^T``, cut into the ``out_blocks`` row blocks of ``plan.ns_rows`` (whole on this rank);
+    4. ``W_b -= lr * tau * sqrt(max(m_b, n)) * NS5(P_b)``: each row block moves as a Muon update of
+       its own shape, as row-block Muon's blocks do.
+
+    ``TwoSided`` carries the plan, the state (``basis``, ``second_moment``, ``step``), the update
+    ``u``, the gradient ``g`` and the weight ``w`` (local tensors)."""
+    from ..baselines.muon import resolve_ns_dtype
+    from ..baselines.newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_STEPS, orthogonalize
+
+    for plan, state, ut, gt, pt in mats:
+        lay = plan.layout
+        pre = precondition(plan, state, ut, gt, basis_dtype=basis_dtype, product_dtype=product_dtype,
+                           momentum=momentum, beta2=beta2, eps=eps)
+        sizes = [s for s in plan.ns_rows.local_sizes if s > 0]
+        parts = list(pre.split(sizes, dim=0))
+        outs = orthogonalize(parts, NS_COEFFICIENTS, NS_STEPS, NS_EPS,
+                             dtype=resolve_ns_dtype(ns_dtype, pt.device))
+        n = lay.shape[lay.blocked_axis]  # the input axis (global)
+        w = pt.T if lay.blocked_axis == 0 else pt  # (out, in) view
+        start = 0
+        for size, o in zip(sizes, outs):
+            w[start : start + size].add_(o.to(pt.dtype).mul_(-lr * F.update_scale(size, n, tau)))
+            start += size
+
+
+def precondition(plan, state: dict, ut: Tensor, gt: Tensor, *, basis_dtype: torch.dtype, product_dtype, momentum: float,
+                 beta2: float, eps: float) -> Tensor:
+    """``norm="muon"``'s ``P = R Q^T`` of one matrix (local rows), advancing its ``second_moment``:
+    steps 1-3 of ``apply_preconditioned_muon``. Oriented ``(out, in)``: a transposed weight's tensors
+    (stored ``(in, out)``, input axis blocked on dim 0) are read through their transposes."""
+    lay = plan.layout
+    dtype = F.matmul_dtype(basis_dtype, ut.device, product_dtype)
+    basis = lay.local(state["basis"])
+    v = lay.local(state["second_moment"])
+    if lay.blocked_axis == 0:
+        ut, gt, v = ut.T, gt.T, v.T
+    c, gq = F.blockwise(torch.stack([ut, gt]).to(dtype), basis, lay.local_sizes).unbind(0)
+    gq = gq.to(v.dtype)
+    v.mul_(beta2).addcmul_(gq, gq, value=1.0 - beta2)
+    r = F.adam_direction(c.to(v.dtype), v, step=state["step"] + 1, momentum=momentum, beta2=beta2, eps=eps)
+    return F.blockwise(r.to(dtype), basis, lay.local_sizes, transpose=True)
+
+
+def whole_step_owner():
+    """``OwnerMuon``'s routing and all-to-alls, without its state: the owner of ``apply_whole_steps``
+    (kept by the optimizer as a derived cache)."""
+    from ..baselines.owner_muon import OwnerMuon
+
+    owner = OwnerMuon.__new__(OwnerMuon)
+    owner._replicated_group, owner.owners, owner.gathered = "default", {}, {}
+    return owner
+
+
+def apply_whole_steps(owner, group: dict, active: list[Tensor], plans: list, states: list[dict], u: list[Tensor],
+                      grads: list[Tensor], params: list[Tensor]) -> None:
+    """``whole_every``: ``W <- W - lr * tau * sqrt(max(m, n)) * NS5(X)`` of the whole matrix, computed
+    by its owner as ``OwnerMuon`` does (``owner``: ``whole_step_owner``; two all-to-alls under FSDP2;
+    local unsharded), with ``X`` the Dobb-preconditioned ``P`` (``norm="muon"``, whose second moment
+    advances as on any step) or the momentum (two-sided sign): MuonBP's periodic full step on Dobb's
+    forms."""
+    from ..baselines.newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_STEPS
+
+    if group["norm"] == "muon":  # P in the storage orientation (transposed weights: (in, out))
+        xs = [precondition(plan, st, ut, gt, basis_dtype=group["basis_dtype"], product_dtype=group["product_dtype"],
+                           momentum=group["momentum"], beta2=group["beta2"], eps=group["eps"])
+              for plan, st, ut, gt in zip(plans, states, u, grads)]
+        xs = [x.T if plan.layout.blocked_axis == 0 else x for x, plan in zip(xs, plans)]
+    else:
+        xs = list(u)
+    ns_group = {"params": active, "ns_coefficients": NS_COEFFICIENTS, "ns_steps": NS_STEPS, "eps": NS_EPS,
+                "ns_method": "standard", "ns_dtype": group["ns_dtype"]}
+    outs = owner._orthogonalize(ns_group, active, xs)
+    for p, pt, o in zip(active, params, outs):
+        m, n = p.shape
+        pt.add_(o.to(pt.dtype).mul_(-group["lr"] * F.update_scale(m, n, group["tau"])))
