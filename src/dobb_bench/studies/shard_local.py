@@ -54,6 +54,8 @@ ROWS = (
     ("SPlus Bo=4, authors' setup", "SPlus Bo=4 authors", (STUDY,), "splus:out_blocks=4:b2=0.95:adamw_lr_ratio=0.125"),
     ("SPlus Bo=4, earlier setup", "SPlus Bo=4", (STUDY,), "splus:out_blocks=4"),
     ("Dion2 1/4 per shard", "Dion2-fp32 1/4 per shard R=4", (STUDY,), "dion2:select=shard:blocks=4:ns_dtype=float32"),
+    # issue 40: Adam in Dobb's input-side bases (4 blocks), then Newton-Schulz per row block
+    ("Dobb-Muon B=4 Bo=4", "Dobb-Muon B=4 Bo=4", ("dobb-forms",), "dobb-muon:blocks=4:out_blocks=4"),
     ("DASH, 32 x 32 tiles", "DASH 32", ("family-dash", STUDY), "dash:block_size=32"),
 )
 REFS = (
