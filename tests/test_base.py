@@ -137,16 +137,13 @@ def test_sparse_gradient_of_a_matrix_raises_before_any_change(name):
         assert same(before[1], after[1])
 
 
-@pytest.mark.parametrize("name", MATRIX_NAMES)
-def test_complex_parameter_of_the_adamw_part_steps_as_torch_adamw(name):
-    model = Net(complex_gain=True)
-    opt = build(name, model)
-    parts = [g for g in opt.param_groups if g["algorithm"] == "adamw"]
-    assert any(p is model.gain for g in parts for p in g["params"])
+def _beside_torch_adamw(model, opt, parts, steps: int, *, foreach: bool):
+    """Steps ``opt`` ``steps`` times and, beside it, a ``torch.optim.AdamW`` per AdamW part on clones
+    of that part's parameters fed the same gradients; returns the clones and the references."""
     clones = [[p.detach().clone().requires_grad_() for p in g["params"]] for g in parts]
     refs = [torch.optim.AdamW(c, lr=g["lr"], betas=g["adamw_betas"], eps=g["adamw_eps"],
-                              weight_decay=g["weight_decay"], foreach=True) for g, c in zip(parts, clones)]
-    for t in range(3):
+                              weight_decay=g["weight_decay"], foreach=foreach) for g, c in zip(parts, clones)]
+    for t in range(steps):
         opt.zero_grad()
         backward(model, t)
         for g, c in zip(parts, clones):
@@ -155,6 +152,16 @@ def test_complex_parameter_of_the_adamw_part_steps_as_torch_adamw(name):
         opt.step()
         for r in refs:
             r.step()
+    return clones, refs
+
+
+@pytest.mark.parametrize("name", MATRIX_NAMES)
+def test_complex_parameter_of_the_adamw_part_steps_as_torch_adamw(name):
+    model = Net(complex_gain=True)
+    opt = build(name, model)
+    parts = [g for g in opt.param_groups if g["algorithm"] == "adamw"]
+    assert any(p is model.gain for g in parts for p in g["params"])
+    clones, refs = _beside_torch_adamw(model, opt, parts, 3, foreach=True)
     assert model.gain.grad.imag.abs().max() > 0
     for g, c in zip(parts, clones):
         for p, q in zip(g["params"], c):
@@ -375,18 +382,7 @@ def test_adamw_part_defaults_to_the_fused_kernel_and_equals_unfused_torch_adamw(
     model = Net()
     opt = build(name, model)
     parts = [g for g in opt.param_groups if g["algorithm"] == "adamw"]
-    clones = [[p.detach().clone().requires_grad_() for p in g["params"]] for g in parts]
-    refs = [torch.optim.AdamW(c, lr=g["lr"], betas=g["adamw_betas"], eps=g["adamw_eps"],
-                              weight_decay=g["weight_decay"], foreach=False) for g, c in zip(parts, clones)]
-    for t in range(5):
-        opt.zero_grad()
-        backward(model, t)
-        for g, c in zip(parts, clones):
-            for p, q in zip(g["params"], c):
-                q.grad = None if p.grad is None else p.grad.clone()
-        opt.step()
-        for r in refs:
-            r.step()
+    clones, refs = _beside_torch_adamw(model, opt, parts, 5, foreach=False)
     assert seen and all(s == (True, False) for s in seen), seen
     moved = 0
     for g, c, r in zip(parts, clones, refs):
