@@ -70,16 +70,16 @@ def reeval(run_dir: str, corpus, windows: int, window_seed: int, env) -> dict:
     seed, seq_len = final["train"]["seed"], cfg.seq_len
     logged = [e for e in state["evals"] if e["step"] == state["step"]]
     raw = None
+    offsets = eval_offsets(corpus.val, seq_len, windows, window_seed)
     if final.get("eval_weights", "raw") != "raw":
         # an optimizer that validates its iterate average (SPlus): rebuild it, load its state and
         # let it swap the average in, as the run's own evals did; the raw weights are scored too
-        raw = _common_loss(model, corpus, windows, window_seed, seq_len, final)
+        raw = evaluate(model, corpus, offsets, seq_len, final["train"]["eval_batch_size"], env)
         opt = _optimizer(final, model)
         opt.load_state_dict(state["optimizer"])
         opt.eval()
     own = evaluate(model, corpus, eval_offsets(corpus.val, seq_len, final["train"]["eval_seqs"], seed),
                    seq_len, final["train"]["eval_batch_size"], env)
-    offsets = eval_offsets(corpus.val, seq_len, windows, window_seed)
     common = evaluate(model, corpus, offsets, seq_len, final["train"]["eval_batch_size"], env)
     per_window = window_losses(model, corpus, offsets, seq_len, final["train"]["eval_batch_size"])
     if not math.isclose(float(per_window.mean()), common, rel_tol=0, abs_tol=1e-5):
@@ -108,11 +108,6 @@ def _optimizer(final: dict, model):
     body = ":".join([final["optimizer"]] + [f"{k}={v}" for k, v in (final.get("hparams") or {}).items()])
     spec = parse_spec(body)
     return make_optimizer(spec.name, spec.hparams, final["lr"], final["train"]["weight_decay"], model)
-
-
-def _common_loss(model, corpus, windows: int, window_seed: int, seq_len: int, final: dict) -> float:
-    offsets = eval_offsets(corpus.val, seq_len, windows, window_seed)
-    return evaluate(model, corpus, offsets, seq_len, final["train"]["eval_batch_size"], DistEnv())
 
 
 def main(argv=None) -> int:
