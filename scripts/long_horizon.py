@@ -14,6 +14,8 @@ run at a time by WORKERS (2) workers, each run re-evaluated on the common window
 `noise-first`, `lh`, `w256`, or none for all of the first grid. A restart adopts the runs an
 earlier driver left running. Collect finished runs with `dobb-bench study NAME collect --runs
 RUNS_DIR` or `dobb-bench report --collect RUN --study long-horizon`.
+Runs the committed re-evaluation record holds count as finished (RECORDS_REPO, default this
+checkout, names where it is read), so a new session's empty RUNS_DIR resumes the grid.
 The first runs used a worktree of 197e872.
 """
 import os
@@ -26,5 +28,5 @@ from dobb_bench.studies import long_horizon_runs as H  # noqa: E402
 
 if __name__ == "__main__":
     WT, RUNS = (sys.argv[1], sys.argv[2]) if len(sys.argv) > 2 else ("/work/exp6", "/work/runs/lh")
-    sys.exit(H.main(WT, RUNS, sys.argv[3] if len(sys.argv) > 3 else None, repo=f"{HERE}/..",
+    sys.exit(H.main(WT, RUNS, sys.argv[3] if len(sys.argv) > 3 else None, repo=os.environ.get("RECORDS_REPO", f"{HERE}/.."),
                     reeval_worktree=os.environ.get("REEVAL_WORKTREE", WT), workers=int(os.environ.get("WORKERS", "2"))))

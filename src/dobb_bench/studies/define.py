@@ -91,6 +91,7 @@ class Row(NamedTuple):
     label: str
     spec: str
     j: int
+    centre: int | None = None  # where its lrs start when not ``j - Study.shift`` (say why at the row)
 
     @property
     def slug(self) -> str:
@@ -136,7 +137,7 @@ class Study:
     windows: tuple[int, int] = REEVAL_WINDOWS  # --windows, --window-seed of the re-evaluation
 
     def centre(self, row: Row) -> int:
-        return row.j - self.shift
+        return row.j - self.shift if row.centre is None else row.centre
 
     def first_lrs(self, row: Row) -> list[int]:
         """The grid indices a row runs at seed 0 before the rule looks at it."""
@@ -174,13 +175,16 @@ class RunsFolder:
         return f"{self.root}/{kind}-{slug}-j{j}-s{seed}"
 
     def loss(self, kind: str, label: str, j: int, seed: int) -> float | None:
-        """The logged final loss of a finished run (inf when it diverged), None when not finished."""
+        """The logged final loss of a finished run (inf when it diverged), None when not finished. A
+        run whose folder is gone (an earlier session's) counts as finished when a re-evaluation record
+        holds it: the grid resumes from what is committed."""
         for f in glob.glob(self.out_dir(kind, label, j, seed) + "/results.jsonl"):
             for line in open(f):
                 r = json.loads(line)
                 if "final_val_loss" in r:
                     return float("inf") if r.get("diverged") else r["final_val_loss"]
-        return None
+        r = self._reeval(kind, label, j, seed)
+        return None if r is None else r.get("logged_val_loss")
 
     def _reeval(self, kind, label, j, seed) -> dict | None:
         """The first re-evaluation record of the run (files in order, lines in order)."""
@@ -205,7 +209,10 @@ class RunsFolder:
                 for line in fh:
                     if line.strip():
                         r = json.loads(line)
-                        index.setdefault(r.get("run_dir"), r)
+                        # the studies pin fp32 products (``Setting.args``): a run made with bf16
+                        # products is another row, not a finished run of this one
+                        if "bfloat16" not in json.dumps(r.get("hparams", {})):
+                            index.setdefault(r.get("run_dir"), r)
             got = self._cache[path] = (key, index)
         return got[1]
 

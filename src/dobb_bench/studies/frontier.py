@@ -59,11 +59,16 @@ def _lr(r: dict) -> float:
     return float(f"{r['lr']:.4g}")
 
 
+def _bf16(r: dict) -> bool:
+    """A run made with bf16 products: outside this table's protocol (fp32 products on every row)."""
+    return "bfloat16" in str(r.get("hparams", {}))
+
+
 def _common() -> dict[str, dict[float, dict[int, dict]]]:
-    """``{row: {lr: {seed: reeval record}}}`` at this setting."""
+    """``{row: {lr: {seed: reeval record}}}`` at this setting, fp32 products only."""
     out: dict = {}
     for r in LH.reeval_records():
-        if r["steps"] == STEPS and r["model"]["width"] == WIDTH:
+        if r["steps"] == STEPS and r["model"]["width"] == WIDTH and not _bf16(r):
             out.setdefault(r["run"], {}).setdefault(_lr(r), {})[r["seed"]] = r
     return out
 
@@ -113,7 +118,7 @@ def _run_records() -> dict[tuple[str, float, int], dict]:
     out = {}
     for r in R.load(LH.STUDY):
         m = r.get("model") or {}
-        if r.get("steps") == STEPS and m.get("width") == WIDTH and m.get("layers") == 2:
+        if r.get("steps") == STEPS and m.get("width") == WIDTH and m.get("layers") == 2 and not _bf16(r):
             out[(r["run"], _lr(r), r["seed"])] = r
     return out
 

@@ -32,15 +32,21 @@ LH = (
 )
 # Products are fp32 on every FR row (ns_dtype=float32): the earlier long-horizon rows ran on a host
 # whose "auto" meant fp32.
+# In the order the rule serves them (each stage row by row): first the rows that could answer the
+# question (level with Muon at 800 steps or never run here), then the cheap rows behind it at seed 0.
 FR = (
+    # issue 40's Dobb form on the 800-step frontier (best 0.01, j2); fp32 products like every row
+    Row("Dobb-Muon B=4 Bo=4", "dobb-muon:blocks=4:out_blocks=4", 2),
+    # 800-step best 0.04 (j6); centred one step lower than SHIFT would put it: its sibling P=5 moved
+    # three grid steps down from 800 steps to here (0.0141 -> 0.005)
+    Row("MuonBP R=4 P=10", "muonbp:blocks=4:period=10:ns_dtype=float32", 6, centre=3),
+    # as its authors run it: b2=0.95, and its AdamW part at lr/8; its 800-step best lr in this
+    # setup is 0.16 (j10, bracketed in table:shard-local), which puts its AdamW part at 0.02
+    Row("SPlus Bo=4 authors", "splus:out_blocks=4:b2=0.95:adamw_lr_ratio=0.125", 10),
     Row("Dobb B=4", "dobb:blocks=4", -1),
     Row("Two-sided B=4 Bo=4", "dobb:side=both:blocks=4:out_blocks=4", -1),
     Row("DASH 32", "dash:block_size=32", 1),
     Row("Dion2 1/4 per shard R=4", "dion2:select=shard:blocks=4:ns_dtype=float32", 4),
-    Row("MuonBP R=4 P=10", "muonbp:blocks=4:period=10:ns_dtype=float32", 6),
-    # as its authors run it: b2=0.95, and its AdamW part at lr/8, which puts it at 0.01 where
-    # SPlus's 800-step best lr (0.08) is, the lr of the other rows' AdamW parts there
-    Row("SPlus Bo=4 authors", "splus:out_blocks=4:b2=0.95:adamw_lr_ratio=0.125", 8),
 )
 SHIFT = 2
 W256 = tuple(r for r in LH if r.label in ("AdamW", "Muon", "Row-block Muon R=4", "Dobb B=1", "Two-sided B=1 Bo=4"))

@@ -61,7 +61,9 @@ def test_commands_and_folders_are_those_of_the_running_grid(tmp_path):
         "--optimizers block-muon:axis=0:blocks=4@Row-block Muon R=4")
     assert [r.label for r in H.W256] == ["AdamW", "Muon", "Row-block Muon R=4", "Dobb B=1", "Two-sided B=1 Bo=4"]
     fr = H.STUDIES["frontier-20"]
-    assert [fr.first_lrs(r) for r in fr.rows][:2] == [[-3, -4, -2], [-3, -4, -2]]  # 800-step best less 2
+    lrs = {r.label: fr.first_lrs(r) for r in fr.rows}
+    assert lrs["Dobb B=4"] == lrs["Two-sided B=4 Bo=4"] == [-3, -4, -2]  # 800-step best less 2
+    assert lrs["MuonBP R=4 P=10"] == [3, 2, 4] and lrs["Dobb-Muon B=4 Bo=4"] == [0, -1, 1]
 
 
 def test_rule_centre_neighbours_out_then_seeds(tmp_path):
@@ -162,20 +164,24 @@ def _fake_compare(monkeypatch, opt):
 def test_the_script_drives_the_frontier_rule_to_the_end(tmp_path, monkeypatch, capsys):
     """scripts/long_horizon.py WORKTREE RUNS frontier, with a fake compare: every row bracketed on two
     workers, then seeds 1 and 2 at its best; a rerun starts nothing."""
-    opt = {r.label: r.j - 2 - 2 + i % 2 for i, r in enumerate(H.FR)}  # some two steps out, some one
+    st = H.STUDIES["frontier-20"]
+    opt = {r.label: st.centre(r) - 2 + i % 2 for i, r in enumerate(H.FR)}  # some two steps out, some one
     done, specs = _fake_compare(monkeypatch, opt)
     runs = tmp_path / "runs"
     monkeypatch.setattr(sys, "argv", ["long_horizon.py", str(tmp_path / "wt"), str(runs), "frontier"])
+    monkeypatch.setenv("RECORDS_REPO", str(tmp_path))  # not this checkout's committed runs
     with pytest.raises(SystemExit) as e:
         runpy.run_path(str(SCRIPT), run_name="__main__")
     assert e.value.code == 0 and "DRIVER_DONE" in capsys.readouterr().out
     assert len(done) == len(set(done))
     # FR's centres, then the third seeds of the earlier two-seed rows (fp32 products), then the rest
-    centres = {(r.label, r.j - 2, 0) for r in H.FR}
-    assert set(done[:6]) == centres and set(done[6:10]) == {(label, j, 2) for label, j in H.LH_SEED2}
+    centres = {(r.label, st.centre(r), 0) for r in H.FR}
+    n_fr = len(H.FR)
+    assert set(done[:n_fr]) == centres
+    assert set(done[n_fr:n_fr + 4]) == {(label, j, 2) for label, j in H.LH_SEED2}
     for r in H.FR:
         mine = {(j, s) for label, j, s in done if label == r.label}
-        o, c = opt[r.label], r.j - 2
+        o, c = opt[r.label], st.centre(r)
         assert mine == {(j, 0) for j in range(o - 1, c + 2)} | {(o, 1), (o, 2)}
     n = len(done)
     with pytest.raises(SystemExit):
@@ -183,7 +189,6 @@ def test_the_script_drives_the_frontier_rule_to_the_end(tmp_path, monkeypatch, c
     assert len(done) == n
     assert "block-muon:axis=0:blocks=4:ns_dtype=float32@Row-block Muon R=4" in specs and "adamw@AdamW" in specs
     # the same folder as a study: status and its CLI
-    st = H.STUDIES["frontier-20"]
     folder = D.RunsFolder.of(str(runs), str(tmp_path))
     assert [s["chosen"] for s in D.plan_status(st, folder)] == [opt[r.label] for r in H.FR]
     assert cli_main(["study", "frontier-20", "status", "--runs", str(runs), "--repo", str(tmp_path)]) == 0
@@ -256,3 +261,25 @@ def test_a_restarted_driver_adopts_the_runs_left_running(tmp_path, monkeypatch):
     d.drive(H.PICKS["frontier"])
     assert done.count((row.label, row.j - 2, 0)) == 1  # once, by the "earlier driver"
     assert (row.label, row.j - 2, 1) in done and (row.label, row.j - 2, 2) in done
+
+
+def test_committed_records_resume_the_grid_and_bf16_runs_are_other_rows(tmp_path):
+    """A run whose folder is gone (an earlier session's) is finished when the committed re-evaluation
+    record holds it, so a new runs folder does not rerun it; a record made with bf16 products does
+    not stand for the study's fp32 run of the same name."""
+    repo = tmp_path / "repo"
+    rec = repo / "docs/results/checks/reeval-windows"
+    rec.mkdir(parents=True)
+    row = D.Row("B", "dobb:blocks=4", 3)
+    runs = D.RunsFolder.of(str(tmp_path / "runs"), str(repo))
+    fp32 = {"run_dir": "lh-B-j3-s0", "hparams": {"blocks": "4"}, "logged_val_loss": 1.5,
+            "common_val_loss": 1.4, "common_groups": [1.4, 1.4]}
+    bf16 = {"run_dir": "lh-B-j4-s0", "hparams": {"blocks": "4", "product_dtype": "torch.bfloat16"},
+            "logged_val_loss": 1.3, "common_val_loss": 1.2, "common_groups": [1.2, 1.2]}
+    (rec / "reeval.jsonl").write_text(json.dumps(fp32) + "\n" + json.dumps(bf16) + "\n")
+    assert runs.loss("lh", "B", 3, 0) == 1.5 and runs.common("lh", "B", 3, 0) == 1.4
+    assert runs.loss("lh", "B", 4, 0) is None and runs.common("lh", "B", 4, 0) is None
+    # the rule starts the centre's neighbours, never the committed centre; the bf16 lr is run again
+    st = _study([row], lrs=(0, 1, -1))
+    assert _next(st, runs) == ("B", 4, 0)
+    assert D.Study("t", H.TWENTY_TOKENS, (row._replace(centre=5),)).first_lrs(row._replace(centre=5)) == [5, 4, 6]
