@@ -63,7 +63,7 @@ def test_commands_and_folders_are_those_of_the_running_grid(tmp_path):
     fr = H.STUDIES["frontier-20"]
     lrs = {r.label: fr.first_lrs(r) for r in fr.rows}
     assert lrs["Dobb B=4"] == lrs["Two-sided B=4 Bo=4"] == [-3, -4, -2]  # 800-step best less 2
-    assert lrs["MuonBP R=4 P=10"] == [3, 2, 4] and lrs["Dobb-Muon B=4 Bo=4"] == [0, -1, 1]
+    assert lrs["MuonBP R=4 P=10"] == [4, 3, 5] and lrs["SPlus Bo=4 authors"] == [6, 5, 7] and lrs["Dobb-Muon B=4 Bo=4"] == [0, -1, 1]
 
 
 def test_rule_centre_neighbours_out_then_seeds(tmp_path):
