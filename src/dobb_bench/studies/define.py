@@ -94,6 +94,11 @@ class Row(NamedTuple):
     centre: int | None = None  # where its lrs start when not ``j - Study.shift`` (say why at the row)
 
     @property
+    def around(self) -> int:
+        """The index its finished lrs are looked for around (``Study.span`` either side)."""
+        return self.j if self.centre is None else self.centre
+
+    @property
     def slug(self) -> str:
         return self.label.replace(" ", "").replace("=", "").replace("-", "")
 
@@ -132,7 +137,7 @@ class Study:
     seeds: tuple[int, ...] = (0, 1, 2)
     shift: int = 0  # the centre is ``row.j - shift``
     lrs: tuple = (0, -1, 1)
-    span: int = 6  # a row's finished lrs are looked for within ``row.j -+ span``
+    span: int = 6  # a row's finished lrs are looked for within ``row.around -+ span``
     records: str = "long-horizon"
     windows: tuple[int, int] = REEVAL_WINDOWS  # --windows, --window-seed of the re-evaluation
 
@@ -232,7 +237,7 @@ def best_j(runs: RunsFolder, kind: str, row: Row, seed: int = 0, span: int = 6) 
     """A row's finished lr indices at ``seed`` and the best of them, judged on the common windows when
     every finished lr has been re-evaluated there, else on the logged losses; None when none has
     finished."""
-    js = [j for j in range(row.j - span, row.j + span + 1) if runs.loss(kind, row.label, j, seed) is not None]
+    js = [j for j in range(row.around - span, row.around + span + 1) if runs.loss(kind, row.label, j, seed) is not None]
     if not js:
         return None
     c = [runs.common(kind, row.label, j, seed) for j in js]
@@ -452,7 +457,7 @@ def collect(study: Study, runs: RunsFolder, records_dir=None) -> list[dict]:
     new = []
     kind = study.setting.kind
     for r in study.rows:
-        for j in range(r.j - study.span, r.j + study.span + 1):
+        for j in range(r.around - study.span, r.around + study.span + 1):
             for seed in study.seeds:
                 d = runs.out_dir(kind, r.label, j, seed)
                 if runs.loss(kind, r.label, j, seed) is not None and glob.glob(d + "/runs/*/metrics.jsonl"):
