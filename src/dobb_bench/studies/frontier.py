@@ -45,6 +45,8 @@ ROWS = (
     ("DASH 32", "dash:block_size=32"),
     # issue 40's Dobb forms that steps no slower than two-sided B=1 Bo=4's
     ("Dobb-Muon B=4 Bo=4", "dobb-muon:blocks=4:out_blocks=4"),
+    # per-head row blocks: heads=4 in the bench model, timed at GPT-2 Small's 12
+    ("Dobb-Muon B=4 Bo=4 heads", "dobb-muon:blocks=4:out_blocks=4:heads=12"),
 )
 REFS = (
     ("Muon", OWNER),

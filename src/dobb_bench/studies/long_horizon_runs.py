@@ -37,6 +37,9 @@ LH = (
 FR = (
     # issue 40's Dobb form on the 800-step frontier (best 0.01, j2); fp32 products like every row
     Row("Dobb-Muon B=4 Bo=4", "dobb-muon:blocks=4:out_blocks=4", 2),
+    # the second form the 800-step screen sent here (next best by loss at a step no dearer than
+    # two-sided B=1 Bo=4's): per-head row blocks, one per head of the bench model (4)
+    Row("Dobb-Muon B=4 Bo=4 heads", "dobb-muon:blocks=4:out_blocks=4:heads=4", 2),
     Row("MuonBP R=4 P=10", "muonbp:blocks=4:period=10:ns_dtype=float32", 6),
     # as its authors run it: b2=0.95, and its AdamW part at lr/8. Its 800-step best in this setup
     # is 0.16 (j10, bracketed in table:shard-local); centred at j6 (0.04), where its first run here
@@ -180,12 +183,27 @@ def fp32(row: Row) -> Row:
     return row
 
 
+# The order the frontier grid is served in, after every row's centre lr: whole groups of rows, each
+# through the bracket-and-seed rule, so the rows that decide the answer finish first; "third" is the
+# third seeds of the earlier two-seed rows (LH_SEED2).
+FRONTIER_ORDER = (("Dobb-Muon B=4 Bo=4",), "third", ("MuonBP R=4 P=10", "SPlus Bo=4 authors"),
+                  ("Dobb-Muon B=4 Bo=4 heads",), None)  # None: the rows not named before
+
+
 def next_frontier(d: Driver):
-    """`frontier`: the bracket-and-seed rule over FR (``define.stages``), with the third seeds of
-    ``LH_SEED2`` taken up right after FR's centre lrs."""
+    """`frontier`: every FR row's centre lr, then FRONTIER_ORDER's groups, each through the
+    bracket-and-seed rule (``define.stages``), the third seeds of ``LH_SEED2`` as one group."""
+    st = STUDIES["frontier-20"]
     third = [("lh", fp32(r), j, 2) for label, j in LH_SEED2 for r in LH if r.label == label]
-    first, *rest = stages(STUDIES["frontier-20"], d.runs)
-    return d.take(d.first([first, third, *rest]))
+    named = {x for g in FRONTIER_ORDER if isinstance(g, tuple) for x in g}
+    order = [stages(st, d.runs)[0]]
+    for g in FRONTIER_ORDER:
+        if g == "third":
+            order.append(third)
+        else:
+            rows = [r for r in FR if (r.label in g if g else r.label not in named)]
+            order += stages(st, d.runs, rows)
+    return d.take(d.first(order))
 
 
 PICKS = {"bracket": next_bracket, "close": next_close, "frontier": next_frontier}

@@ -30,12 +30,15 @@ from dobb_bench.studies.define import best_of, paired_gap  # the rule's pieces, 
 
 STUDY = "shard-local"
 TIMING = ("cost/shard-local/fsdp4/timing.jsonl", "cost/shard-local/fsdp4-splus/timing.jsonl",
-          "cost/shard-local/fsdp4-soap/timing.jsonl", "cost/dobb-forms/fsdp4/timing.jsonl")
+          "cost/shard-local/fsdp4-soap/timing.jsonl", "cost/dobb-forms/fsdp4/timing.jsonl",
+          "cost/dobb-forms/fsdp4-b4/timing.jsonl")
 # the rows a record may set (a record not listed sets every row it timed): fsdp4-soap timed AdamW
 # and owner-compute Muon beside SOAP only to have SOAP's ratio measured side by side
 TIMING_ROWS = {"cost/shard-local/fsdp4-soap/timing.jsonl": ("soap",),
                # the Dobb forms' run (issue 40) sets only the forms it added
-               "cost/dobb-forms/fsdp4/timing.jsonl": ("dobb-muon:blocks=1:out_blocks=4", "dobb-muon:blocks=4:out_blocks=4")}
+               "cost/dobb-forms/fsdp4/timing.jsonl": ("dobb-muon:blocks=1:out_blocks=4", "dobb-muon:blocks=4:out_blocks=4"),
+               # and its B=4 run only the per-head form (12 heads at GPT-2 Small)
+               "cost/dobb-forms/fsdp4-b4/timing.jsonl": ("dobb-muon:blocks=4:out_blocks=4:heads=12",)}
 OWNER = "owner-muon:ns_dtype=float32"
 LAYER0 = [(768, 768)] * 4 + [(3072, 768), (768, 3072)]  # GPT-2 Small layer 0 (fused qkv as 3)
 

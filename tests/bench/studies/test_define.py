@@ -178,7 +178,13 @@ def test_the_script_drives_the_frontier_rule_to_the_end(tmp_path, monkeypatch, c
     centres = {(r.label, st.centre(r), 0) for r in H.FR}
     n_fr = len(H.FR)
     assert set(done[:n_fr]) == centres
-    assert set(done[n_fr:n_fr + 4]) == {(label, j, 2) for label, j in H.LH_SEED2}
+    # then Dobb-Muon's group through the rule, the third seeds, and the later groups after both
+    third = {(label, j, 2) for label, j in H.LH_SEED2}
+    assert third <= set(done)
+    later = [i for i, (label, j, sd) in enumerate(done) if i >= n_fr and (label, j, sd) not in third
+             and label != "Dobb-Muon B=4 Bo=4"]
+    first_dm = min(i for i, t in enumerate(done) if i >= n_fr and t[0] == "Dobb-Muon B=4 Bo=4")
+    assert first_dm == n_fr and max(done.index(t) for t in third) < min(later)
     for r in H.FR:
         mine = {(j, s) for label, j, s in done if label == r.label}
         o, c = opt[r.label], st.centre(r)
