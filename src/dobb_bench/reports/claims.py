@@ -56,9 +56,9 @@ SCOPES = (
     (re.compile(r"\bwidth 256\b|\b3,?200 steps\b", re.I),
      (("width-256", None), ("long-horizon-best", "3200 steps, width 256"))),
     (re.compile(r"\b20 tokens per parameter\b|\b20-tokens\b|\b8,?300 steps\b", re.I),
-     (("long-horizon", None), ("long-horizon-best", "8300 steps, width 128"))),
+     (("long-horizon", None), ("long-horizon-best", "8300 steps, width 128"), ("frontier-20", None))),
 )
-COMMON_WINDOW_TABLES = ("long-horizon-best",)  # tables judged on the common windows
+COMMON_WINDOW_TABLES = ("long-horizon-best", "frontier-20")  # tables judged on the common windows
 _COMMON = re.compile(r"\bcommon windows\b", re.I)
 _OWN = re.compile(r"\bown (?:64 )?windows\b|\blogged\b", re.I)
 _CITE = re.compile(r"table:([\w.-]+)")
@@ -94,6 +94,9 @@ def table_rows(body: str) -> list[dict]:
     label_i = col.get("row", 0)
     other = next((i for i, h in enumerate(head) if h.startswith("other seeds")), None)
     gap = next((i for i, h in enumerate(head) if h.startswith("gap to Muon at its best lr")), None)
+    # table:frontier-20: "mean ± std (n)" and "gap to Muon, paired by seed": mean (seed 0, seed 1, ...)
+    n_col = next((i for i, h in enumerate(head) if h.startswith("mean ± std")), None)
+    paired_gap = next((i for i, h in enumerate(head) if h.startswith("gap to Muon, paired by seed")), None)
     out = []
     for r in rows:
         if len(r) < len(head):
@@ -105,8 +108,17 @@ def table_rows(body: str) -> list[dict]:
             seeds = len([x for x in r[col["seeds"]].split(",") if x.strip().isdigit()]) or None
         elif other is not None:
             seeds = 1 + len(re.findall(r"\bseed \d+", cell(other)))
+        elif n_col is not None and paired_gap is not None:
+            m = re.search(r"\((\d+)\)\s*$", cell(n_col))
+            seeds = int(m.group(1)) if m else None
         seed0 = mean = None
-        if gap is not None:
+        if paired_gap is not None:
+            nums = _NUM.findall(cell(paired_gap))
+            if nums:
+                mean, seed0 = float(nums[0]), float(nums[1] if len(nums) > 1 else nums[0])
+            elif label == "Muon":
+                mean = seed0 = 0.0
+        elif gap is not None:
             nums = _NUM.findall(cell(gap))
             seed0 = float(nums[0]) if nums else (0.0 if label == "Muon" else None)
             m = re.search(r"\bmean ([+-]?\d+\.\d+)", cell(other))

@@ -121,3 +121,30 @@ def test_report_check_fails_on_a_contradicted_claim(tmp_path, monkeypatch, capsy
     assert "prose claim: README.md:" in out and "quotes 0.048 for the spread of a 64-window eval" in out
     (tmp_path / "README.md").write_text(readme)
     assert main(["report", "--check", "--docs", str(tmp_path / "docs")]) == 0
+
+
+FRONTIER = """| row | communication under `Shard(0)` | lrs run: seed-0 loss, common windows | best lr | seeds at best: loss | mean ± std (n) | gap to Muon, paired by seed | bytes per step |
+|---|---|---|---|---|---|---|---|
+| Dobb B=4 | periodic | 0.00177: 1.344 | 0.00177 (edge) | 1.344 (s0) | 1.344 (1) | +0.058 (+0.058), 1 seed: no verdict | 1.38 MB |
+| Row-block Muon R=4 | none | x | 0.005 | 1.277 (s0), 1.281 (s1), 1.280 (s2) | 1.279 ± 0.003 (3) | -0.006 (-0.009, -0.003, -0.005), within noise (t = -2.0) | 0 |
+| Muon | every step | x | 0.00354 | 1.286 (s0), 1.284 (s1), 1.281 (s2) | 1.284 ± 0.003 (3) |  | 56.62 MB |
+"""
+
+
+def test_frontier_20_claims_are_checked_against_its_table():
+    """table:frontier-20 (issue 39): its seed counts, edges and gaps are read, so a sentence at 20
+    tokens per parameter that contradicts it fails, and one that agrees does not."""
+    rows = {r["label"]: r for r in C.table_rows(FRONTIER)}
+    assert (rows["Dobb B=4"]["seeds"], rows["Dobb B=4"]["edge"], rows["Dobb B=4"]["seed0"]) == (1, True, 0.058)
+    rb = rows["Row-block Muon R=4"]
+    assert (rb["seeds"], rb["edge"], rb["mean"], rb["seed0"]) == (3, False, -0.006, -0.009)
+    assert rows["Muon"]["mean"] == 0.0
+    tables = {"frontier-20": FRONTIER}
+
+    def bad(text):
+        return [p for _, _, p in C.check_text(text, tables)]
+    assert bad("At 20 tokens per parameter Dobb B=4 is bracketed.")
+    assert bad("At 20 tokens per parameter Dobb B=4 has three seeds.")
+    assert bad("At 20 tokens per parameter Dobb B=4 ends lowest.")
+    assert not bad("At 20 tokens per parameter Row-block Muon R=4 ends lowest over three seeds.")
+    assert not bad("At 20 tokens per parameter Row-block Muon R=4 is bracketed, with three seeds.")
