@@ -29,10 +29,15 @@ def main(argv=None) -> int:
         done = any("final_val_loss" in json.loads(line) for line in open(os.path.join(d, "results.jsonl")))
         if done:
             subprocess.run(["dobb-bench", "report", "--collect", d, "--study", a.study], check=True)
-    have = {json.loads(line)["run_dir"] for line in REEVAL.read_text().splitlines() if line.strip()}
+    # a run is its folder and its hyperparameters: the same folder name rerun with other ones (fp32
+    # products after bf16) is another run
+    def key(line):
+        r = json.loads(line)
+        return r["run_dir"], json.dumps(r.get("hparams"), sort_keys=True)
+    have = {key(line) for line in REEVAL.read_text().splitlines() if line.strip()}
     scratch = Path(a.runs) / "reeval-scratch.jsonl"
     new = [line for line in (scratch.read_text().splitlines() if scratch.exists() else [])
-           if line.strip() and json.loads(line)["run_dir"] not in have]
+           if line.strip() and key(line) not in have]
     with open(REEVAL, "a") as f:
         f.writelines(line + "\n" for line in new)
     print(f"collect_runs: {len(new)} re-evaluation(s) added to {REEVAL.relative_to(ROOT)}")

@@ -61,10 +61,12 @@ def _r(v, digits: int = 5):
 
 
 def _key(rec: dict) -> str:
+    """What makes two records the same run: a rerun replaces its record; a run under the same label
+    with other hyperparameters (bf16 products, say) is another run and is kept beside it."""
     t = rec.get("train") or {}
     return json.dumps([rec.get("run"), rec.get("lr"), rec.get("seed"), rec.get("steps"), rec.get("model"),
-                       (rec.get("corpus") or {}).get("name"), t.get("micro_batches"), t.get("batch_size")],
-                      sort_keys=True)
+                       (rec.get("corpus") or {}).get("name"), t.get("micro_batches"), t.get("batch_size"),
+                       rec.get("hparams")], sort_keys=True)
 
 
 def read_run_dir(out_dir: Path) -> list[dict]:
