@@ -10,9 +10,10 @@ Per rank and per ``optimizer.step()``, a method's time is the sum of six terms (
   B (4/3) s^3``) over a stated fraction of the dense peak of the dtype they run in (bf16:
   Newton-Schulz and Dobb's projections with a bf16 basis; fp32: Dobb's refresh, Dion);
 - **link**: each method's step collectives (logical entries from ``dobb_bench.cost.payload``)
-  as bytes on the wire per rank over the link the group crosses (NVLink inside a node, the
-  per-GPU network link across nodes; ring collectives run at the slower link, an all-to-all
-  sends to its on-node and off-node peers at once);
+  as bytes on the wire per rank over the link the group crosses (NVLink inside a node; across
+  nodes a ring runs one channel per network card, so its bus bandwidth is the group's ranks a
+  node times the per-GPU link, at most NVLink; an all-to-all sends to its on-node and off-node
+  peers at once);
 - **latency**: a fixed time per collective;
 - **launch**: a per-kernel cost times the kernels the step launches. The counts per matrix, per
   group and per extra shape are the library's own, from a profiler trace
@@ -30,7 +31,11 @@ parallel the input axis (``dobb_bench.cost.matrices``' split); ``dp`` replicas r
 Owner compute spreads whole matrices over the ``fs x tp`` ranks of one replica by the library's
 greedy plan (``dobb.collectives.plan_owners`` on NS5 FLOPs); the busiest owner sets the step.
 Dobb's blocks are cut at shard boundaries (the library's rule), so its block width is
-``min(n / B, local width)``. Parameters that are not hidden matrices are AdamW's in every method.
+``min(n / B, local width)``. Parameters that are not hidden matrices are AdamW's in every method. Calibration points model
+what the published code ran (``projection_inputs.json``, each with its source): the paper's GPT-2
+with its fused ``3d x d`` attention projection, its Dobb's products in fp32, MatrixFSDP's two
+Newton-Schulz steps on a bf16 model, and its stock FSDP2-Muon as ``torch.optim.Muon`` on DTensors
+(``dtensor-muon``).
 
 Every input (peak rates, efficiencies, bandwidths, latencies, shapes, hyperparameters, kernel
 counts, the published figures it is compared with) is in ``projection_inputs.json`` beside this

@@ -14,7 +14,8 @@ from dobb_bench.cost.projection_model import (Hardware, Layout, Matrix, _add, _a
 
 def owner_plan(mats, ranks: int) -> tuple[list[int], int]:
     """The library's owner plan (NS5 FLOPs, longest first to the least loaded rank): the matrices
-    of the busiest owner (indices) and how many owners hold at least one matrix."""
+    of the busiest owner (indices) and how many owners hold at least one matrix. (The plan is the
+    same for any step count: every matrix's FLOPs scale by it.)"""
     flops = [_ns_flops(x.m, x.n) for x in mats]
     owner = plan_owners(flops, ranks)
     load = [0.0] * ranks
@@ -34,10 +35,10 @@ def cost_owner_muon(mats, lay, hw, hp, counts) -> dict:
     """Whole matrices to owners among the ``fs x tp`` ranks (all-to-all, ``ns_bytes`` an entry),
     NS5 there, results back: ``payload``'s ``2 mn`` per matrix. The busiest owner (the library's
     plan) sets the NS5 FLOPs and the kernels: momentum on every local shard, NS5 per shape it owns."""
-    c = _elementwise("muon", mats, lay)
+    c = _elementwise("muon", mats, lay, hp)
     G = lay.fs * lay.tp
     mine, _ = owner_plan(mats, G)
-    c["bf16_flops"] = sum(_ns_flops(mats[i].m, mats[i].n) for i in mine)
+    c["bf16_flops"] = sum(_ns_flops(mats[i].m, mats[i].n, hp.get("ns_steps", 5)) for i in mine)
     ck = counts["muon"]["steady"]
     owned_shapes = len({(mats[i].m, mats[i].n) for i in mine})
     c["kernels"] = ck["per_group"] + ck["per_matrix"] * len(mats) + ck["per_shape"] * max(owned_shapes - 1, 0)
@@ -49,12 +50,31 @@ def cost_owner_muon(mats, lay, hw, hp, counts) -> dict:
 
 def cost_gather_muon(mats, lay, hw, hp, counts) -> dict:
     """Every rank all-gathers every matrix (``payload``'s dense ``mn``) and runs NS5 on all of them."""
-    c = _elementwise("muon", mats, lay)
+    c = _elementwise("muon", mats, lay, hp)
     G = lay.fs * lay.tp
-    c["bf16_flops"] = sum(_ns_flops(x.m, x.n) for x in mats)
+    c["bf16_flops"] = sum(_ns_flops(x.m, x.n, hp.get("ns_steps", 5)) for x in mats)
     c["kernels"] = kernel_count(counts, "muon", "steady", [(x.m, x.n) for x in mats])
     logical = sum(P.payload_entries("muon", x.m, x.n, sharded="output", shards=G) for x in mats)
     c["link_s"], c["latency_s"] = ring_time(logical * (G - 1) / G * hp.get("grad_bytes", 4), G, 1, hw, count=len(mats))
+    return {"steady": c}
+
+
+def cost_dtensor_muon(mats, lay, hw, hp, counts) -> dict:
+    """``torch.optim.Muon`` stepping FSDP2's DTensors (MatrixFSDP's "stock FSDP2-Muon": its benchmark
+    hands the sharded parameters to ``torch.optim.Muon``). Newton-Schulz runs as DTensor algebra on
+    the row-sharded ``a x b`` (``a = min(m, n)``) iterate: each product keeps its left operand's
+    rows and gathers its right operand whole (DTensor's ``Shard(0) @ Replicate -> Shard(0)``), so a
+    step gathers ``X^T`` for ``A = X X^T``, ``A`` for ``A A`` and ``X`` for ``B X``: ``2 a b + a^2``
+    entries in the bf16 the iteration runs in, three collectives; every rank computes ``1 / G`` of
+    each product; the Frobenius norm is one all-reduce a matrix."""
+    c = _elementwise("muon", mats, lay, hp)
+    G = lay.fs * lay.tp
+    steps = hp.get("ns_steps", 5)
+    c["bf16_flops"] = sum(_ns_flops(x.m, x.n, steps) for x in mats) / G
+    c["kernels"] = kernel_count(counts, "muon", "steady", [(x.m, x.n) for x in mats])
+    gathered = sum(steps * (2 * min(x.m, x.n) * max(x.m, x.n) + min(x.m, x.n) ** 2) for x in mats)
+    link, lat = ring_time(gathered * (G - 1) / G * 2, G, 1, hw, count=(3 * steps + 1) * len(mats))
+    c["link_s"], c["latency_s"] = link, lat
     return {"steady": c}
 
 
@@ -63,8 +83,8 @@ def cost_placement_muon(mats, lay, hw, hp, counts) -> dict:
     G = lay.fs * lay.tp
     mine, _ = owner_plan(mats, G)
     c = _zero()
-    c["hbm_bytes"] = sum(step_cost("muon", mats[i].m, mats[i].n)["bytes"] for i in mine)
-    c["bf16_flops"] = sum(_ns_flops(mats[i].m, mats[i].n) for i in mine)
+    c["hbm_bytes"] = hp.get("state_bytes", 4) / 4 * sum(step_cost("muon", mats[i].m, mats[i].n)["bytes"] for i in mine)
+    c["bf16_flops"] = sum(_ns_flops(mats[i].m, mats[i].n, hp.get("ns_steps", 5)) for i in mine)
     c["kernels"] = kernel_count(counts, "muon", "steady", [(mats[i].m, mats[i].n) for i in mine])
     return {"steady": c}
 
@@ -135,9 +155,14 @@ def _dobb_side(r: float, k: float, blocks: float, side: str) -> tuple[dict, dict
 
 def cost_dobb(mats, lay, hw, hp, counts, stat_sync: bool = True) -> dict:
     """One- (``kind="dobb"``, input side) or two-sided Dobb (``kind="dobb-both"``): projections
-    in bf16 (the basis dtype), refresh (``A Q`` and Householder QR of every local block, on every
-    rank holding it) in fp32, statistic all-reduce (``payload.dp_stat_entries``, fp32) over the
-    data-parallel ``fs x dp`` ranks once per refresh; all three per step, the refresh divided by T."""
+    in ``hp["product_dtype"]`` (default bf16, the basis dtype: this library's products on a GPU,
+    ``dobb.functional.matmul_dtype``; "fp32" where a published implementation multiplies in fp32),
+    refresh (``A Q`` and Householder QR of every local block, on every rank holding it) in fp32,
+    statistic all-reduce (``payload.dp_stat_entries``, fp32) over the data-parallel ``fs x dp``
+    ranks once per refresh; all three per step, the refresh divided by T."""
+    if hp.get("product_dtype", "bf16") not in ("bf16", "fp32"):
+        raise ValueError(f"dobb product_dtype {hp['product_dtype']!r}: bf16 or fp32")
+    prod = "fp32_flops" if hp.get("product_dtype") == "fp32" else "bf16_flops"
     both = hp.get("kind") == "dobb-both"
     label = hp.get("kernels", "dobb-both" if both else "dobb-b4")
     steady, refresh = _zero(), _zero()
@@ -147,7 +172,7 @@ def cost_dobb(mats, lay, hw, hp, counts, stat_sync: bool = True) -> dict:
         s_in = min(x.n / hp["blocks"], k)
         st, rf = _dobb_side(r, k, k / s_in, "input")
         steady["hbm_bytes"] += st["bytes"]
-        steady["bf16_flops"] += st["flops"]
+        steady[prod] += st["flops"]
         refresh["hbm_bytes"] += rf["bytes"]
         refresh["fp32_flops"] += rf["flops"]
         refresh["qr"] += k / s_in
@@ -156,7 +181,7 @@ def cost_dobb(mats, lay, hw, hp, counts, stat_sync: bool = True) -> dict:
             s_out = min(x.m / hp["out_blocks"], r)
             st2, rf2 = _dobb_side(r, k, r / s_out, "output")
             steady["hbm_bytes"] += st2["bytes"] - step_cost("muon", 1, 1)["bytes"] * r * k  # one momentum pass
-            steady["bf16_flops"] += st2["flops"]
+            steady[prod] += st2["flops"]
             refresh["hbm_bytes"] += rf2["bytes"]
             refresh["fp32_flops"] += rf2["flops"]
             refresh["qr"] += r / s_out
@@ -174,7 +199,7 @@ def cost_dobb(mats, lay, hw, hp, counts, stat_sync: bool = True) -> dict:
 
 
 COSTS = {"adamw": cost_adamw, "owner-muon": cost_owner_muon, "gather-muon": cost_gather_muon,
-         "placement-muon": cost_placement_muon, "row-block-muon": cost_row_block_muon, "muonbp": cost_muonbp,
+         "placement-muon": cost_placement_muon, "dtensor-muon": cost_dtensor_muon, "row-block-muon": cost_row_block_muon, "muonbp": cost_muonbp,
          "dion2-shard": cost_dion2_shard, "dion": cost_dion, "dobb": cost_dobb, "dobb-both": cost_dobb}
 
 

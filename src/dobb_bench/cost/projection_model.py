@@ -76,9 +76,16 @@ class Matrix:
 def model_matrices(spec: dict) -> tuple[list[Matrix], int]:
     """The hidden matrices of a model and the count of its other (AdamW) parameters."""
     if spec["kind"] == "gpt2" and "preset" in spec:
-        shapes = matrix_shapes(spec["preset"])
+        # ``fused_qkv``: one ``3d x d`` attention projection (Hugging Face's and the paper's c_attn;
+        # the paper's Figure 2 "separates the query, key, and value blocks of the fused attention
+        # projection"): one matrix where the split form has three. Same entries, same count below.
+        shapes = matrix_shapes(spec["preset"], fused_qkv=bool(spec.get("fused_qkv")))
         mats = [Matrix(nm, m, n, nm.rsplit(".", 1)[-1] in COLWISE) for nm, (m, n) in shapes]
         return mats, gpt2_param_count(spec["preset"]) - sum(x.m * x.n for x in mats)
+    if spec["kind"] == "layers":  # explicit per-layer matrices (a benchmark's own model): [name, m, n, colwise]
+        mats = [Matrix(f"h{i}.{nm}", int(m), int(n), bool(c)) for i in range(spec["layers"])
+                for nm, m, n, c in spec["matrices"]]
+        return mats, int(spec["other"])
     if spec["kind"] == "gpt2":  # from a config.json: q, k, v, o d x d, fc f x d, proj d x f
         d, f, L = spec["width"], spec["ffn"], spec["layers"]
         layer = [("q", d, d, True), ("k", d, d, True), ("v", d, d, True), ("o", d, d, False),
@@ -98,13 +105,16 @@ def model_matrices(spec: dict) -> tuple[list[Matrix], int]:
         other = spec["vocab"] * d * (1 if spec.get("tied") else 2) + d * (2 * L + 1)  # embeddings, RMSNorms
         other += 2 * hd * L * bool(spec.get("qk_norm"))  # Qwen3's per-head q and k RMSNorms
         return mats, other
-    raise ValueError(f"unknown model kind {spec['kind']!r} (gpt2 or llama)")
+    raise ValueError(f"unknown model kind {spec['kind']!r} (gpt2, llama or layers)")
 
 
 def other_tensors(spec: dict) -> int:
     """How many parameter tensors of a model are not hidden matrices (AdamW's, one kernel chain each)."""
+    if spec["kind"] == "layers":
+        return int(spec["other_tensors"])
     if spec["kind"] == "gpt2":
-        return 10 * (preset(spec["preset"]).layers if "preset" in spec else spec["layers"]) + 4  # 6 biases + 2 LayerNorms a layer; wte, wpe, ln_f
+        biases = 4 if spec.get("fused_qkv") else 6  # one c_attn bias for the fused q, k, v
+        return (biases + 4) * (preset(spec["preset"]).layers if "preset" in spec else spec["layers"]) + 4  # biases + 2 LayerNorms a layer; wte, wpe, ln_f
     L = spec["layers"]
     return (2 + 2 * bool(spec.get("qk_norm"))) * L + (2 if spec.get("tied") else 3)  # norms; embeddings, head, final norm
 
@@ -121,11 +131,19 @@ def _spans(size: int, stride: int, hw: Hardware) -> bool:
 
 def ring_time(wire_bytes: float, size: int, stride: int, hw: Hardware, count: int = 1) -> tuple[float, float]:
     """(link s, latency s) of ring collectives (all-gather, all-reduce) moving ``wire_bytes`` per
-    rank over a group of ``size`` ranks ``stride`` apart: the slowest link the ring crosses."""
+    rank over a group of ``size`` ranks ``stride`` apart.
+
+    Inside a node: NVLink. Across nodes: NCCL runs one ring (channel) per network card, so each of
+    the group's ``g`` ranks on a node is the node's exit in one ring in ``g``, and sends only that
+    ring's ``1 / g`` of its bytes over its own card, at the same time as the others: the ring's
+    bus bandwidth is ``g`` per-GPU links, never more than NVLink, which every ring still crosses
+    inside the node. ``g = 1`` (a stride of a node or more) is one card: the per-GPU link."""
     if size <= 1:
         return 0.0, 0.0
-    inter = _spans(size, stride, hw)
-    return wire_bytes / (hw.internode if inter else hw.nvlink), count * (hw.lat_inter if inter else hw.lat_intra)
+    if not _spans(size, stride, hw):
+        return wire_bytes / hw.nvlink, count * hw.lat_intra
+    on_node = max(1, min(size, hw.gpus_per_node // stride))
+    return wire_bytes / min(hw.nvlink, on_node * hw.internode), count * hw.lat_inter
 
 
 def all_to_all_time(wire_bytes: float, size: int, stride: int, hw: Hardware, count: int = 1) -> tuple[float, float]:
@@ -183,15 +201,19 @@ def _locals(mats, lay) -> list[tuple[float, float]]:
     return [local_shape(x, lay) for x in mats]
 
 
-def _elementwise(name: str, mats, lay) -> dict:
+def _elementwise(name: str, mats, lay, hp: dict | None = None) -> dict:
+    """HBM bytes of the element-wise passes: ``roofline``'s bytes an entry (28 AdamW, 20 Muon, all
+    fp32) times this rank's entries; ``hp["state_bytes"]`` (2: a model whose weights, gradients and
+    momentum are all bf16) scales them by ``state_bytes / 4``."""
     c = _zero()
+    scale = (hp or {}).get("state_bytes", 4) / 4
     for x in mats:
         r, k = local_shape(x, lay)
-        c["hbm_bytes"] += step_cost(name, 1, 1)["bytes"] * r * k  # bytes an entry (28 AdamW, 20 Muon) x entries
+        c["hbm_bytes"] += scale * step_cost(name, 1, 1)["bytes"] * r * k
     return c
 
 
-def _ns_flops(m: float, n: float) -> float:
-    """Newton-Schulz quintic FLOPs on an ``m x n`` matrix (``roofline``'s count)."""
-    return step_cost("muon", m, n)["flops"]
+def _ns_flops(m: float, n: float, steps: int = 5) -> float:
+    """Newton-Schulz quintic FLOPs on an ``m x n`` matrix (``roofline``'s count): ``steps (4 a^2 b + 2 a^3)``."""
+    return step_cost("muon", m, n, {"ns_steps": steps})["flops"]
 
