@@ -87,10 +87,14 @@ def test_two_sided_adds_the_output_side():
 
 
 def test_collective_rules():
-    # ring inside a node (2 ranks): NVLink; across nodes (16 ranks): the per-GPU link
+    # ring inside a node (2 ranks): NVLink; across nodes (16 ranks, 8 a node): one ring per card,
+    # 8 cards of 1e9 at once = 8e9 (under NVLink's 1e10)
     assert PJ.ring_time(1e6, 2, 1, HW) == (pytest.approx(1e6 / 1e10), 1e-5)
-    assert PJ.ring_time(1e6, 16, 1, HW) == (pytest.approx(1e6 / 1e9), 2e-5)
-    assert PJ.ring_time(1e6, 2, 8, HW)[0] == pytest.approx(1e6 / 1e9)  # stride 8: one rank per node
+    assert PJ.ring_time(1e6, 16, 1, HW) == (pytest.approx(1e6 / 8e9), 2e-5)
+    assert PJ.ring_time(1e6, 16, 2, HW)[0] == pytest.approx(1e6 / 4e9)  # stride 2: 4 of the group a node
+    assert PJ.ring_time(1e6, 2, 8, HW)[0] == pytest.approx(1e6 / 1e9)  # stride 8: one rank per node, one card
+    fat = HW.with_(internode=5e9)  # 8 cards of 5e9 would pass NVLink: NVLink caps the ring
+    assert PJ.ring_time(1e6, 16, 1, fat)[0] == pytest.approx(1e6 / 1e10)
     # all-to-all over 16 ranks: 7 of 15 peers on the node, 8 off it, sent at once
     link, lat = PJ.all_to_all_time(15e6, 16, 1, HW)
     assert link == pytest.approx(max(7e6 / 1e10, 8e6 / 1e9)) and lat == 2e-5
@@ -277,3 +281,70 @@ def test_project_config_command_and_its_errors(tmp_path, capsys):
     (tmp_path / "bert.json").write_text(json.dumps({"model_type": "bert"}))
     assert main(["project", "--config", str(tmp_path / "bert.json"), "--gpus", "2"]) == 2
     assert "not supported" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- issue 43 audit fixes
+def test_fused_qkv_gpt2_has_four_matrices_a_layer_and_the_same_entries():
+    inputs = PJ.load_inputs()
+    split, other_s = PJ.model_matrices(inputs["models"]["gpt2-xl"])
+    fused, other_f = PJ.model_matrices(inputs["models"]["gpt2-xl-paper"])
+    assert len(split) == 48 * 6 and len(fused) == 48 * 4
+    assert sum(x.m * x.n for x in fused) + other_f == 1_557_611_200 == sum(x.m * x.n for x in split) + other_s
+    assert {(x.m, x.n) for x in fused if x.name.endswith(".qkv")} == {(4800, 1600)}
+    # AdamW's other tensors: 4 biases + 2 LayerNorms (4 tensors) a layer, + wte, wpe, ln_f (2) = 8 L + 4
+    assert PJ.other_tensors(inputs["models"]["gpt2-xl-paper"]) == 8 * 48 + 4
+    assert PJ.other_tensors(inputs["models"]["gpt2-xl"]) == 10 * 48 + 4
+
+
+def test_ns_steps_scale_the_newton_schulz_flops():
+    # NS on 8 x 4: a = 4, b = 8: 4 a^2 b + 2 a^3 = 640 a step; two steps 1280, five 3200
+    for kind in ("owner-muon", "placement-muon", "gather-muon"):
+        two = PJ.project({"kind": kind, "ns_steps": 2, "ns_bytes": 2}, MAT, 0, LAY, HW)
+        assert two["matmul_ms"] == pytest.approx(_ms(1280 / 1e12)), kind
+    assert PJ._ns_flops(8, 4) == 3200 and PJ._ns_flops(8, 4, 2) == 1280
+
+
+def test_dtensor_muon_by_hand():
+    got = PJ.project({"kind": "dtensor-muon", "ns_steps": 2, "state_bytes": 2}, MAT, 0, LAY, HW)
+    # 1280 NS FLOPs shared by the 2 ranks; element-wise 20 B x 16 entries at half the bytes (bf16)
+    assert got["matmul_ms"] == pytest.approx(_ms(640 / 1e12))
+    assert got["hbm_ms"] == pytest.approx(_ms(10 * 16 / 1e11))
+    # a step gathers X^T (32), A (16), X (32) = 80 entries; 2 steps = 160; half arrives from the
+    # other rank, 2 bytes: 160 B over NVLink; 3 gathers a step + one norm all-reduce = 7 latencies
+    assert got["link_ms"] == pytest.approx(_ms(160 / 1e10))
+    assert got["latency_ms"] == pytest.approx(_ms(7e-5))
+
+
+def test_dobb_products_in_fp32_move_to_the_fp32_peak():
+    bf16 = PJ.project({"kind": "dobb", "blocks": 2, "refresh_every": 4}, MAT, 0, LAY, HW, stat_sync=False)
+    fp32 = PJ.project({"kind": "dobb", "blocks": 2, "refresh_every": 4, "product_dtype": "fp32"}, MAT, 0, LAY, HW,
+                      stat_sync=False)
+    # the steady products 4 rows k s = 4 * 4 * 4 * 2 = 128 FLOPs: 1e12 -> 1e11 FLOP/s
+    assert fp32["steady_ms"] - bf16["steady_ms"] == pytest.approx(_ms(128 / 1e11 - 128 / 1e12))
+    assert fp32["periodic_ms"] - fp32["steady_ms"] == pytest.approx(bf16["periodic_ms"] - bf16["steady_ms"])
+    with pytest.raises(ValueError, match="product_dtype"):
+        PJ.project({"kind": "dobb", "blocks": 2, "refresh_every": 4, "product_dtype": "fp8"}, MAT, 0, LAY, HW)
+
+
+def test_matrixfsdp_benchmark_model_shapes():
+    mats, other = PJ.model_matrices(PJ.load_inputs()["models"]["matrixfsdp-32x4096"])
+    d = 4096
+    assert len(mats) == 32 * 7
+    # q, k, v, proj d^2 each; up0, up1 (f/2) d each; down d f (f = 16384): 4 d^2 + 2 * 2 d^2 + 4 d^2 = 12 d^2
+    assert sum(x.m * x.n for x in mats) == 32 * 12 * d * d
+    assert other == 32 * 4 * d + 2 * d  # two LayerNorms a layer and a final one, weight and bias
+
+
+def test_calibration_reads_the_published_setups():
+    inputs = PJ.load_inputs()
+    cases = {c["label"]: c for c in inputs["calibration"]}
+    for label, c in cases.items():
+        if label.startswith("Dobb paper") and "GPT-2" in label:
+            assert c["model"].endswith("-paper") and c["stat_sync_in_step"] is False, label
+        if "Qwen3" in label:
+            assert c["stat_sync_in_step"] is True, label
+        for pt in c["points"]:
+            if label.startswith("Dobb paper") and pt["method"]["kind"] == "dobb":
+                assert pt["method"]["product_dtype"] == "fp32", (label, pt["published"])
+            if label.startswith("MatrixFSDP"):
+                assert pt["method"]["ns_steps"] == 2 and pt["method"]["state_bytes"] == 2

@@ -1,0 +1,228 @@
+"""Each method's per-rank step as counts of the six terms (``dobb_bench.cost.projection``
+re-exports every public name here; see its docstring for the model)."""
+from __future__ import annotations
+
+import math
+
+from dobb.baselines.dion import dion_rank
+from dobb.collectives import plan_owners
+from dobb_bench.cost import payload as P
+from dobb_bench.cost.projection_model import (Hardware, Layout, Matrix, _add, _adamw_other, _elementwise, _locals,
+                                              _ns_flops, _zero, all_to_all_time, kernel_count, load_inputs,
+                                              local_shape, ring_time, seconds, step_cost)
+
+
+def owner_plan(mats, ranks: int) -> tuple[list[int], int]:
+    """The library's owner plan (NS5 FLOPs, longest first to the least loaded rank): the matrices
+    of the busiest owner (indices) and how many owners hold at least one matrix. (The plan is the
+    same for any step count: every matrix's FLOPs scale by it.)"""
+    flops = [_ns_flops(x.m, x.n) for x in mats]
+    owner = plan_owners(flops, ranks)
+    load = [0.0] * ranks
+    for i, r in enumerate(owner):
+        load[r] += flops[i]
+    busiest = max(range(ranks), key=lambda r: (load[r], -r))
+    return [i for i, r in enumerate(owner) if r == busiest], len(set(owner))
+
+
+def cost_adamw(mats, lay, hw, hp, counts) -> dict:
+    c = _elementwise("adamw", mats, lay)
+    c["kernels"] = counts["adamw"]["steady"]["per_matrix"] * len(mats)
+    return {"steady": c}
+
+
+def cost_owner_muon(mats, lay, hw, hp, counts) -> dict:
+    """Whole matrices to owners among the ``fs x tp`` ranks (all-to-all, ``ns_bytes`` an entry),
+    NS5 there, results back: ``payload``'s ``2 mn`` per matrix. The busiest owner (the library's
+    plan) sets the NS5 FLOPs and the kernels: momentum on every local shard, NS5 per shape it owns."""
+    c = _elementwise("muon", mats, lay, hp)
+    G = lay.fs * lay.tp
+    mine, _ = owner_plan(mats, G)
+    c["bf16_flops"] = sum(_ns_flops(mats[i].m, mats[i].n, hp.get("ns_steps", 5)) for i in mine)
+    ck = counts["muon"]["steady"]
+    owned_shapes = len({(mats[i].m, mats[i].n) for i in mine})
+    c["kernels"] = ck["per_group"] + ck["per_matrix"] * len(mats) + ck["per_shape"] * max(owned_shapes - 1, 0)
+    logical = sum(P.payload_entries("owner-muon", x.m, x.n, sharded="output", shards=G) for x in mats)
+    wire = logical / G * (G - 1) / G * hp.get("ns_bytes", 2)
+    c["link_s"], c["latency_s"] = all_to_all_time(wire, G, 1, hw, count=2)
+    return {"steady": c}
+
+
+def cost_gather_muon(mats, lay, hw, hp, counts) -> dict:
+    """Every rank all-gathers every matrix (``payload``'s dense ``mn``) and runs NS5 on all of them."""
+    c = _elementwise("muon", mats, lay, hp)
+    G = lay.fs * lay.tp
+    c["bf16_flops"] = sum(_ns_flops(x.m, x.n, hp.get("ns_steps", 5)) for x in mats)
+    c["kernels"] = kernel_count(counts, "muon", "steady", [(x.m, x.n) for x in mats])
+    logical = sum(P.payload_entries("muon", x.m, x.n, sharded="output", shards=G) for x in mats)
+    c["link_s"], c["latency_s"] = ring_time(logical * (G - 1) / G * hp.get("grad_bytes", 4), G, 1, hw, count=len(mats))
+    return {"steady": c}
+
+
+def cost_dtensor_muon(mats, lay, hw, hp, counts) -> dict:
+    """``torch.optim.Muon`` stepping FSDP2's DTensors (MatrixFSDP's "stock FSDP2-Muon": its benchmark
+    hands the sharded parameters to ``torch.optim.Muon``). Newton-Schulz runs as DTensor algebra on
+    the row-sharded ``a x b`` (``a = min(m, n)``) iterate: each product keeps its left operand's
+    rows and gathers its right operand whole (DTensor's ``Shard(0) @ Replicate -> Shard(0)``), so a
+    step gathers ``X^T`` for ``A = X X^T``, ``A`` for ``A A`` and ``X`` for ``B X``: ``2 a b + a^2``
+    entries in the bf16 the iteration runs in, three collectives; every rank computes ``1 / G`` of
+    each product; the Frobenius norm is one all-reduce a matrix."""
+    c = _elementwise("muon", mats, lay, hp)
+    G = lay.fs * lay.tp
+    steps = hp.get("ns_steps", 5)
+    c["bf16_flops"] = sum(_ns_flops(x.m, x.n, steps) for x in mats) / G
+    c["kernels"] = kernel_count(counts, "muon", "steady", [(x.m, x.n) for x in mats])
+    gathered = sum(steps * (2 * min(x.m, x.n) * max(x.m, x.n) + min(x.m, x.n) ** 2) for x in mats)
+    link, lat = ring_time(gathered * (G - 1) / G * 2, G, 1, hw, count=(3 * steps + 1) * len(mats))
+    c["link_s"], c["latency_s"] = link, lat
+    return {"steady": c}
+
+
+def cost_placement_muon(mats, lay, hw, hp, counts) -> dict:
+    """Owner placement (MatrixFSDP, DMuon): whole matrices live on owners; no step collective."""
+    G = lay.fs * lay.tp
+    mine, _ = owner_plan(mats, G)
+    c = _zero()
+    c["hbm_bytes"] = hp.get("state_bytes", 4) / 4 * sum(step_cost("muon", mats[i].m, mats[i].n)["bytes"] for i in mine)
+    c["bf16_flops"] = sum(_ns_flops(mats[i].m, mats[i].n, hp.get("ns_steps", 5)) for i in mine)
+    c["kernels"] = kernel_count(counts, "muon", "steady", [(mats[i].m, mats[i].n) for i in mine])
+    return {"steady": c}
+
+
+def _row_blocks(x: Matrix, lay: Layout, blocks: int) -> tuple[float, float, float]:
+    """(block rows, columns, blocks on this rank) of row blocks cut at shard boundaries."""
+    r, k = local_shape(x, lay)
+    rows = min(x.m / blocks, r)
+    return rows, k, r / rows
+
+
+def cost_row_block_muon(mats, lay, hw, hp, counts) -> dict:
+    """Row-block Muon: NS5 on each of ``blocks`` row blocks, cut at shard boundaries; no collective."""
+    c = _elementwise("muon", mats, lay)
+    for x in mats:
+        rows, k, nb = _row_blocks(x, lay, int(hp["blocks"]))
+        c["bf16_flops"] += nb * _ns_flops(rows, k)
+    c["kernels"] = kernel_count(counts, "row-block-muon", "steady", _locals(mats, lay))
+    return {"steady": c}
+
+
+def cost_muonbp(mats, lay, hw, hp, counts) -> dict:
+    """NS5 on this rank's shard every step; owner-compute Muon's full step every ``period``."""
+    block = _elementwise("muon", mats, lay)
+    block["bf16_flops"] = sum(_ns_flops(*local_shape(x, lay)) for x in mats)
+    block["kernels"] = kernel_count(counts, "muonbp", "steady", _locals(mats, lay))
+    full = cost_owner_muon(mats, lay, hw, hp, counts)["steady"]
+    p = int(hp["period"])
+    return {"steady": block, "periodic": _add(_zero(), _add(full, block, -1.0)), "every": p}
+
+
+def cost_dion2_shard(mats, lay, hw, hp, counts) -> dict:
+    """Dion2's row selection inside each shard: NS5 on the ``round(fraction r)`` heaviest local rows."""
+    c = _elementwise("muon", mats, lay)
+    for x in mats:
+        r, k = local_shape(x, lay)
+        c["bf16_flops"] += _ns_flops(max(1, round(hp["fraction"] * r)), k)
+    c["kernels"] = kernel_count(counts, "dion2", "steady", _locals(mats, lay))
+    return {"steady": c}
+
+
+def cost_dion(mats, lay, hw, hp, counts) -> dict:
+    """Dion (calibration only) on row shards: ``8 r_loc n r + 4 (r_loc + n) r^2`` fp32 FLOPs
+    (``roofline``'s count with the local rows), ``payload``'s ``r (m + n)`` all-reduced, one QR a matrix."""
+    G = lay.fs * lay.tp
+    c = _elementwise("muon", mats, lay)
+    logical = 0.0
+    for x in mats:
+        r_loc, k = local_shape(x, lay)
+        frac = hp["rank"] / min(x.m, x.n) if "rank" in hp else hp["rank_fraction"]  # a fixed rank (r = 400)
+        r = dion_rank(x.m, x.n, frac)
+        c["fp32_flops"] += 8 * r_loc * k * r + 4 * (r_loc + k) * r * r
+        c["hbm_bytes"] += 8 * max(x.m, x.n) * r  # Q (fp32) read and written
+        logical += P.payload_entries("dion", x.m, x.n, {"rank_fraction": frac}, shards=G)
+    c["kernels"] = kernel_count(counts, "dion", "steady", _locals(mats, lay))
+    c["qr"] = counts["dion"]["steady"]["qr_per_matrix"] * len(mats)
+    c["link_s"], c["latency_s"] = ring_time(2 * logical * (G - 1) / G * 4, G, 1, hw, count=2 * len(mats))
+    return {"steady": c}
+
+
+def _dobb_side(r: float, k: float, blocks: float, side: str) -> tuple[dict, dict]:
+    """(steady, refresh) of one Dobb side on an ``r x k`` local shard from ``roofline.step_cost``."""
+    hp = {"blocks": blocks, "side": side}
+    steady = step_cost("dobb", r, k, {**hp, "refresh_every": math.inf})
+    once = step_cost("dobb", r, k, {**hp, "refresh_every": 1})
+    return steady, {key: once[key] - steady[key] for key in ("bytes", "flops")}
+
+
+def cost_dobb(mats, lay, hw, hp, counts, stat_sync: bool = True) -> dict:
+    """One- (``kind="dobb"``, input side) or two-sided Dobb (``kind="dobb-both"``): projections
+    in ``hp["product_dtype"]`` (default bf16, the basis dtype: this library's products on a GPU,
+    ``dobb.functional.matmul_dtype``; "fp32" where a published implementation multiplies in fp32),
+    refresh (``A Q`` and Householder QR of every local block, on every rank holding it) in fp32,
+    statistic all-reduce (``payload.dp_stat_entries``, fp32) over the data-parallel ``fs x dp``
+    ranks once per refresh; all three per step, the refresh divided by T."""
+    if hp.get("product_dtype", "bf16") not in ("bf16", "fp32"):
+        raise ValueError(f"dobb product_dtype {hp['product_dtype']!r}: bf16 or fp32")
+    prod = "fp32_flops" if hp.get("product_dtype") == "fp32" else "bf16_flops"
+    both = hp.get("kind") == "dobb-both"
+    label = hp.get("kernels", "dobb-both" if both else "dobb-b4")
+    steady, refresh = _zero(), _zero()
+    stat_entries = 0.0
+    for x in mats:
+        r, k = local_shape(x, lay)
+        s_in = min(x.n / hp["blocks"], k)
+        st, rf = _dobb_side(r, k, k / s_in, "input")
+        steady["hbm_bytes"] += st["bytes"]
+        steady[prod] += st["flops"]
+        refresh["hbm_bytes"] += rf["bytes"]
+        refresh["fp32_flops"] += rf["flops"]
+        refresh["qr"] += k / s_in
+        stat_hp = {"blocks": max(1, round(k / s_in))}
+        if both:
+            s_out = min(x.m / hp["out_blocks"], r)
+            st2, rf2 = _dobb_side(r, k, r / s_out, "output")
+            steady["hbm_bytes"] += st2["bytes"] - step_cost("muon", 1, 1)["bytes"] * r * k  # one momentum pass
+            steady[prod] += st2["flops"]
+            refresh["hbm_bytes"] += rf2["bytes"]
+            refresh["fp32_flops"] += rf2["flops"]
+            refresh["qr"] += r / s_out
+            stat_hp = {**stat_hp, "side": "both", "out_blocks": max(1, round(r / s_out))}
+            stat_entries += P.dp_stat_entries("dobb", round(r), round(k), stat_hp)
+        else:
+            stat_entries += P.dp_stat_entries("dobb", round(r), round(k), stat_hp)
+    local = _locals(mats, lay)
+    steady["kernels"] = kernel_count(counts, label, "steady", local)
+    refresh["kernels"] = kernel_count(counts, label, "refresh", local) - steady["kernels"]
+    G = lay.fs * lay.dp
+    if stat_sync:
+        refresh["link_s"], refresh["latency_s"] = ring_time(2 * stat_entries * (G - 1) / G * 4, G, lay.tp, hw)
+    return {"steady": steady, "periodic": refresh, "every": int(hp["refresh_every"])}
+
+
+COSTS = {"adamw": cost_adamw, "owner-muon": cost_owner_muon, "gather-muon": cost_gather_muon,
+         "placement-muon": cost_placement_muon, "dtensor-muon": cost_dtensor_muon, "row-block-muon": cost_row_block_muon, "muonbp": cost_muonbp,
+         "dion2-shard": cost_dion2_shard, "dion": cost_dion, "dobb": cost_dobb, "dobb-both": cost_dobb}
+
+
+def project(method: dict, mats, other: int, lay: Layout, hw: Hardware, stat_sync: bool = True,
+            counts: dict | None = None, tensors: int = 0) -> dict:
+    """Per-rank times (ms) of one method: the steady step, the periodic step (refresh or full
+    step) where there is one, the amortized step, and the six terms of the amortized step.
+    ``counts``: kernel counts (``dobb_bench.cost.kernels``; default the committed inputs');
+    ``tensors``: the non-matrix parameter tensors (AdamW's, one kernel chain each)."""
+    kind = method["kind"]
+    if kind not in COSTS:
+        raise ValueError(f"unknown method kind {kind!r}; choose one of {', '.join(COSTS)}")
+    counts = counts if counts is not None else load_inputs()["kernels"]["methods"]
+    extra = {"stat_sync": stat_sync} if kind.startswith("dobb") else {}
+    parts = COSTS[kind](mats, lay, hw, method, counts, **extra)
+    steady = _add(parts["steady"], _adamw_other(other, tensors, lay, counts))
+    every = parts.get("every", 1)
+    periodic = _add(steady, parts["periodic"]) if "periodic" in parts else None
+    amort = _add(steady, parts["periodic"], 1.0 / every) if periodic is not None else steady
+    t = seconds(amort, hw)
+    out = {"steady_ms": 1e3 * seconds(steady, hw)["total_s"],
+           "periodic_ms": None if periodic is None else 1e3 * seconds(periodic, hw)["total_s"],
+           "every": every, "amortized_ms": 1e3 * t["total_s"], "kernels": amort["kernels"], "qr": amort["qr"]}
+    out.update({k.replace("_s", "_ms"): 1e3 * v for k, v in t.items() if k != "total_s"})
+    return out
+
