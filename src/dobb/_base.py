@@ -17,6 +17,13 @@ implement
 
 and may override ``_prepare_step()`` (before any update: raising there leaves every weight and
 state untouched), ``_after_step()`` and ``_after_load()``. Every optimizer keeps its momentum under the state key ``"momentum"``.
+
+What a subclass reads of each matrix at every step and that the group and the parameter fix (its
+layouts, its tiles, its route to an owner rank) is its *plan*, built once by ``_group_plans(group)``
+when the matrix's group is added (before ``_init_matrix_state``, which may read it) and kept in
+``self._plans`` (matrix as the update sees it -> plan). Plans are derived state (``_derived``):
+never saved nor copied, rebuilt from the param groups after ``load_state_dict`` and in a copy
+(``_rebuild``), so a plan always follows the groups it is read with.
 """
 from __future__ import annotations
 
@@ -110,6 +117,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
         defaults.update(lr=lr, weight_decay=weight_decay, algorithm=self.algorithm)
         self._param_names: dict[int, str] = dict(param_names or {})
         self._views: dict[torch.Tensor, torch.Tensor] = {}
+        # one plan per matrix (derived state, see the module docstring): built with its group
+        self._plans: dict[torch.Tensor, Any] = {}
         super().__init__(params, defaults)
 
     def _why_unknown(self, unknown: set[str]) -> str:
@@ -146,6 +155,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
                     _kernel_unset(group) and _fusable(p)))
         else:
             with self._logical(group) as logical:
+                self._plan_group(logical)
                 self._init_matrix_state(logical)
 
     def _check_group(self, group: dict[str, Any]) -> None:
@@ -190,6 +200,18 @@ class MatrixOptimizer(torch.optim.Optimizer):
 
     def _init_matrix_state(self, group: dict[str, Any]) -> None:
         """Subclasses create the state of every matrix of ``group`` here."""
+
+    # ------------------------------------------------------------------ per-matrix plans (derived state)
+    def _group_plans(self, group: dict[str, Any]) -> list | None:
+        """The plan of every matrix of ``group`` (in ``group["params"]`` order, the matrices as the
+        update sees them), from the group and the parameters alone; a ``ValueError`` naming the
+        parameter whose plan cannot be built. ``None``: this optimizer keeps no plans."""
+        return None
+
+    def _plan_group(self, group: dict[str, Any]) -> None:
+        plans = self._group_plans(group)
+        if plans is not None:
+            self._plans.update(zip(group["params"], plans))
 
     def _init_adamw_state(self, p: torch.Tensor, fused: bool = False) -> dict[str, Any]:
         state = self.state[p]
@@ -373,10 +395,17 @@ class MatrixOptimizer(torch.optim.Optimizer):
             self._rebuild()
 
     # Attributes that are caches derived from the param groups (never copied: ``_rebuild`` makes them).
-    _derived: tuple[str, ...] = ()
+    # Subclasses that keep more list them with ``"_plans"``.
+    _derived: tuple[str, ...] = ("_plans",)
 
     def _rebuild(self) -> None:
-        """Rebuild the ``_derived`` caches from the param groups (in a copy; Dobb also after a load)."""
+        """Rebuild the ``_derived`` caches from the param groups (in a copy, and after a load): every
+        plan, group by group in order. Subclasses with more caches reset them, then call this."""
+        self._plans = {}
+        for group in self.param_groups:
+            if group["algorithm"] != "adamw":
+                with self._logical(group) as logical:
+                    self._plan_group(logical)
 
     def _copy_refusal(self) -> str | None:
         """Why this optimizer cannot be copied (``None``: it can): what it holds that a copy cannot
@@ -387,8 +416,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
         if pg is not None:
             kinds.append((pg, "a process group ({})"))
         for key, value in vars(self).items():
-            if key in ("state", "param_groups", "defaults") or key.startswith("_optimizer_"):
-                continue
+            if key in ("state", "param_groups", "defaults") or key.startswith("_optimizer_") or key in self._derived:
+                continue  # derived caches are not copied: the copy rebuilds them
             for item in shallow_items(value):
                 for kind, what in kinds:
                     if isinstance(item, kind):
@@ -425,6 +454,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
             for key in _INT_STATE_KEYS:
                 if key in st:
                     st[key] = _ints(st[key])
+        self._rebuild()  # the plans follow the loaded groups
         self._after_load()
 
     def _check_saved_shapes(self, state_dict: dict) -> None:
