@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch.optim.adamw import adamw as _torch_adamw
 
-from ._copies import Views, portable, shallow_items
+from ._copies import Copies
 from .layout import is_dtensor, to_local
 from ._hparams import ScaledOptions, _check_rate
 from ._torch_private import adamw_init_group, fused_adamw_devices
@@ -46,8 +46,6 @@ _BUILDER_KEYS = frozenset({"params", "param_names", "initial_lr"})
 _INT_STATE_KEYS = ("step", "captures")
 # Earlier releases kept the Muon family's and RMNP's momentum under torch's key.
 _LEGACY_KEYS = {"momentum_buffer": "momentum"}
-# The key under which __getstate__ passes a subclass' own attributes to a copy.
-_OWN_ATTRIBUTES = "_matrix_optimizer_attributes"
 
 
 def _adamw_kernel(lists: list, kwargs: dict) -> None:
@@ -92,7 +90,7 @@ def _name_of(param: torch.Tensor, names: dict[int, str] | None, index: int) -> s
     return f"parameter #{index} (shape {tuple(param.shape)})"
 
 
-class MatrixOptimizer(torch.optim.Optimizer):
+class MatrixOptimizer(Copies, torch.optim.Optimizer):
     algorithm: str = "matrix"
     # The typed options of this optimizer's groups (one frozen dataclass, see dobb._hparams): their
     # defaults fill every group, their rules check it. Subclasses set their own.
@@ -201,6 +199,15 @@ class MatrixOptimizer(torch.optim.Optimizer):
     def _init_matrix_state(self, group: dict[str, Any]) -> None:
         """Subclasses create the state of every matrix of ``group`` here."""
 
+    def _init_adamw_state(self, p: torch.Tensor, fused: bool = False) -> dict[str, Any]:
+        state = self.state[p]
+        if not state:  # torch.optim.AdamW's keys and initial values (fused: the step on the device)
+            state["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if fused
+                             else torch.tensor(0.0, dtype=torch.float32))
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
     # ------------------------------------------------------------------ per-matrix plans (derived state)
     def _group_plans(self, group: dict[str, Any]) -> list | None:
         """The plan of every matrix of ``group`` (in ``group["params"]`` order, the matrices as the
@@ -213,14 +220,18 @@ class MatrixOptimizer(torch.optim.Optimizer):
         if plans is not None:
             self._plans.update(zip(group["params"], plans))
 
-    def _init_adamw_state(self, p: torch.Tensor, fused: bool = False) -> dict[str, Any]:
-        state = self.state[p]
-        if not state:  # torch.optim.AdamW's keys and initial values (fused: the step on the device)
-            state["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if fused
-                             else torch.tensor(0.0, dtype=torch.float32))
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        return state
+    # Attributes that are caches derived from the param groups (never copied: ``_rebuild`` makes them).
+    # Subclasses that keep more list them with ``"_plans"``.
+    _derived: tuple[str, ...] = ("_plans",)
+
+    def _rebuild(self) -> None:
+        """Rebuild the ``_derived`` caches from the param groups (in a copy, and after a load): every
+        plan, group by group in order. Subclasses with more caches reset them, then call this."""
+        self._plans = {}
+        for group in self.param_groups:
+            if group["algorithm"] != "adamw":
+                with self._logical(group) as logical:
+                    self._plan_group(logical)
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
@@ -353,76 +364,6 @@ class MatrixOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             if group["algorithm"] != "adamw":
                 yield from group["params"]
-
-    # ------------------------------------------------------------------ copies (copy.deepcopy, pickle)
-    # torch.optim.Optimizer.__getstate__ keeps only defaults, state and param_groups, so a copy of
-    # a subclass lost every attribute of its own and failed at its first step(). Here a copy keeps
-    # them, as torch's copy keeps its state: copied with the parameters (a deepcopy of the
-    # optimizer copies its parameters too, as torch's does; deepcopy((model, opt)) keeps them the
-    # model's). Left out, as torch leaves them out: its hook registries; rebuilt: _views (views of
-    # the weights, which a copy of a view would not share) and the subclass' caches (``_derived``,
-    # rebuilt by ``_rebuild`` from the copy's param groups). An optimizer that holds a model (hooks
-    # on its layers) or a process group is refused with a TypeError naming state_dict(): a copy
-    # could not keep capturing for the original model, nor carry a process group.
-    def __getstate__(self) -> dict[str, Any]:
-        why = self._copy_refusal()
-        if why is not None:
-            raise TypeError(
-                f"{type(self).__name__} cannot be copied or pickled: it holds {why}. Save opt.state_dict() "
-                f"instead and load it with load_state_dict() into a new {type(self).__name__} built on the "
-                f"(copied) model"
-            )
-        state = super().__getstate__()
-        views = Views(list(self._views))
-        # what an id may name: a parameter, or the transposed view of one (Dion's splits of a
-        # transposed group are keyed by the view's id)
-        by_id = {id(v): (p, views) for p, v in self._views.items()}
-        by_id.update((id(p), (p, None)) for g in self.param_groups for p in g["params"])
-        own = {}
-        for key, value in vars(self).items():
-            if key in state or key.startswith("_optimizer_") or key in self._derived:
-                continue
-            own[key] = views if key == "_views" else portable(value, by_id, type(self))
-        state[_OWN_ATTRIBUTES] = own
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        # torch's load_state_dict calls this too, with state and param_groups only
-        own = state.pop(_OWN_ATTRIBUTES, None)
-        super().__setstate__(state)
-        if own is not None:
-            self.__dict__.update(own)
-            self._rebuild()
-
-    # Attributes that are caches derived from the param groups (never copied: ``_rebuild`` makes them).
-    # Subclasses that keep more list them with ``"_plans"``.
-    _derived: tuple[str, ...] = ("_plans",)
-
-    def _rebuild(self) -> None:
-        """Rebuild the ``_derived`` caches from the param groups (in a copy, and after a load): every
-        plan, group by group in order. Subclasses with more caches reset them, then call this."""
-        self._plans = {}
-        for group in self.param_groups:
-            if group["algorithm"] != "adamw":
-                with self._logical(group) as logical:
-                    self._plan_group(logical)
-
-    def _copy_refusal(self) -> str | None:
-        """Why this optimizer cannot be copied (``None``: it can): what it holds that a copy cannot
-        carry (a model with hooks, hook handles, a process group), looked for two levels deep."""
-        pg = getattr(torch.distributed, "ProcessGroup", None) if torch.distributed.is_available() else None
-        kinds = [(torch.nn.Module, "a model ({}), whose layers it hooks"),
-                 (torch.utils.hooks.RemovableHandle, "hook handles ({})")]
-        if pg is not None:
-            kinds.append((pg, "a process group ({})"))
-        for key, value in vars(self).items():
-            if key in ("state", "param_groups", "defaults") or key.startswith("_optimizer_") or key in self._derived:
-                continue  # derived caches are not copied: the copy rebuilds them
-            for item in shallow_items(value):
-                for kind, what in kinds:
-                    if isinstance(item, kind):
-                        return what.format(repr(key))
-        return None
 
     # ------------------------------------------------------------------ state dict
     # State tensors that keep their own dtype on load (torch casts floating state to the

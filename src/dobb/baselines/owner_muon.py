@@ -33,7 +33,6 @@ all-gather each). The result equals single-process Muon with the same options en
 """
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from dataclasses import dataclass, fields
 
@@ -42,7 +41,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..layout import is_dtensor
-from ..collectives import all_gather_into_, all_to_all
+from ..collectives import all_gather_into_, from_owners, to_owners
 from ..collectives import plan_owners as balance_owners  # the library's one greedy owner plan
 from .muon import Muon, ns_options
 from .newton_schulz import orthogonalize
@@ -210,46 +209,18 @@ def owner_plan_fields(plan: OwnerPlan) -> dict:
 
 # ----------------------------------------------------------------------------- FSDP2: two all-to-alls
 def _sharded(pg, wire, items, owners, ns) -> list[Tensor]:
-    """NS5 of sharded matrices ``items`` (``(param, u shard, sharded dim)``) on their ``owners``."""
-    world, me = dist.get_world_size(pg), dist.get_rank(pg)
-    from ..sharding import chunk_sizes  # DTensor Shard sizes; sharding loads torch.distributed.tensor
-
+    """NS5 of sharded matrices ``items`` (``(param, u shard, sharded dim)``) on their ``owners``: the
+    owner exchange out (each rank's shard of every matrix to its owner, one all-to-all), NS5 batched
+    on the owners, and back (one all-to-all)."""
     device = items[0][1].device
-    sizes = [chunk_sizes(p.shape[d], world) for p, _, d in items]
-
-    def shard_shape(j, r):
-        p, _, d = items[j]
-        return (sizes[j][r], p.shape[1]) if d == 0 else (p.shape[0], sizes[j][r])
-
-    def numel(j, r):
-        return math.prod(shard_shape(j, r))
-
-    mine = [j for j, r in enumerate(owners) if r == me]
-    by_owner = [[j for j, r in enumerate(owners) if r == q] for q in range(world)]
-    # all-to-all 1: my shard of every matrix, to its owner
-    send = [items[j][1].to(wire).reshape(-1) for q in range(world) for j in by_owner[q]]
-    in_splits = [sum(numel(j, me) for j in by_owner[q]) for q in range(world)]
-    out_splits = [sum(numel(j, r) for j in mine) for r in range(world)]
-    recv = all_to_all(send, in_splits, out_splits, wire, device, pg, "owner")
-    per_source = [list(c.split([numel(j, r) for j in mine])) for r, c in enumerate(recv.split(out_splits))]
-    fulls = [torch.cat([per_source[r][k].view(shard_shape(j, r)) for r in range(world)], dim=items[j][2])
-             for k, j in enumerate(mine)]
-    results = [o.to(wire) for o in ns(fulls)] if fulls else []
-    # all-to-all 2: every rank's shard of each of my results, back
-    back = []
-    for r in range(world):
-        for k, j in enumerate(mine):
-            d = items[j][2]
-            start = sum(sizes[j][:r])
-            back.append(results[k].narrow(d, start, sizes[j][r]).reshape(-1))
-    in2 = [sum(numel(j, r) for j in mine) for r in range(world)]
-    out2 = [sum(numel(j, me) for j in by_owner[q]) for q in range(world)]
-    recv2 = all_to_all(back, in2, out2, wire, device, pg, "owner")
-    outs: list[Tensor | None] = [None] * len(items)
-    for q, chunk in enumerate(recv2.split(out2)):
-        for j, piece in zip(by_owner[q], chunk.split([numel(j, me) for j in by_owner[q]])):
-            outs[j] = piece.view(shard_shape(j, me))
-    return outs  # type: ignore[return-value]
+    shards = [(r, u, tuple(p.shape), d) for (p, u, d), r in zip(items, owners)]
+    fulls = to_owners(shards, pg, wire, device)
+    mine = [j for j, full in enumerate(fulls) if full is not None]
+    results = [o.to(wire) for o in ns([fulls[j] for j in mine])] if mine else []
+    wholes = [(r, None, shape, d) for r, _, shape, d in shards]
+    for j, o in zip(mine, results):
+        wholes[j] = (wholes[j][0], o, wholes[j][2], wholes[j][3])
+    return from_owners(wholes, pg, wire, device)
 
 
 # ----------------------------------------------------------------------------- DDP: 1/P each, all-gather

@@ -50,7 +50,6 @@ owners, whatever the world size of the save.
 """
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -59,7 +58,7 @@ import torch
 from torch import Tensor
 
 from .._base import MatrixOptimizer, _name_of
-from ..collectives import all_to_all, plan_owners
+from ..collectives import from_owners, plan_owners, to_owners
 from ..layout import is_dtensor, to_local
 from .._hparams import Options, boolean, integer, one_of, option, optional, positive, unit_interval
 from .._hparams import betas as betas_rule
@@ -115,69 +114,6 @@ def soap_cost(m: int, nb: int, blocks: int, left: bool, right: bool) -> int:
     """Work of one step of an ``m x (blocks*nb)`` matrix, for balancing owners: the products with
     the bases and the statistics, ``m nb (m + nb)`` per block with both sides (``m nb`` without)."""
     return blocks * m * nb * (1 + (m if left else 0) + (nb if right else 0))
-
-
-# ----------------------------------------------------------------------------- owner exchanges
-def _chunk_shape(shape: tuple, dim: int, size: int) -> tuple:
-    return tuple(size if d == dim else s for d, s in enumerate(shape))
-
-
-def _all_to_all(pieces: list[Tensor], in_splits: list[int], out_splits: list[int], dtype, device, pg) -> Tensor:
-    return all_to_all(pieces, in_splits, out_splits, dtype, device, pg, "owner")
-
-
-def _exchange_plan(items: list[tuple], pg):
-    """Shared bookkeeping of the two exchanges: ``items`` are ``(owner, tensor, whole shape, dim)``
-    with ``Shard(dim)`` (``torch.chunk``) shards over the ranks of ``pg``."""
-    import torch.distributed as dist
-
-    from ..sharding import chunk_sizes
-
-    world, me = dist.get_world_size(pg), dist.get_rank(pg)
-    sizes = [chunk_sizes(shape[dim], world) for _, _, shape, dim in items]
-    numel = [[math.prod(_chunk_shape(shape, dim, sizes[j][r])) for r in range(world)]
-             for j, (_, _, shape, dim) in enumerate(items)]
-    by_owner = [[j for j, it in enumerate(items) if it[0] == q] for q in range(world)]
-    return world, me, sizes, numel, by_owner
-
-
-def _to_owners(items: list[tuple], pg, dtype, device) -> list[Tensor | None]:
-    """One ``all_to_all``: this rank's shard of every item (``(owner, shard, whole shape, dim)``) to
-    its owner. Returns each item's whole tensor on its owner (in ``dtype``), None elsewhere."""
-    world, me, sizes, numel, by_owner = _exchange_plan(items, pg)
-    mine = by_owner[me]
-    send = [items[j][1].to(dtype).reshape(-1) for q in range(world) for j in by_owner[q]]
-    in_splits = [sum(numel[j][me] for j in by_owner[q]) for q in range(world)]
-    out_splits = [sum(numel[j][r] for j in mine) for r in range(world)]
-    recv = _all_to_all(send, in_splits, out_splits, dtype, device, pg)
-    per_source = [c.split([numel[j][r] for j in mine]) for r, c in enumerate(recv.split(out_splits))]
-    out: list[Tensor | None] = [None] * len(items)
-    for k, j in enumerate(mine):
-        _, _, shape, dim = items[j]
-        out[j] = torch.cat([per_source[r][k].view(_chunk_shape(shape, dim, sizes[j][r])) for r in range(world)],
-                           dim=dim)
-    return out
-
-
-def _from_owners(items: list[tuple], pg, dtype, device) -> list[Tensor]:
-    """One ``all_to_all``: every rank's shard of every item (``(owner, whole tensor on the owner else
-    None, whole shape, dim)``) from its owner. Returns this rank's shard of each item."""
-    world, me, sizes, numel, by_owner = _exchange_plan(items, pg)
-    mine = by_owner[me]
-    send = []
-    for r in range(world):
-        for j in mine:
-            _, whole, _, dim = items[j]
-            send.append(whole.to(dtype).narrow(dim, sum(sizes[j][:r]), sizes[j][r]).reshape(-1))
-    in_splits = [sum(numel[j][r] for j in mine) for r in range(world)]
-    out_splits = [sum(numel[j][me] for j in by_owner[q]) for q in range(world)]
-    recv = _all_to_all(send, in_splits, out_splits, dtype, device, pg)
-    out: list[Tensor | None] = [None] * len(items)
-    for q, chunk in enumerate(recv.split(out_splits)):
-        for j, piece in zip(by_owner[q], chunk.split([numel[j][me] for j in by_owner[q]])):
-            _, _, shape, dim = items[j]
-            out[j] = piece.view(_chunk_shape(shape, dim, sizes[j][me]))
-    return out  # type: ignore[return-value]
 
 
 def _contiguous_stride(shape: tuple) -> tuple:
@@ -362,7 +298,7 @@ class SOAP(MatrixOptimizer):
                 if tuple(g.placements) != tuple(p.placements) or g.device_mesh != p.device_mesh:
                     g = g.redistribute(p.device_mesh, p.placements)
                 items.append((self._plans[p], g.to_local(), tuple(p.shape), p.placements[0].dim))
-            wholes = _to_owners(items, pg, dtype, device)
+            wholes = to_owners(items, pg, dtype, device)
             mine = [j for j, w in enumerate(wholes) if w is not None]
             done = self._local_updates(group, [sub[j] for j in mine], [wholes[j] for j in mine])
             result = dict(zip(map(id, done[0]), done[1]))
@@ -373,7 +309,7 @@ class SOAP(MatrixOptimizer):
             if back:
                 items = [(self._plans[sub[j]], result.get(id(sub[j])), tuple(sub[j].shape),
                           sub[j].placements[0].dim) for j in back]
-                for j, u in zip(back, _from_owners(items, pg, dtype, device)):
+                for j, u in zip(back, from_owners(items, pg, dtype, device)):
                     params.append(sub[j])
                     updates.append(u)
                     scales.append(self._scale(group, steps[j]))
@@ -458,7 +394,7 @@ class SOAP(MatrixOptimizer):
                     (i, v, key, (self._plans[v], st[key] if here else None, shape, dim)))
         for (_, dtype), rows in groups.items():
             v0 = rows[0][1]
-            shards = _from_owners([r[3] for r in rows], v0.device_mesh.get_group(0), dtype, to_local(v0).device)
+            shards = from_owners([r[3] for r in rows], v0.device_mesh.get_group(0), dtype, to_local(v0).device)
             for (i, v, key, (_, _, shape, dim)), local in zip(rows, shards):
                 if i not in copied:  # torch's state dict shares the live per-parameter dicts
                     state[i], copied = dict(state[i]), copied | {i}
@@ -509,7 +445,7 @@ class SOAP(MatrixOptimizer):
                     saved[key] = value.to(dtype) if here else torch.zeros(0, dtype=dtype, device=value.device)
         for (_, dtype), rows in groups.items():
             v0 = rows[0][2]
-            wholes = _to_owners([r[3] for r in rows], v0.device_mesh.get_group(0), dtype, to_local(v0).device)
+            wholes = to_owners([r[3] for r in rows], v0.device_mesh.get_group(0), dtype, to_local(v0).device)
             for (sid, key, v, _), whole in zip(rows, wholes):
                 state[sid][key] = whole if whole is not None else torch.zeros(0, dtype=dtype,
                                                                                device=to_local(v).device)
