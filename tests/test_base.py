@@ -10,7 +10,10 @@ the parametrized tests run the reference too):
 - param-group validation: unknown arguments and keys, rates, ``tau``, 1-D weights, named in the error;
 - ``state_dict`` round trip: a resumed optimizer continues bitwise; the legacy ``momentum_buffer`` key
   loads; a state saved for another layout is refused naming the parameter; parameters without a
-  gradient are left alone.
+  gradient are left alone;
+- per-matrix plans are derived state: rebuilt from the loaded groups (a state saved with other
+  block options continues as the saved run) and in a copy, and a step rebinds or refills no
+  attribute of the optimizer.
 """
 from __future__ import annotations
 
@@ -424,3 +427,95 @@ def test_adamw_part_without_a_fused_kernel_falls_back_to_foreach(monkeypatch):
     assert adamw_kernel_flags(group, [torch.zeros(3)]) == (True, False)
     assert adamw_kernel_flags(group, [torch.zeros(3, dtype=torch.complex64)]) == (False, True)
     assert adamw_kernel_flags(dict(group, lr=torch.tensor(0.1)), [torch.zeros(3)]) == (False, False)
+
+
+# ----------------------------------------------------------------------------- per-matrix plans (derived state)
+# Options that shape a plan and no state tensor: a state saved under one loads under the other.
+PLAN_OPTIONS = {"block-muon": ({"blocks": 2}, {"blocks": 3}),
+                "muonbp": ({"blocks": 2, "period": 2}, {"blocks": 3, "period": 2}),
+                "dion2": ({"select": "shard", "blocks": 2}, {"select": "shard", "blocks": 3})}
+
+
+@pytest.mark.parametrize("name", sorted(PLAN_OPTIONS))
+def test_plans_follow_the_loaded_groups(name):
+    """A state saved with ``saved`` options and loaded into an optimizer built with ``other`` ones
+    (torch's load takes the saved group values) continues bitwise as the uninterrupted ``saved`` run:
+    the plans are rebuilt from the loaded groups, not kept from construction. The two options
+    give different numbers (checked), so a stale plan fails the comparison."""
+    saved_kw, other_kw = PLAN_OPTIONS[name]
+    model = Net()
+    opt = build(name, model, **saved_kw)
+    train(model, opt, 2)
+    saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    train(model, opt, 3, start=2)
+
+    twin = Net()
+    twin.load_state_dict(saved_model)
+    resumed = build(name, twin, **other_kw)
+    resumed.load_state_dict(saved_opt)
+    assert all(g[k] == v for g in resumed.param_groups if g["algorithm"] != "adamw" for k, v in saved_kw.items())
+    train(twin, resumed, 3, start=2)
+    for (n, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(p, q), n
+
+    other = Net()
+    other.load_state_dict(saved_model)
+    stale = build(name, other, **other_kw)
+    train(other, stale, 3, start=2)
+    assert not torch.equal(other.hidden.weight, model.hidden.weight)  # the options do change the numbers
+
+
+def _matrices_as_stepped(opt):
+    """The matrices of the optimizer as its update sees them (a transposed group's views)."""
+    return [opt._views.get(p, p) for g in opt.param_groups if g["algorithm"] != "adamw" for p in g["params"]]
+
+
+@pytest.mark.parametrize("how", ["load", "deepcopy"])
+@pytest.mark.parametrize("name", MATRIX_NAMES)
+def test_plans_are_rebuilt_after_a_load_and_in_a_copy(name, how):
+    """Every matrix has a plan keyed by the matrix the update steps (in a copy: the copy's), rebuilt
+    (a new object) after ``load_state_dict`` and in a copy, never carried by the copy; the rebuilt
+    optimizer continues bitwise as the uninterrupted run (the reference)."""
+    model = Net()
+    opt = build(name, model)
+    train(model, opt, 2)
+    if how == "deepcopy" and any(isinstance(v, nn.Module) for v in vars(opt).values()):
+        pytest.skip("an optimizer hooking a model refuses copies (tests/test_copies.py)")
+    before = dict(opt._plans)
+    if how == "load":  # into itself: the groups are replaced, the plans rebuilt
+        twin, again = model, opt
+        snap = snapshot(model, opt)
+        opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        assert same(snapshot(model, opt), snap)
+    else:
+        assert "_plans" not in opt.__getstate__()["_matrix_optimizer_attributes"]
+        twin, again = copy.deepcopy((model, opt))
+    mats = _matrices_as_stepped(again)
+    has_plans = type(again)._group_plans is not dobb._base.MatrixOptimizer._group_plans
+    assert [id(p) for p in again._plans] == ([id(p) for p in mats] if has_plans else [])
+    fresh = [v for v in again._plans.values() if v is not None and not isinstance(v, int)]
+    assert all(all(v is not old for old in before.values()) for v in fresh)
+    ref_model = Net()  # the uninterrupted run
+    ref_opt = build(name, ref_model)
+    train(ref_model, ref_opt, 4)
+    train(twin, again, 2, start=2)
+    for (n, p), q in zip(ref_model.named_parameters(), twin.parameters()):
+        assert torch.equal(p, q), n
+    assert same(snapshot(ref_model, ref_opt)[1], snapshot(twin, again)[1])
+
+
+@pytest.mark.parametrize("name", MATRIX_NAMES)
+def test_a_step_rebinds_and_fills_no_attribute_of_the_optimizer(name):
+    """What a step writes is the state: no attribute of the optimizer is rebound, added or (for a
+    dict: its plans, views, names) refilled by a step after the first."""
+    def attributes(o):
+        return {k: (id(v), [(id(a), id(b)) for a, b in v.items()] if isinstance(v, dict) else None)
+                for k, v in vars(o).items()
+                if k not in ("state", "param_groups", "defaults") and not k.startswith("_optimizer_")}
+
+    model = Net()
+    opt = build(name, model)
+    train(model, opt, 1)
+    first = attributes(opt)
+    train(model, opt, 2, start=1)
+    assert attributes(opt) == first

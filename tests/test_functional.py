@@ -3,8 +3,6 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import dobb.functional as F
 from _dobb_reference import dense_direction
@@ -15,31 +13,7 @@ def _orthogonal(n, seed, dtype=torch.float64):
     return torch.linalg.qr(torch.randn(n, n, generator=g, dtype=dtype)).Q
 
 
-# ----------------------------------------------------------------------------- partition
-@given(size=st.integers(1, 200), blocks=st.integers(1, 200))
-@settings(max_examples=200, deadline=None)
-def test_block_sizes_partition_properties(size, blocks):
-    if blocks > size:
-        with pytest.raises(ValueError, match="blocks"):
-            F.block_sizes(size, blocks)
-        return
-    sizes = F.block_sizes(size, blocks)
-    assert sum(sizes) == size and len(sizes) == blocks
-    assert max(sizes) - min(sizes) <= 1
-    assert sizes == sorted(sizes, reverse=True)  # longer blocks first, as torch.tensor_split
-    assert sizes == [len(c) for c in torch.arange(size).tensor_split(blocks)]
-
-
-def test_block_sizes_respects_shards_uneven_and_empty():
-    # 18 rows over 4 ranks (torch.chunk: 5, 5, 5, 3) and 18 rows over 8 ranks (3 x 6 and two empty).
-    assert F.block_sizes(18, 4, [5, 5, 5, 3]) == [5, 5, 5, 3]
-    assert F.block_sizes(18, 8, [5, 5, 5, 3]) == [3, 2, 3, 2, 3, 2, 2, 1]
-    assert F.block_sizes(18, 6, [3, 3, 3, 3, 3, 3, 0, 0]) == [3] * 6
-    with pytest.raises(ValueError, match=r"valid block counts: 4, 8, 12"):
-        F.block_sizes(18, 6, [5, 5, 5, 3])
-    assert F.valid_block_counts(18, [3, 3, 3, 3, 3, 3, 0, 0]) == [6, 12, 18]
-
-
+# ----------------------------------------------------------------------------- blocks (the partition: tests/test_partition.py)
 def test_block_runs_group_equal_sizes():
     runs = F.block_runs([6, 5, 5])
     assert [(r.start, r.count, r.size) for r in runs] == [(0, 1, 6), (6, 2, 5)]

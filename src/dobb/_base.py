@@ -17,6 +17,13 @@ implement
 
 and may override ``_prepare_step()`` (before any update: raising there leaves every weight and
 state untouched), ``_after_step()`` and ``_after_load()``. Every optimizer keeps its momentum under the state key ``"momentum"``.
+
+What a subclass reads of each matrix at every step and that the group and the parameter fix (its
+layouts, its tiles, its route to an owner rank) is its *plan*, built once by ``_group_plans(group)``
+when the matrix's group is added (before ``_init_matrix_state``, which may read it) and kept in
+``self._plans`` (matrix as the update sees it -> plan). Plans are derived state (``_derived``):
+never saved nor copied, rebuilt from the param groups after ``load_state_dict`` and in a copy
+(``_rebuild``), so a plan always follows the groups it is read with.
 """
 from __future__ import annotations
 
@@ -27,7 +34,7 @@ from typing import Any
 import torch
 from torch.optim.adamw import adamw as _torch_adamw
 
-from ._copies import Views, portable, shallow_items
+from ._copies import Copies
 from .layout import is_dtensor, to_local
 from ._hparams import ScaledOptions, _check_rate
 from ._torch_private import adamw_init_group, fused_adamw_devices
@@ -39,8 +46,6 @@ _BUILDER_KEYS = frozenset({"params", "param_names", "initial_lr"})
 _INT_STATE_KEYS = ("step", "captures")
 # Earlier releases kept the Muon family's and RMNP's momentum under torch's key.
 _LEGACY_KEYS = {"momentum_buffer": "momentum"}
-# The key under which __getstate__ passes a subclass' own attributes to a copy.
-_OWN_ATTRIBUTES = "_matrix_optimizer_attributes"
 
 
 def _adamw_kernel(lists: list, kwargs: dict) -> None:
@@ -85,7 +90,7 @@ def _name_of(param: torch.Tensor, names: dict[int, str] | None, index: int) -> s
     return f"parameter #{index} (shape {tuple(param.shape)})"
 
 
-class MatrixOptimizer(torch.optim.Optimizer):
+class MatrixOptimizer(Copies, torch.optim.Optimizer):
     algorithm: str = "matrix"
     # The typed options of this optimizer's groups (one frozen dataclass, see dobb._hparams): their
     # defaults fill every group, their rules check it. Subclasses set their own.
@@ -110,6 +115,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
         defaults.update(lr=lr, weight_decay=weight_decay, algorithm=self.algorithm)
         self._param_names: dict[int, str] = dict(param_names or {})
         self._views: dict[torch.Tensor, torch.Tensor] = {}
+        # one plan per matrix (derived state, see the module docstring): built with its group
+        self._plans: dict[torch.Tensor, Any] = {}
         super().__init__(params, defaults)
 
     def _why_unknown(self, unknown: set[str]) -> str:
@@ -146,6 +153,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
                     _kernel_unset(group) and _fusable(p)))
         else:
             with self._logical(group) as logical:
+                self._plan_group(logical)
                 self._init_matrix_state(logical)
 
     def _check_group(self, group: dict[str, Any]) -> None:
@@ -199,6 +207,31 @@ class MatrixOptimizer(torch.optim.Optimizer):
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state
+
+    # ------------------------------------------------------------------ per-matrix plans (derived state)
+    def _group_plans(self, group: dict[str, Any]) -> list | None:
+        """The plan of every matrix of ``group`` (in ``group["params"]`` order, the matrices as the
+        update sees them), from the group and the parameters alone; a ``ValueError`` naming the
+        parameter whose plan cannot be built. ``None``: this optimizer keeps no plans."""
+        return None
+
+    def _plan_group(self, group: dict[str, Any]) -> None:
+        plans = self._group_plans(group)
+        if plans is not None:
+            self._plans.update(zip(group["params"], plans))
+
+    # Attributes that are caches derived from the param groups (never copied: ``_rebuild`` makes them).
+    # Subclasses that keep more list them with ``"_plans"``.
+    _derived: tuple[str, ...] = ("_plans",)
+
+    def _rebuild(self) -> None:
+        """Rebuild the ``_derived`` caches from the param groups (in a copy, and after a load): every
+        plan, group by group in order. Subclasses with more caches reset them, then call this."""
+        self._plans = {}
+        for group in self.param_groups:
+            if group["algorithm"] != "adamw":
+                with self._logical(group) as logical:
+                    self._plan_group(logical)
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
@@ -332,69 +365,6 @@ class MatrixOptimizer(torch.optim.Optimizer):
             if group["algorithm"] != "adamw":
                 yield from group["params"]
 
-    # ------------------------------------------------------------------ copies (copy.deepcopy, pickle)
-    # torch.optim.Optimizer.__getstate__ keeps only defaults, state and param_groups, so a copy of
-    # a subclass lost every attribute of its own and failed at its first step(). Here a copy keeps
-    # them, as torch's copy keeps its state: copied with the parameters (a deepcopy of the
-    # optimizer copies its parameters too, as torch's does; deepcopy((model, opt)) keeps them the
-    # model's). Left out, as torch leaves them out: its hook registries; rebuilt: _views (views of
-    # the weights, which a copy of a view would not share) and the subclass' caches (``_derived``,
-    # rebuilt by ``_rebuild`` from the copy's param groups). An optimizer that holds a model (hooks
-    # on its layers) or a process group is refused with a TypeError naming state_dict(): a copy
-    # could not keep capturing for the original model, nor carry a process group.
-    def __getstate__(self) -> dict[str, Any]:
-        why = self._copy_refusal()
-        if why is not None:
-            raise TypeError(
-                f"{type(self).__name__} cannot be copied or pickled: it holds {why}. Save opt.state_dict() "
-                f"instead and load it with load_state_dict() into a new {type(self).__name__} built on the "
-                f"(copied) model"
-            )
-        state = super().__getstate__()
-        views = Views(list(self._views))
-        # what an id may name: a parameter, or the transposed view of one (Dion's splits of a
-        # transposed group are keyed by the view's id)
-        by_id = {id(v): (p, views) for p, v in self._views.items()}
-        by_id.update((id(p), (p, None)) for g in self.param_groups for p in g["params"])
-        own = {}
-        for key, value in vars(self).items():
-            if key in state or key.startswith("_optimizer_") or key in self._derived:
-                continue
-            own[key] = views if key == "_views" else portable(value, by_id, type(self))
-        state[_OWN_ATTRIBUTES] = own
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        # torch's load_state_dict calls this too, with state and param_groups only
-        own = state.pop(_OWN_ATTRIBUTES, None)
-        super().__setstate__(state)
-        if own is not None:
-            self.__dict__.update(own)
-            self._rebuild()
-
-    # Attributes that are caches derived from the param groups (never copied: ``_rebuild`` makes them).
-    _derived: tuple[str, ...] = ()
-
-    def _rebuild(self) -> None:
-        """Rebuild the ``_derived`` caches from the param groups (in a copy; Dobb also after a load)."""
-
-    def _copy_refusal(self) -> str | None:
-        """Why this optimizer cannot be copied (``None``: it can): what it holds that a copy cannot
-        carry (a model with hooks, hook handles, a process group), looked for two levels deep."""
-        pg = getattr(torch.distributed, "ProcessGroup", None) if torch.distributed.is_available() else None
-        kinds = [(torch.nn.Module, "a model ({}), whose layers it hooks"),
-                 (torch.utils.hooks.RemovableHandle, "hook handles ({})")]
-        if pg is not None:
-            kinds.append((pg, "a process group ({})"))
-        for key, value in vars(self).items():
-            if key in ("state", "param_groups", "defaults") or key.startswith("_optimizer_"):
-                continue
-            for item in shallow_items(value):
-                for kind, what in kinds:
-                    if isinstance(item, kind):
-                        return what.format(repr(key))
-        return None
-
     # ------------------------------------------------------------------ state dict
     # State tensors that keep their own dtype on load (torch casts floating state to the
     # parameter's dtype, e.g. a bf16 model would otherwise resume with a bf16 basis).
@@ -425,6 +395,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
             for key in _INT_STATE_KEYS:
                 if key in st:
                     st[key] = _ints(st[key])
+        self._rebuild()  # the plans follow the loaded groups
         self._after_load()
 
     def _check_saved_shapes(self, state_dict: dict) -> None:

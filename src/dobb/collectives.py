@@ -1,14 +1,23 @@
-"""The tags and groups of every collective the library issues on its own behalf (not those of FSDP,
-DTensor or Dion's partial sums): each is issued inside ``collective_kind`` so a meter can tell them
-apart, over a group from the user, the layout or ``plain_stat_group``; and ``plan_owners``, the one
-greedy plan of which rank computes which unit of work (Dobb's split refresh, owner-compute Muon,
-SOAP under sharding).
+"""Every collective the library issues on its own behalf (not those of FSDP or DTensor), each
+tagged with its kind so a meter can tell them apart, over a group from the user, the layout or
+``plain_stat_group``; and ``plan_owners``, the one greedy plan of which rank computes which unit of
+work (Dobb's split refresh, owner-compute Muon, SOAP under sharding).
 
-Tags: ``"owner"`` for owner-compute exchanges (SOAP's gradient shards to each matrix's owner and the
-update's shards back; its checkpoint conversion of owner-held state), ``"stat"`` for the data-parallel statistic sums (with the finiteness flags folded in when
-they share the group), ``"finite"`` for the finiteness flags alone, ``"norm"`` for ell2 column
-norms and gradient-Gram partial sums. The tag is a context variable read by ``dobb.meter``; this
-module does not know the meter exists.
+The library calls ``torch.distributed`` only through the functions here (``all_reduce_sum_``,
+``all_to_all``, ``all_gather_into_``, ``broadcast_``), each with its ``kind``
+(``tests/test_collectives.py`` checks that no other module of ``dobb`` issues one). Kinds:
+
+- ``"stat"``: the data-parallel statistic sums (with the finiteness flags folded in when they
+  share the group); ``"finite"``: the finiteness flags alone;
+- ``"norm"``: ell2 column norms and gradient-Gram partial sums over the shards of the other axis
+  (Dobb's ``grad_gram``, SPlus's statistics);
+- ``"basis"``: the bases of a split refresh, broadcast by the rank that solved them;
+- ``"owner"``: owner-compute exchanges (OwnerMuon's and MuonBP's whole-matrix NS5, SOAP's gradient
+  shards to each matrix's owner and the update's shards back, its checkpoint conversion);
+- ``"partial"``: Dion's ``O(r(m+n))`` partial products summed over the shards of an axis.
+
+The tag is a context variable (``collective_kind``) read by ``dobb.meter``; this module does not
+know the meter exists. A kind outside ``KINDS`` is a ``ValueError``.
 
 Groups are never guessed: a plain parameter's statistic group is the ``stat_group`` the user gave
 or the process group of the ``DistributedDataParallel`` module passed as ``model``
@@ -18,18 +27,29 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 
+import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["collective_kind", "current_kind", "plain_stat_group", "group_ranks", "common_group", "plan_owners"]
+__all__ = ["KINDS", "collective_kind", "current_kind", "all_reduce_sum_", "all_to_all", "all_gather_into_",
+           "broadcast_", "to_owners", "from_owners", "plain_stat_group", "group_ranks", "common_group", "plan_owners"]
+
+KINDS = ("stat", "finite", "norm", "basis", "owner", "partial")
 
 _KIND: contextvars.ContextVar[str | None] = contextvars.ContextVar("dobb_collective_kind", default=None)
 
 
+def _check_kind(kind) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"collective kind must be one of {KINDS}, got {kind!r}")
+
+
 @contextlib.contextmanager
 def collective_kind(kind: str):
-    """Tag the collectives issued inside the block."""
+    """Tag the collectives issued inside the block (``kind``: one of ``KINDS``)."""
+    _check_kind(kind)
     token = _KIND.set(kind)
     try:
         yield
@@ -42,6 +62,104 @@ def current_kind() -> str | None:
     return _KIND.get()
 
 
+# ----------------------------------------------------------------------------- the collectives
+def all_reduce_sum_(tensor: torch.Tensor, group, kind: str) -> torch.Tensor:
+    """``tensor`` summed over ``group`` in place (it must be contiguous); no collective without a group."""
+    _check_kind(kind)
+    if group is not None:
+        with collective_kind(kind):
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor
+
+
+def all_to_all(pieces: list[torch.Tensor], in_splits: list[int], out_splits: list[int], dtype: torch.dtype,
+               device, group, kind: str) -> torch.Tensor:
+    """One ``all_to_all_single``: the flat ``pieces`` (``in_splits[r]`` entries to rank ``r`` of
+    ``group``) out, ``out_splits[r]`` entries from each rank ``r`` back, as one flat tensor."""
+    _check_kind(kind)
+    inp = torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype, device=device)
+    out = torch.empty(sum(out_splits), dtype=dtype, device=device)
+    with collective_kind(kind):
+        dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
+    return out
+
+
+def all_gather_into_(out: torch.Tensor, tensor: torch.Tensor, group, kind: str) -> torch.Tensor:
+    """Every rank's ``tensor``, stacked along dim 0 in group-rank order into ``out``."""
+    _check_kind(kind)
+    with collective_kind(kind):
+        dist.all_gather_into_tensor(out, tensor, group=group)
+    return out
+
+
+def broadcast_(tensor: torch.Tensor, src: int, group, kind: str) -> torch.Tensor:
+    """``tensor`` of global rank ``src`` into ``tensor`` on every rank of ``group``."""
+    _check_kind(kind)
+    with collective_kind(kind):
+        dist.broadcast(tensor, src=src, group=group)
+    return tensor
+
+
+# ----------------------------------------------------------------------------- owner exchanges
+def _chunk_shape(shape: tuple, dim: int, size: int) -> tuple:
+    return tuple(size if d == dim else s for d, s in enumerate(shape))
+
+
+def _exchange_plan(items: list[tuple], pg):
+    """Shared bookkeeping of the two exchanges: ``items`` are ``(owner, tensor, whole shape, dim)``
+    with ``Shard(dim)`` (``torch.chunk``) shards over the ranks of ``pg``."""
+    from .sharding import chunk_sizes  # DTensor's Shard sizes (sharding loads torch.distributed.tensor)
+
+    world, me = dist.get_world_size(pg), dist.get_rank(pg)
+    sizes = [chunk_sizes(shape[dim], world) for _, _, shape, dim in items]
+    numel = [[math.prod(_chunk_shape(shape, dim, sizes[j][r])) for r in range(world)]
+             for j, (_, _, shape, dim) in enumerate(items)]
+    by_owner = [[j for j, it in enumerate(items) if it[0] == q] for q in range(world)]
+    return world, me, sizes, numel, by_owner
+
+
+def to_owners(items: list[tuple], pg, dtype, device) -> list[torch.Tensor | None]:
+    """The owner exchange out (kind ``"owner"``: SOAP's gradients, its checkpoint conversion): one
+    ``all_to_all`` of this rank's shard of every item (``(owner, shard, whole shape, dim)``) to its
+    owner. Returns each item's whole tensor on its owner (in ``dtype``), None elsewhere."""
+    world, me, sizes, numel, by_owner = _exchange_plan(items, pg)
+    mine = by_owner[me]
+    send = [items[j][1].to(dtype).reshape(-1) for q in range(world) for j in by_owner[q]]
+    in_splits = [sum(numel[j][me] for j in by_owner[q]) for q in range(world)]
+    out_splits = [sum(numel[j][r] for j in mine) for r in range(world)]
+    recv = all_to_all(send, in_splits, out_splits, dtype, device, pg, "owner")
+    per_source = [c.split([numel[j][r] for j in mine]) for r, c in enumerate(recv.split(out_splits))]
+    out: list[torch.Tensor | None] = [None] * len(items)
+    for k, j in enumerate(mine):
+        _, _, shape, dim = items[j]
+        out[j] = torch.cat([per_source[r][k].view(_chunk_shape(shape, dim, sizes[j][r])) for r in range(world)],
+                           dim=dim)
+    return out
+
+
+def from_owners(items: list[tuple], pg, dtype, device) -> list[torch.Tensor]:
+    """The owner exchange back (kind ``"owner"``): one ``all_to_all`` of every rank's shard of every
+    item (``(owner, whole tensor on the owner else None, whole shape, dim)``) from its owner.
+    Returns this rank's shard of each item."""
+    world, me, sizes, numel, by_owner = _exchange_plan(items, pg)
+    mine = by_owner[me]
+    send = []
+    for r in range(world):
+        for j in mine:
+            _, whole, _, dim = items[j]
+            send.append(whole.to(dtype).narrow(dim, sum(sizes[j][:r]), sizes[j][r]).reshape(-1))
+    in_splits = [sum(numel[j][r] for j in mine) for r in range(world)]
+    out_splits = [sum(numel[j][me] for j in by_owner[q]) for q in range(world)]
+    recv = all_to_all(send, in_splits, out_splits, dtype, device, pg, "owner")
+    out: list[torch.Tensor | None] = [None] * len(items)
+    for q, chunk in enumerate(recv.split(out_splits)):
+        for j, piece in zip(by_owner[q], chunk.split([numel[j][me] for j in by_owner[q]])):
+            _, _, shape, dim = items[j]
+            out[j] = piece.view(_chunk_shape(shape, dim, sizes[j][me]))
+    return out  # type: ignore[return-value]
+
+
+# ----------------------------------------------------------------------------- groups and owners
 def group_ranks(group) -> frozenset[int]:
     """Global ranks of ``group`` (this rank alone for None)."""
     if group is None:

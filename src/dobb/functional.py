@@ -7,10 +7,10 @@ entries (the paper's ``n^2 / B``, Table 18), it is a zero-copy view ``(B, s, s)`
 equal, and it shards along dim 0 exactly like the blocked axis of the weight, so a distributed
 checkpoint reshards it with the weight.
 
-Blocks are contiguous. ``block_sizes`` defines the partition: the axis is cut at its shard
-boundaries first (so no block straddles two shards), then every non-empty shard is split into the
-same number of nearly equal blocks (``torch.tensor_split`` sizes: the first ``s % k`` blocks are one
-longer).
+Blocks are contiguous. ``block_sizes`` (``dobb.partition``, re-exported here) defines the partition:
+the axis is cut at its shard boundaries first (so no block straddles two shards), then every
+non-empty shard is split into the same number of nearly equal blocks (``torch.tensor_split``
+sizes: the first ``s % k`` blocks are one longer).
 
 The step's kernels take *stacks* of matrices with the same blocks: weights and updates ``(E, r, k)``,
 block state ``(E, k, s_max)`` (``stack_block_view``); a 2-D matrix is the stack of one (``E = 1``,
@@ -32,84 +32,19 @@ import torch
 from torch import Tensor
 
 from ._torch_private import mkldnn_native
+from .partition import block_sizes, valid_block_counts  # noqa: F401 (the partition, re-exported)
 
 __all__ = [
-    "block_sizes",
-    "valid_block_counts",
-    "BlockRun",
-    "block_runs",
-    "block_view",
-    "identity_blocks",
-    "stack_block_view",
-    "second_moment_blocks",
-    "gram_blocks",
-    "fold_statistic_",
-    "refresh_bases",
-    "qr_householder",
-    "qr_cholesky",
-    "orthogonal_iteration",
-    "eigh_basis",
-    "normalize_l2",
-    "Blocks",
-    "add_directions_",
-    "direction_input",
-    "direction",
-    "update_scale",
-    "matmul_dtype",
-    "cpu_native",
-    "block_coefficients",
-    "BlockBasis",
-    "blockwise",
-    "rotate",
-    "unrotate",
-    "adam_direction",
-    "block_pair_rms_",
+    "block_sizes", "valid_block_counts", "BlockRun", "block_runs", "block_view", "identity_blocks",
+    "stack_block_view", "second_moment_blocks", "gram_blocks", "fold_statistic_", "refresh_bases",
+    "qr_householder", "qr_cholesky", "orthogonal_iteration", "eigh_basis", "normalize_l2", "Blocks",
+    "add_directions_", "direction_input", "direction", "update_scale", "matmul_dtype", "cpu_native",
+    "block_coefficients", "BlockBasis", "blockwise", "rotate", "unrotate", "adam_direction", "block_pair_rms_",
     "two_sided_update_",
 ]
 
 
-# ----------------------------------------------------------------------------- block partition
-def _split_sizes(size: int, parts: int) -> list[int]:
-    q, r = divmod(size, parts)
-    return [q + 1] * r + [q] * (parts - r)
-
-
-def valid_block_counts(size: int, shard_sizes: Sequence[int] | None = None) -> list[int]:
-    """All block counts ``B`` for which every block lies within one shard of the axis."""
-    shards = [s for s in (shard_sizes or [size]) if s > 0]
-    if not shards:
-        return []
-    return [len(shards) * k for k in range(1, min(shards) + 1)]
-
-
-def block_sizes(size: int, blocks: int, shard_sizes: Sequence[int] | None = None) -> list[int]:
-    """Sizes of the ``blocks`` contiguous blocks of an axis of length ``size``.
-
-    ``shard_sizes`` (the lengths of the axis' shards, in order, empty shards allowed) forces every
-    block to lie within one shard: each non-empty shard gets ``blocks / n_nonempty`` blocks.
-    """
-    if blocks < 1:
-        raise ValueError(f"blocks must be >= 1, got {blocks}")
-    if size < 1:
-        raise ValueError(f"cannot partition an axis of length {size}")
-    if shard_sizes is None:
-        shard_sizes = [size]
-    if sum(shard_sizes) != size:
-        raise ValueError(f"shard sizes {list(shard_sizes)} do not add up to the axis length {size}")
-    shards = [s for s in shard_sizes if s > 0]
-    per, rem = divmod(blocks, len(shards))
-    if rem or per > min(shards):
-        if len(shards) == 1:
-            raise ValueError(f"blocks={blocks} is larger than the axis length {size}")
-        valid = valid_block_counts(size, shard_sizes)
-        shown = ", ".join(map(str, valid[:8])) + (", ..." if len(valid) > 8 else "")
-        raise ValueError(
-            f"blocks={blocks} cannot keep every block within one shard of an axis of length {size} "
-            f"sharded as {list(shard_sizes)}; valid block counts: {shown}"
-        )
-    return [b for s in shards for b in _split_sizes(s, per)]
-
-
+# ----------------------------------------------------------------------------- blocks
 @dataclass(frozen=True)
 class BlockRun:
     """A maximal run of ``count`` consecutive blocks of equal ``size`` starting at ``start``."""

@@ -7,9 +7,11 @@ instead of trusting the derivation. ``PayloadMeter`` is a ``TorchDispatchMode`` 
 all-gathers / reduce-scatters) or a ``_c10d_functional`` op (DTensor redistributions, functional
 collectives), so it sees all of them, including those DTensor issues while dispatching an op
 (the mode steps aside for DTensor operands, as CommDebugMode does). Unlike CommDebugMode it also
-records sizes. Dobb tags its own collectives (``dobb.collectives.collective_kind``: ``"stat"`` for the data-parallel
-statistic mean, ``"norm"`` for ell2 column norms / gradient-Gram sums), so the statistic
-reductions launched by capture hooks during forward/backward can be told apart from FSDP's traffic.
+records sizes. The library issues every collective of its own through ``dobb.collectives``, tagged
+with its kind (``collectives.KINDS``: ``"stat"`` for the data-parallel statistic mean, ``"norm"``
+for ell2 column norms / gradient-Gram sums, ``"owner"`` for owner-compute exchanges, ...), so the
+statistic reductions launched by capture hooks during forward/backward, and each optimizer's own
+traffic, can be told apart from FSDP's and DTensor's (untagged, kind ``None``).
 
 Size convention: ``numel``/``bytes`` of a collective is its *logical* tensor, the same on every
 rank: the reduced tensor (all-reduce, broadcast, reduce), the gathered output (all-gather), the
@@ -138,8 +140,8 @@ class PayloadMeter:
     """Records every collective issued (on this rank) while the context is active.
 
     Attributes: ``records`` (list of ``Collective``); ``collectives``, ``numel``, ``bytes`` (totals);
-    ``by_op`` (normalized op -> ``Totals``); ``kind(k)`` totals of Dobb's tagged collectives
-    (``"stat"``, ``"norm"``; ``None`` = untagged, e.g. FSDP or DTensor traffic).
+    ``by_op`` (normalized op -> ``Totals``); ``kind(k)`` totals of the library's tagged collectives
+    (``collectives.KINDS``; ``None`` = untagged, e.g. FSDP or DTensor traffic).
     """
 
     def __init__(self):

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ._torch_private import strided_shard_type
+from .collectives import all_reduce_sum_
 from .functional import block_sizes, identity_blocks
 from .layout import MatrixLayout, is_dtensor, to_local
 
@@ -365,9 +366,7 @@ class AxisSplit:
         group = self.groups[axis]
         if group is None:
             return t
-        t = t.contiguous()
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-        return t
+        return all_reduce_sum_(t.contiguous(), group, "partial")
 
     def gather_along(self, t: torch.Tensor, axis: int, dim: int) -> torch.Tensor:
         """``t``, whose dimension ``dim`` holds this rank's part of ``axis``, completed to the whole
@@ -380,8 +379,7 @@ class AxisSplit:
         shape[dim] = self.shape[axis]
         full = t.new_zeros(shape)
         full.narrow(dim, self.starts[axis], self.local_shape[axis]).copy_(t)
-        dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group)
-        return full
+        return all_reduce_sum_(full, group, "partial")
 
     def narrow_along(self, full: torch.Tensor, axis: int, dim: int) -> torch.Tensor:
         """This rank's part of ``axis`` from a tensor whose dimension ``dim`` spans the whole axis."""

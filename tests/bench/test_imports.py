@@ -204,3 +204,29 @@ def test_checker_finds_private_library_uses(tmp_path):
 def test_bench_uses_the_library_only_through_its_public_api():
     bad = [use for path in sorted(SRC.rglob("*.py")) for use in private_uses(path)]
     assert bad == []
+
+
+# the bench's rooms, lowest first: a room may import its own modules and those of rooms below it
+ROOMS_ABOVE_REPORTS = ("dobb_bench.cost", "dobb_bench.studies", "dobb_bench.training", "dobb_bench.spectral",
+                       "dobb_bench.cli")
+
+
+def upward_imports(graph: dict[str, set[str]], room: str, above: tuple[str, ...]) -> dict[str, list[str]]:
+    """Imports (lazy ones too) from the modules of ``room`` into the rooms ``above`` it."""
+    return {m: sorted(t for t in targets if t.startswith(above)) for m, targets in graph.items()
+            if (m == room or m.startswith(room + ".")) and any(t.startswith(above) for t in targets)}
+
+
+def test_reports_import_no_room_above_them():
+    """The reports present what the rooms above compute (payload ratios, re-evaluation records) and
+    import none of them: a caller passes the payload function, the records are read by ``records``."""
+    assert upward_imports(import_graph(SRC, "dobb_bench"), "dobb_bench.reports", ROOMS_ABOVE_REPORTS) == {}
+
+
+def test_checker_finds_an_upward_import(tmp_path):
+    root = _plant(tmp_path, {"__init__.py": "", "reports/__init__.py": "", "cost/__init__.py": "",
+                             "reports/r.py": "def f():\n    from planted.cost.payload import x\n",
+                             "cost/payload.py": "from planted.reports import r\n"})
+    graph = import_graph(root, "planted")
+    assert upward_imports(graph, "planted.reports", ("planted.cost",)) == {"planted.reports.r": ["planted.cost",
+                                                                                            "planted.cost.payload"]}

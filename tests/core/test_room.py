@@ -127,3 +127,28 @@ def test_every_library_import_of_dobb_names_a_module_that_exists():
                             importlib.import_module(module), name.rsplit(".", 1)[1])):
                         missing.setdefault(path.relative_to(SRC).as_posix(), []).append(name)
     assert missing == {}
+
+
+MAX_LINES = 500
+
+
+def long_files(root: Path, limit: int = MAX_LINES) -> dict[str, int]:
+    """Python files under ``root`` with more than ``limit`` lines."""
+    out = {}
+    for path in sorted(root.rglob("*.py")):
+        n = len(path.read_text().splitlines())
+        if n > limit:
+            out[path.relative_to(root).as_posix()] = n
+    return out
+
+
+def test_no_library_file_is_over_500_lines():
+    """A file a reader must hold in their head stays under 500 lines (issue 42): split it by concern."""
+    assert long_files(SRC) == {}
+
+
+def test_the_length_check_finds_a_long_file(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "long.py").write_text("x = 1\n" * 501)
+    (tmp_path / "short.py").write_text("x = 1\n" * 500)
+    assert long_files(tmp_path) == {"pkg/long.py": 501}

@@ -46,38 +46,31 @@ class BlockMuon(_MuonFamily):
     algorithm = "block-muon"
     Options = BlockMuonOptions
 
-    def __init__(self, params, *, lr: float, **kwargs):
-        self._layouts = {}
-        super().__init__(params, lr=lr, **kwargs)
+    def _group_plans(self, group):
+        """Each matrix's tiles and whether they index its local shard: ``tiled_directions``' plan.
 
-    def _check_matrix_group(self, group):
-        side = "input" if group["axis"] == 1 else "output"
-        super()._check_matrix_group(group)
+        Blocks are computed on the local shard when the unblocked axis is whole on this rank (a block
+        never straddles shards, ``block_sizes`` guarantees it); otherwise the matrix is gathered first.
+        A split (CMuon) weight's parts are cut into blocks, gathered when sharded."""
+        axis, blocks = group["axis"], group["blocks"]
+        side = "input" if axis == 1 else "output"
+        plans = []
         for i, p in enumerate(group["params"]):
             try:
                 parts = self._row_parts(group, p)
-                if parts is None:
-                    self._layouts[p] = layout_for(p, side, group["blocks"], None)
-                else:
-                    _part_blocks(parts, p.shape[1], group["blocks"], group["axis"])
+                if parts is not None:
+                    plans.append((_part_blocks(parts, p.shape[1], blocks, axis), False))
+                    continue
+                lay = layout_for(p, side, blocks, None)
             except ValueError as exc:
                 raise ValueError(f"{_name_of(p, self._param_names, i)}: {exc}") from None
-
-    def _directions(self, group, active, states, params, u):
-        axis, blocks = group["axis"], group["blocks"]
-        plans = []
-        for p in active:
-            parts = self._row_parts(group, p)
-            if parts is not None:  # a split (CMuon) weight: blocks within each part, gathered when sharded
-                plans.append((_part_blocks(parts, p.shape[1], blocks, axis), False))
-                continue
-            lay = self._layouts[p]
-            # Blocks are computed on the local shard when the unblocked axis is whole on this rank
-            # (a block never straddles shards, block_sizes guarantees it); otherwise gather first.
             local_ok = lay.local_shape[1 - axis] == lay.shape[1 - axis]
             sizes = lay.local_sizes if local_ok else F.block_sizes(p.shape[axis], blocks)
             plans.append((_blocks(sizes, axis), local_ok))
-        return tiled_directions(group, active, params, u, plans, self._ns(group))
+        return plans
+
+    def _directions(self, group, active, states, params, u):
+        return tiled_directions(group, active, params, u, [self._plans[p] for p in active], self._ns(group))
 
 
 def _blocks(sizes, axis, rows=slice(None)):

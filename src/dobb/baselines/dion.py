@@ -215,12 +215,12 @@ class Dion(MatrixOptimizer):
 
     def __init__(self, params, *, lr: float, **kwargs):
         self._n_matrices = 0
-        self._splits: dict[int, Any] = {}  # id(param) -> None (plain), AxisSplit, or str (gather: why)
-        self.gathered: dict[str, str] = {}
         super().__init__(params, lr=lr, **kwargs)
 
-    def _split_of(self, p: Tensor, index: int):
-        if id(p) not in self._splits:
+    def _group_plans(self, group):
+        """Each matrix's split: ``None`` (plain), its ``AxisSplit``, or why it is gathered (a str)."""
+        plans = []
+        for p in group["params"]:
             split = None
             if is_dtensor(p):
                 from ..sharding import axis_split  # only with DTensors: keeps plain imports light
@@ -229,14 +229,17 @@ class Dion(MatrixOptimizer):
                     split = axis_split(p)
                 except ValueError as exc:
                     split = str(exc)
-                    name = self._param_names.get(id(p), f"parameter #{index} (shape {tuple(p.shape)})")
-                    self.gathered[name] = split
-            self._splits[id(p)] = split
-        return self._splits[id(p)]
+            plans.append(split)
+        return plans
+
+    @property
+    def gathered(self) -> dict[str, str]:
+        return {self._param_names.get(id(p), f"parameter #{i} (shape {tuple(p.shape)})"): split
+                for i, (p, split) in enumerate(self._plans.items()) if isinstance(split, str)}
 
     def _init_matrix_state(self, group):
         for p in group["params"]:
-            split = self._split_of(p, self._n_matrices)
+            split = self._plans[p]
             state = self.state[p]
             if state:
                 continue
@@ -259,7 +262,7 @@ class Dion(MatrixOptimizer):
 
     def _batch_key(self, p: Tensor) -> tuple:
         """Sub-batch key: the same on every rank (so the collectives come in the same order)."""
-        split = self._splits[id(p)]
+        split = self._plans[p]
         if split is None:
             return ("local",)
         if isinstance(split, str):
@@ -298,7 +301,7 @@ class Dion(MatrixOptimizer):
     def _step_batch(self, ps: list[Tensor], mu: float, qr: str, dtype: torch.dtype,
                     sketch: Tensor | None) -> list[Tensor]:
         """One Dion step on matrices of one shape and layout; returns each local raw update."""
-        split = self._splits[id(ps[0])]
+        split = self._plans[ps[0]]
         gather = isinstance(split, str)
         # Whole matrices may mix orientations (equal oriented shapes); a split sub-batch has one.
         talls = [p.shape[0] > p.shape[1] for p in ps]

@@ -85,17 +85,15 @@ class Dion2(MatrixOptimizer):
     algorithm = "dion2"
     Options = Dion2Options
 
-    def __init__(self, params, *, lr: float, **kwargs):
-        self._layouts = {}
-        super().__init__(params, lr=lr, **kwargs)
-
-    def _check_matrix_group(self, group):
-        if group["select"] == "shard":
-            for i, p in enumerate(group["params"]):
-                try:
-                    self._layouts[p] = layout_for(p, "output", group["blocks"], None)
-                except ValueError as exc:
-                    raise ValueError(f"{_name_of(p, self._param_names, i)}: {exc}") from None
+    def _group_plans(self, group):
+        """``select="shard"``: each matrix's row-block layout (``None`` for ``"global"``)."""
+        plans = []
+        for i, p in enumerate(group["params"]):
+            try:
+                plans.append(layout_for(p, "output", group["blocks"], None) if group["select"] == "shard" else None)
+            except ValueError as exc:
+                raise ValueError(f"{_name_of(p, self._param_names, i)}: {exc}") from None
+        return plans
 
     def _init_matrix_state(self, group):
         for p in group["params"]:
@@ -126,7 +124,7 @@ class Dion2(MatrixOptimizer):
         work, batches = [], defaultdict(list)  # work: (i, b, rows of b, local); batches by block shape
         full_b: dict[int, Tensor] = {}  # gathered M + G of the matrices whose columns are sharded
         for i, p in enumerate(active):
-            lay = self._layouts[p]
+            lay = self._plans[p]
             local = lay.local_shape[1] == lay.shape[1]  # whole rows here: the blocks are local
             b = to_local(self.state[p]["momentum"]) + to_local(p.grad)
             if not local:

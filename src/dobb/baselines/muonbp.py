@@ -39,7 +39,7 @@ from . import _common as C
 from ._split import tiled_directions
 from .block_muon import _blocks
 from .muon import AXIS, MuonOptions
-from .owner_muon import OwnerMuon
+from .owner_muon import OwnerMuon, OwnerPlan, owner_plan_fields
 
 __all__ = ["MuonBP", "block_axis"]
 
@@ -60,6 +60,13 @@ class MuonBPOptions(MuonOptions):
     axis: int = option(0, AXIS)
 
 
+@dataclass(frozen=True)
+class MuonBPPlan(OwnerPlan):
+    """A matrix's ``OwnerPlan`` (its full steps) with its block step's tiles and whether they index
+    its local shard (``tiled_directions``' plan)."""
+    block: tuple = ()
+
+
 class MuonBP(OwnerMuon):
     """MuonBP. Args as ``Muon`` (and ``OwnerMuon``'s ``replicated_group``) plus ``period`` (``P``,
     default 5: a full step every ``P``-th step, 0 never), ``blocks`` (default 4) and ``axis``
@@ -69,18 +76,20 @@ class MuonBP(OwnerMuon):
     Options = MuonBPOptions
     _uses_step = True
 
-    def __init__(self, params, *, lr: float, **kwargs):
-        self._layouts = {}
-        super().__init__(params, lr=lr, **kwargs)
-
-    def _check_matrix_group(self, group):
-        super()._check_matrix_group(group)
-        for i, p in enumerate(group["params"]):
+    def _group_plans(self, group):
+        plans = []
+        for i, (p, whole) in enumerate(zip(group["params"], super()._group_plans(group))):
             side = "input" if block_axis(p, group["axis"]) == 1 else "output"
             try:
-                self._layouts[p] = layout_for(p, side, group["blocks"], None)
+                lay = layout_for(p, side, group["blocks"], None)
             except ValueError as exc:
                 raise ValueError(f"{_name_of(p, self._param_names, i)}: {exc}") from None
+            axis = lay.blocked_axis
+            # local when the unblocked axis is whole here (blocks never straddle shards)
+            local_ok = lay.local_shape[1 - axis] == lay.shape[1 - axis]
+            block = (_blocks(lay.local_sizes if local_ok else lay.global_sizes, axis), local_ok)
+            plans.append(MuonBPPlan(**owner_plan_fields(whole), block=block))
+        return plans
 
     def is_full_step(self, group, p) -> bool:
         """Whether ``p``'s next step is a full (whole-matrix) one."""
@@ -97,17 +106,10 @@ class MuonBP(OwnerMuon):
             updates += outs
             scales += [C.update_scale(*active[i].shape, group["tau"]) for i in full]
         if block:
-            plans = []
-            for i in block:
-                lay = self._layouts[active[i]]
-                axis = lay.blocked_axis
-                # local when the unblocked axis is whole here (blocks never straddle shards)
-                local_ok = lay.local_shape[1 - axis] == lay.shape[1 - axis]
-                plans.append((_blocks(lay.local_sizes if local_ok else lay.global_sizes, axis), local_ok))
             t, o, s = tiled_directions(group, [active[i] for i in block], [params[i] for i in block],
-                                       [u[i] for i in block], plans, self._ns(group))
+                                       [u[i] for i in block], [self._plans[active[i]].block for i in block],
+                                       self._ns(group))
             targets += t
             updates += o
             scales += s
         return targets, updates, scales
-

@@ -129,8 +129,8 @@ class NewtonMuon(_MuonFamily):
 
     def __init__(self, params, model: nn.Module | None = None, *, lr: float, stat_group="default", **kwargs):
         self.model = model
-        self._layouts: dict[Tensor, MatrixLayout] = {}
         self._hooks: CaptureHooks | None = None
+        self._constructed = False
         if model is None:
             raise ValueError("NewtonMuon reads layer inputs with hooks: pass model=<the nn.Module>")
         params = [params] if isinstance(params, torch.Tensor) else [
@@ -142,6 +142,7 @@ class NewtonMuon(_MuonFamily):
                              "stat_group must resolve to None (a single process), or every rank's "
                              "preconditioner would differ")
         super().__init__(params, lr=lr, **kwargs)
+        self._constructed = True
         self._install_hooks()
 
     # ------------------------------------------------------------------ set-up
@@ -155,6 +156,10 @@ class NewtonMuon(_MuonFamily):
             if n % b:
                 valid = [d for d in range(1, n + 1) if n % d == 0]
                 raise ValueError(f"{name}: blocks={b} must divide the input axis ({n}); valid blocks: {valid}")
+
+    def _group_plans(self, group: dict[str, Any]) -> list[MatrixLayout]:
+        """Each matrix's layout: ``blocks`` equal blocks of its input axis (the hooks' statistic)."""
+        return [plain_layout(p, "input", group["blocks"]) for p in group["params"]]
 
     def _init_matrix_state(self, group: dict[str, Any]) -> None:
         super()._init_matrix_state(group)
@@ -176,18 +181,17 @@ class NewtonMuon(_MuonFamily):
             if g["algorithm"] != self.algorithm:
                 continue
             for p in g["params"]:
-                matrix = p.detach().t() if g["transposed"] else p
-                self._layouts[p] = plain_layout(matrix, "input", g["blocks"])
                 # what the hooks read of a group: the capture policy, the source and the sum dtype
                 watched[p] = {"capture": g["capture"], "source": "activation", "stat_dtype": _state_dtype(p)}
         if self._hooks is not None:
             self._hooks.remove()
-        self._hooks = CaptureHooks(self.model, watched, {p: (self._layouts[p],) for p in watched}) if watched else None
+        layouts = {p: (self._plans[self._views.get(p, p)],) for p in watched}  # a transposed weight: its view's
+        self._hooks = CaptureHooks(self.model, watched, layouts) if watched else None
         self._rearm()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
-        if self._layouts or self._hooks is not None:  # a group added after construction
+        if self._constructed:  # a group added after construction
             self._install_hooks()
 
     def remove_hooks(self) -> None:
@@ -209,8 +213,9 @@ class NewtonMuon(_MuonFamily):
     def _after_step(self) -> None:
         self._rearm()
 
-    def _after_load(self) -> None:  # a loaded step count moves the refresh schedule
-        self._rearm()
+    def _after_load(self) -> None:
+        self._install_hooks()  # the hooks read the rebuilt plans and the loaded groups; it rearms them:
+        # a loaded step count moves the refresh schedule
 
     # ------------------------------------------------------------------ the step
     def _refresh(self, group: dict, active: list[Tensor]) -> None:

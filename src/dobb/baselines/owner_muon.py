@@ -17,6 +17,13 @@ DTensor dispatch gather every matrix on every rank. This class does what it does
 - Anything else (2-D meshes, ``_StridedShard``, ``Partial``) falls back to Muon's gather
   (``OwnerMuon.gathered`` lists them); plain tensors without a group are computed locally.
 
+Each matrix's route and owner are its plan (``OwnerPlan``), built once with its param group and
+rebuilt from the groups after ``load_state_dict`` or in a copy (``MatrixOptimizer``'s derived
+state); the step reads them and writes nothing but the state. The owners are planned over each param
+group's matrices of one route group and wire dtype, as a step of every matrix meets them (a step where
+some matrices have no gradient keeps the same owners). The exchanges go through
+``dobb.collectives`` with kind ``"owner"``.
+
 Payload per step, per rank ``r`` (``PayloadMeter``'s logical sizes; ``e`` bytes per entry of the
 wire dtype: ``ns_dtype`` when it is no wider than the momentum's, else the momentum's; exact, since
 NS5 casts to ``ns_dtype`` first): sharded, ``e * (sum_i |shard_r(i)| + sum_{i owned by r} m_i n_i)``
@@ -26,19 +33,20 @@ all-gather each). The result equals single-process Muon with the same options en
 """
 from __future__ import annotations
 
-import math
 from collections import defaultdict
+from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from ..layout import is_dtensor
+from ..collectives import all_gather_into_, from_owners, to_owners
 from ..collectives import plan_owners as balance_owners  # the library's one greedy owner plan
 from .muon import Muon, ns_options
 from .newton_schulz import orthogonalize
 
-__all__ = ["OwnerMuon", "balance_owners", "ns_cost"]
+__all__ = ["OwnerMuon", "OwnerPlan", "balance_owners", "ns_cost", "plan_owner_compute", "owner_plan_fields"]
 
 
 def ns_cost(shape) -> int:
@@ -50,13 +58,77 @@ def _wire_dtype(u_dtype: torch.dtype, ns_dtype: torch.dtype) -> torch.dtype:
     return ns_dtype if ns_dtype.itemsize <= u_dtype.itemsize else u_dtype
 
 
+@dataclass(frozen=True)
+class OwnerPlan:
+    """How one matrix's whole NS5 is computed: ``route`` ``"shard"`` (FSDP2: its shards to ``owner``
+    of ``group`` and back, ``dim`` the sharded dim), ``"replicated"`` (DDP: ``owner`` of ``group``
+    computes it, one all-gather per shape), ``"local"`` (no group) or ``"gather"`` (Muon's gather,
+    ``why``)."""
+    route: str
+    group: object = None
+    dim: int | None = None
+    owner: int | None = None
+    why: str | None = None
+
+
+def _route(p: Tensor, replicated_pg) -> OwnerPlan:
+    if not is_dtensor(p):
+        if replicated_pg is None or dist.get_world_size(replicated_pg) == 1:
+            return OwnerPlan("local")
+        return OwnerPlan("replicated", replicated_pg)
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh, (pl, *rest) = p.device_mesh, p.placements
+    if mesh.ndim != 1 or rest:
+        return OwnerPlan("gather", why=f"{mesh.ndim}-D mesh")
+    if type(pl) is Shard:
+        return OwnerPlan("shard", mesh.get_group(0), pl.dim)
+    if isinstance(pl, Replicate):
+        return OwnerPlan("replicated", mesh.get_group(0))
+    return OwnerPlan("gather", why=f"placement {pl}")
+
+
+def plan_owner_compute(params: list[Tensor], wires: list[torch.dtype], replicated_pg) -> list[OwnerPlan]:
+    """The ``OwnerPlan`` of each matrix of ``params`` (one param group, or the matrices of one step),
+    exchanged in the wire dtypes ``wires``. Pure: every rank plans the same.
+
+    Owners are planned per route group and wire dtype, in parameter order: sharded matrices by
+    ``balance_owners`` over their NS5 costs; replicated ones dealt round-robin per shape, each
+    shape's dealing starting at the least-loaded rank."""
+    routes = [_route(p, replicated_pg) for p in params]
+    sharded, replicated = defaultdict(list), defaultdict(list)
+    for i, (p, r, wire) in enumerate(zip(params, routes, wires)):
+        if r.route == "shard":
+            sharded[(r.group, wire)].append(i)
+        elif r.route == "replicated":
+            replicated[(r.group, wire)].append(i)
+    owner: dict[int, int] = {}
+    for (pg, _), idx in sharded.items():
+        owner.update(zip(idx, balance_owners([ns_cost(params[i].shape) for i in idx], dist.get_world_size(pg))))
+    for (pg, _), idx in replicated.items():
+        world = dist.get_world_size(pg)
+        loads = [0] * world
+        shapes: dict[tuple, list[int]] = defaultdict(list)
+        for i in idx:
+            shapes[tuple(params[i].shape)].append(i)
+        for shape, same in shapes.items():
+            start = min(range(world), key=lambda r: (loads[r], r))
+            for k, i in enumerate(same):
+                owner[i] = (start + k) % world
+                loads[owner[i]] += ns_cost(shape)
+    return [r if i not in owner else OwnerPlan(r.route, r.group, r.dim, owner[i]) for i, r in enumerate(routes)]
+
+
 class OwnerMuon(Muon):
     """Muon (same math, state and options) with owner compute under FSDP2 and DDP.
 
     Extra argument ``replicated_group``: the process group across which plain-tensor matrices
     are replicated (DDP); ``"default"`` (the default) means the world group when
-    ``torch.distributed`` is initialized with more than one rank, ``None`` computes every matrix
-    locally (no collective). Param groups keep ``algorithm="muon"``.
+    ``torch.distributed`` is initialized with more than one rank (when the optimizer is built),
+    ``None`` computes every matrix locally (no collective). Param groups keep ``algorithm="muon"``.
+
+    ``owners`` (``{matrix: rank of its route's group}``) and ``gathered`` (``{matrix: why}``) read
+    the plans.
     """
 
     def __init__(self, params, *, lr: float, replicated_group="default", **kwargs):
@@ -64,57 +136,62 @@ class OwnerMuon(Muon):
                 or isinstance(replicated_group, dist.ProcessGroup)):
             raise ValueError(f"replicated_group must be 'default', None or a ProcessGroup, got {replicated_group!r}")
         self._replicated_group = replicated_group
-        self.owners: dict[Tensor, int] = {}
-        self.gathered: dict[Tensor, str] = {}
         super().__init__(params, lr=lr, **kwargs)
 
+    @property
+    def owners(self) -> dict[Tensor, int]:
+        return {p: plan.owner for p, plan in self._plans.items() if plan.owner is not None}
+
+    @property
+    def gathered(self) -> dict[Tensor, str]:
+        return {p: plan.why for p, plan in self._plans.items() if plan.route == "gather"}
+
     def _replicated_pg(self):
-        g = self._replicated_group
+        g = getattr(self, "_replicated_group", "default")
         if g == "default":
             if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
                 return None
             return dist.group.WORLD
         return g
 
-    def _route(self, p: Tensor):
-        """``("shard", pg, dim)``, ``("replicated", pg)``, ``("local",)`` or ``("gather", why)``."""
-        if not is_dtensor(p):
-            pg = self._replicated_pg()
-            return ("local",) if pg is None or dist.get_world_size(pg) == 1 else ("replicated", pg)
-        from torch.distributed.tensor import Replicate, Shard
+    def _group_plans(self, group):
+        dtype = ns_options(group)["dtype"]
+        return plan_owner_compute(group["params"], [_wire_dtype(p.dtype, dtype) for p in group["params"]],
+                                  self._replicated_pg())
 
-        mesh, (pl, *rest) = p.device_mesh, p.placements
-        if mesh.ndim != 1 or rest:
-            return ("gather", f"{mesh.ndim}-D mesh")
-        if type(pl) is Shard:
-            return ("shard", mesh.get_group(0), pl.dim)
-        if isinstance(pl, Replicate):
-            return ("replicated", mesh.get_group(0))
-        return ("gather", f"placement {pl}")
+    def plan_step(self, group, active, u) -> list[OwnerPlan]:
+        """Plans of matrices this optimizer did not plan, over the matrices of one step (Dobb's whole
+        steps borrow this routing: ``core.update.apply_whole_steps``)."""
+        dtype = ns_options(group)["dtype"]
+        return plan_owner_compute(active, [_wire_dtype(t.dtype, dtype) for t in u], self._replicated_pg())
 
-    def _orthogonalize(self, group, active, u):
+    def _orthogonalize(self, group, active, u, plans=None):
+        """NS5 of each whole matrix of ``active`` by its plan (``plans``: this optimizer's own)."""
         opts = ns_options(group)
         ns = lambda mats: orthogonalize(mats, group["ns_coefficients"], group["ns_steps"], group["eps"], **opts)
+        if plans is None:
+            plans = [self._plans[p] for p in active]
         out: list[Tensor | None] = [None] * len(active)
         sharded, replicated, local, gather = defaultdict(list), defaultdict(list), [], []
-        for i, p in enumerate(active):
-            route = self._route(p)
+        for i, plan in enumerate(plans):
             wire = _wire_dtype(u[i].dtype, opts["dtype"])
-            if route[0] == "shard":
-                sharded[(route[1], wire)].append((i, route[2]))
-            elif route[0] == "replicated":
-                replicated[(route[1], wire)].append(i)
-            elif route[0] == "local":
+            if plan.route == "shard":
+                sharded[(plan.group, wire)].append(i)
+            elif plan.route == "replicated":
+                replicated[(plan.group, wire)].append(i)
+            elif plan.route == "local":
                 local.append(i)
             else:
-                self.gathered[p] = route[1]
                 gather.append(i)
         # Insertion order of the dicts follows parameter order: the same on every rank.
-        for (pg, wire), items in sharded.items():
-            for (i, _), o in zip(items, self._sharded(pg, wire, [(active[i], u[i], d) for i, d in items], ns)):
+        for (pg, wire), idx in sharded.items():
+            items = [(active[i], u[i], plans[i].dim) for i in idx]
+            for i, o in zip(idx, _sharded(pg, wire, items, [plans[i].owner for i in idx], ns)):
                 out[i] = o
         for (pg, wire), idx in replicated.items():
-            for i, o in zip(idx, self._replicated(pg, wire, [active[i] for i in idx], [u[i] for i in idx], ns)):
+            outs = _replicated(pg, wire, [active[i] for i in idx], [u[i] for i in idx], [plans[i].owner for i in idx],
+                               ns)
+            for i, o in zip(idx, outs):
                 out[i] = o
         if local:
             for i, o in zip(local, ns([u[i] for i in local])):
@@ -124,81 +201,48 @@ class OwnerMuon(Muon):
                 out[i] = o
         return out
 
-    # ------------------------------------------------------------------ FSDP2: two all-to-alls
-    def _sharded(self, pg, wire, items, ns) -> list[Tensor]:
-        world, me = dist.get_world_size(pg), dist.get_rank(pg)
-        owners = balance_owners([ns_cost(p.shape) for p, _, _ in items], world)
-        for (p, _, _), r in zip(items, owners):
-            self.owners[p] = r
-        from ..sharding import chunk_sizes  # DTensor Shard sizes; sharding loads torch.distributed.tensor
 
-        sizes = [chunk_sizes(p.shape[d], world) for p, _, d in items]
+def owner_plan_fields(plan: OwnerPlan) -> dict:
+    """``plan``'s fields (shallow: its process group kept), to build a plan that extends it."""
+    return {f.name: getattr(plan, f.name) for f in fields(OwnerPlan)}
 
-        def shard_shape(j, r):
-            p, _, d = items[j]
-            return (sizes[j][r], p.shape[1]) if d == 0 else (p.shape[0], sizes[j][r])
 
-        def numel(j, r):
-            return math.prod(shard_shape(j, r))
+# ----------------------------------------------------------------------------- FSDP2: two all-to-alls
+def _sharded(pg, wire, items, owners, ns) -> list[Tensor]:
+    """NS5 of sharded matrices ``items`` (``(param, u shard, sharded dim)``) on their ``owners``: the
+    owner exchange out (each rank's shard of every matrix to its owner, one all-to-all), NS5 batched
+    on the owners, and back (one all-to-all)."""
+    device = items[0][1].device
+    shards = [(r, u, tuple(p.shape), d) for (p, u, d), r in zip(items, owners)]
+    fulls = to_owners(shards, pg, wire, device)
+    mine = [j for j, full in enumerate(fulls) if full is not None]
+    results = [o.to(wire) for o in ns([fulls[j] for j in mine])] if mine else []
+    wholes = [(r, None, shape, d) for r, _, shape, d in shards]
+    for j, o in zip(mine, results):
+        wholes[j] = (wholes[j][0], o, wholes[j][2], wholes[j][3])
+    return from_owners(wholes, pg, wire, device)
 
-        mine = [j for j, r in enumerate(owners) if r == me]
-        by_owner = [[j for j, r in enumerate(owners) if r == q] for q in range(world)]
-        # all-to-all 1: my shard of every matrix, to its owner
-        send = [items[j][1].to(wire).reshape(-1) for q in range(world) for j in by_owner[q]]
-        in_splits = [sum(numel(j, me) for j in by_owner[q]) for q in range(world)]
-        out_splits = [sum(numel(j, r) for j in mine) for r in range(world)]
-        recv = self._all_to_all(send, in_splits, out_splits, wire, pg)
-        per_source = [list(c.split([numel(j, r) for j in mine])) for r, c in enumerate(recv.split(out_splits))]
-        fulls = [torch.cat([per_source[r][k].view(shard_shape(j, r)) for r in range(world)], dim=items[j][2])
-                 for k, j in enumerate(mine)]
-        results = [o.to(wire) for o in ns(fulls)] if fulls else []
-        # all-to-all 2: every rank's shard of each of my results, back
-        back = []
-        for r in range(world):
-            for k, j in enumerate(mine):
-                d = items[j][2]
-                start = sum(sizes[j][:r])
-                back.append(results[k].narrow(d, start, sizes[j][r]).reshape(-1))
-        in2 = [sum(numel(j, r) for j in mine) for r in range(world)]
-        out2 = [sum(numel(j, me) for j in by_owner[q]) for q in range(world)]
-        recv2 = self._all_to_all(back, in2, out2, wire, pg)
-        outs: list[Tensor | None] = [None] * len(items)
-        for q, chunk in enumerate(recv2.split(out2)):
-            for j, piece in zip(by_owner[q], chunk.split([numel(j, me) for j in by_owner[q]])):
-                outs[j] = piece.view(shard_shape(j, me))
-        return outs  # type: ignore[return-value]
 
-    @staticmethod
-    def _all_to_all(pieces, in_splits, out_splits, dtype, pg) -> Tensor:
-        inp = torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype)
-        out = torch.empty(sum(out_splits), dtype=dtype, device=inp.device)
-        dist.all_to_all_single(out, inp, out_splits, in_splits, group=pg)
-        return out
-
-    # ------------------------------------------------------------------ DDP: 1/P each, all-gather
-    def _replicated(self, pg, wire, params, u, ns) -> list[Tensor]:
-        world, me = dist.get_world_size(pg), dist.get_rank(pg)
-        outs: list[Tensor | None] = [None] * len(params)
-        loads = [0] * world
-        shapes: dict[tuple, list[int]] = defaultdict(list)
-        for i, p in enumerate(params):
-            shapes[tuple(p.shape)].append(i)
-        for shape, idx in shapes.items():
-            start = min(range(world), key=lambda r: (loads[r], r))
-            owner = [(start + k) % world for k in range(len(idx))]
-            for k, i in enumerate(idx):
-                self.owners[params[i]] = owner[k]
-                loads[owner[k]] += ns_cost(shape)
-            per_rank = -(-len(idx) // world)
-            mine = [k for k in range(len(idx)) if owner[k] == me]
-            buf = torch.zeros((per_rank, *shape), dtype=wire, device=u[idx[0]].device)
-            if mine:
-                for slot, o in enumerate(ns([u[idx[k]] for k in mine])):
-                    buf[slot].copy_(o)
-            gathered = torch.empty((world * per_rank, *shape), dtype=wire, device=buf.device)
-            dist.all_gather_into_tensor(gathered, buf, group=pg)
-            slots = [0] * world
-            for k, i in enumerate(idx):
-                outs[i] = gathered[owner[k] * per_rank + slots[owner[k]]]
-                slots[owner[k]] += 1
-        return outs  # type: ignore[return-value]
+# ----------------------------------------------------------------------------- DDP: 1/P each, all-gather
+def _replicated(pg, wire, params, u, owners, ns) -> list[Tensor]:
+    """NS5 of replicated matrices, each on its owner; one all-gather per shape returns them all."""
+    world, me = dist.get_world_size(pg), dist.get_rank(pg)
+    outs: list[Tensor | None] = [None] * len(params)
+    shapes: dict[tuple, list[int]] = defaultdict(list)
+    for i, p in enumerate(params):
+        shapes[tuple(p.shape)].append(i)
+    for shape, idx in shapes.items():
+        owner = [owners[i] for i in idx]
+        per_rank = max(owner.count(r) for r in range(world))  # ceil(N/P) when every matrix steps
+        mine = [k for k in range(len(idx)) if owner[k] == me]
+        buf = torch.zeros((per_rank, *shape), dtype=wire, device=u[idx[0]].device)
+        if mine:
+            for slot, o in enumerate(ns([u[idx[k]] for k in mine])):
+                buf[slot].copy_(o)
+        gathered = torch.empty((world * per_rank, *shape), dtype=wire, device=buf.device)
+        all_gather_into_(gathered, buf, pg, "owner")
+        slots = [0] * world
+        for k, i in enumerate(idx):
+            outs[i] = gathered[owner[k] * per_rank + slots[owner[k]]]
+            slots[owner[k]] += 1
+    return outs  # type: ignore[return-value]

@@ -50,7 +50,6 @@ owners, whatever the world size of the save.
 """
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -59,7 +58,7 @@ import torch
 from torch import Tensor
 
 from .._base import MatrixOptimizer, _name_of
-from ..collectives import collective_kind, plan_owners
+from ..collectives import from_owners, plan_owners, to_owners
 from ..layout import is_dtensor, to_local
 from .._hparams import Options, boolean, integer, one_of, option, optional, positive, unit_interval
 from .._hparams import betas as betas_rule
@@ -117,75 +116,6 @@ def soap_cost(m: int, nb: int, blocks: int, left: bool, right: bool) -> int:
     return blocks * m * nb * (1 + (m if left else 0) + (nb if right else 0))
 
 
-# ----------------------------------------------------------------------------- owner exchanges
-def _chunk_shape(shape: tuple, dim: int, size: int) -> tuple:
-    return tuple(size if d == dim else s for d, s in enumerate(shape))
-
-
-def _all_to_all(pieces: list[Tensor], in_splits: list[int], out_splits: list[int], dtype, device, pg) -> Tensor:
-    import torch.distributed as dist
-
-    inp = torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype, device=device)
-    out = torch.empty(sum(out_splits), dtype=dtype, device=device)
-    with collective_kind("owner"):
-        dist.all_to_all_single(out, inp, out_splits, in_splits, group=pg)
-    return out
-
-
-def _exchange_plan(items: list[tuple], pg):
-    """Shared bookkeeping of the two exchanges: ``items`` are ``(owner, tensor, whole shape, dim)``
-    with ``Shard(dim)`` (``torch.chunk``) shards over the ranks of ``pg``."""
-    import torch.distributed as dist
-
-    from ..sharding import chunk_sizes
-
-    world, me = dist.get_world_size(pg), dist.get_rank(pg)
-    sizes = [chunk_sizes(shape[dim], world) for _, _, shape, dim in items]
-    numel = [[math.prod(_chunk_shape(shape, dim, sizes[j][r])) for r in range(world)]
-             for j, (_, _, shape, dim) in enumerate(items)]
-    by_owner = [[j for j, it in enumerate(items) if it[0] == q] for q in range(world)]
-    return world, me, sizes, numel, by_owner
-
-
-def _to_owners(items: list[tuple], pg, dtype, device) -> list[Tensor | None]:
-    """One ``all_to_all``: this rank's shard of every item (``(owner, shard, whole shape, dim)``) to
-    its owner. Returns each item's whole tensor on its owner (in ``dtype``), None elsewhere."""
-    world, me, sizes, numel, by_owner = _exchange_plan(items, pg)
-    mine = by_owner[me]
-    send = [items[j][1].to(dtype).reshape(-1) for q in range(world) for j in by_owner[q]]
-    in_splits = [sum(numel[j][me] for j in by_owner[q]) for q in range(world)]
-    out_splits = [sum(numel[j][r] for j in mine) for r in range(world)]
-    recv = _all_to_all(send, in_splits, out_splits, dtype, device, pg)
-    per_source = [c.split([numel[j][r] for j in mine]) for r, c in enumerate(recv.split(out_splits))]
-    out: list[Tensor | None] = [None] * len(items)
-    for k, j in enumerate(mine):
-        _, _, shape, dim = items[j]
-        out[j] = torch.cat([per_source[r][k].view(_chunk_shape(shape, dim, sizes[j][r])) for r in range(world)],
-                           dim=dim)
-    return out
-
-
-def _from_owners(items: list[tuple], pg, dtype, device) -> list[Tensor]:
-    """One ``all_to_all``: every rank's shard of every item (``(owner, whole tensor on the owner else
-    None, whole shape, dim)``) from its owner. Returns this rank's shard of each item."""
-    world, me, sizes, numel, by_owner = _exchange_plan(items, pg)
-    mine = by_owner[me]
-    send = []
-    for r in range(world):
-        for j in mine:
-            _, whole, _, dim = items[j]
-            send.append(whole.to(dtype).narrow(dim, sum(sizes[j][:r]), sizes[j][r]).reshape(-1))
-    in_splits = [sum(numel[j][r] for j in mine) for r in range(world)]
-    out_splits = [sum(numel[j][me] for j in by_owner[q]) for q in range(world)]
-    recv = _all_to_all(send, in_splits, out_splits, dtype, device, pg)
-    out: list[Tensor | None] = [None] * len(items)
-    for q, chunk in enumerate(recv.split(out_splits)):
-        for j, piece in zip(by_owner[q], chunk.split([numel[j][me] for j in by_owner[q]])):
-            _, _, shape, dim = items[j]
-            out[j] = piece.view(_chunk_shape(shape, dim, sizes[j][me]))
-    return out  # type: ignore[return-value]
-
-
 def _contiguous_stride(shape: tuple) -> tuple:
     stride, acc = [], 1
     for s in reversed(shape):
@@ -241,10 +171,20 @@ class SOAP(MatrixOptimizer):
     _own_dtype_keys = ("momentum", "exp_avg_sq", "stat_left", "stat_right", "basis_left", "basis_right")
 
     def __init__(self, params, *, lr: float, **kwargs):
-        # sharded matrices: the rank (of the matrix's mesh) that keeps its state and computes its step
-        self.owners: dict[Tensor, int] = {}
         self._owner_loads: dict[tuple[int, ...], list[float]] = {}  # per mesh (its ranks): planned work
         super().__init__(params, lr=lr, **kwargs)
+
+    # each matrix's plan: its owner (derived state; the work planned per mesh so far goes with it)
+    _derived = ("_plans", "_owner_loads")
+
+    def _rebuild(self) -> None:
+        self._owner_loads = {}
+        super()._rebuild()
+
+    @property
+    def owners(self) -> dict[Tensor, int]:
+        """Sharded matrices: the rank (of the matrix's mesh) that keeps its state and computes its step."""
+        return {p: r for p, r in self._plans.items() if r is not None}
 
     def _check_matrix_group(self, group: dict[str, Any]) -> None:
         for i, p in enumerate(group["params"]):
@@ -273,24 +213,27 @@ class SOAP(MatrixOptimizer):
         return dict(momentum=(m, n), exp_avg_sq=(b, m, nb), stat_left=(b, sl, sl), stat_right=(b, sr, sr),
                     basis_left=(b, sl, sl), basis_right=(b, sr, sr))
 
-    def _plan_owners(self, group: dict, params: list[Tensor]) -> None:
-        """Owners of the sharded ``params`` (not yet planned), balanced per mesh over every group so far."""
-        by_mesh: dict[tuple[int, ...], list[Tensor]] = defaultdict(list)
-        for p in params:
-            if is_dtensor(p) and p not in self.owners:
-                by_mesh[_mesh_ranks(p)].append(p)
-        for ranks, ps in by_mesh.items():
+    def _group_plans(self, group: dict) -> list[int | None]:
+        """Each matrix's owner (``None``: a plain matrix, computed here), balanced per mesh over every
+        group so far."""
+        params = group["params"]
+        by_mesh: dict[tuple[int, ...], list[int]] = defaultdict(list)
+        for i, p in enumerate(params):
+            if is_dtensor(p):
+                by_mesh[_mesh_ranks(p)].append(i)
+        owners: list[int | None] = [None] * len(params)
+        for ranks, idx in by_mesh.items():
             loads = self._owner_loads.setdefault(ranks, [0.0] * len(ranks))
             costs = []
-            for p in ps:
-                m, n = p.shape
+            for i in idx:
+                m, n = params[i].shape
                 nb = n // group["blocks"]
                 costs.append(soap_cost(m, nb, group["blocks"], *self._sides(group, m, nb)))
-            for p, r in zip(ps, plan_owners(costs, len(ranks), loads)):
-                self.owners[p] = r
+            for i, r in zip(idx, plan_owners(costs, len(ranks), loads)):
+                owners[i] = r
+        return owners
 
     def _init_matrix_state(self, group: dict[str, Any]) -> None:
-        self._plan_owners(group, group["params"])
         for p in group["params"]:
             if "momentum" in self.state[p]:
                 continue
@@ -298,7 +241,7 @@ class SOAP(MatrixOptimizer):
             # Eager and identical in keys on every rank (distributed checkpoints load only into existing
             # state); a side without a basis keeps an empty (b, 0, 0) tensor so the key set never varies.
             # A sharded matrix's state lives on its owner; the other ranks keep empty placeholders.
-            here = not is_dtensor(p) or self.owners[p] == p.device_mesh.get_local_rank(0)
+            here = not is_dtensor(p) or self._plans[p] == p.device_mesh.get_local_rank(0)
             self.state[p]["step"] = 0
             for key, shape in self._shapes(group, p).items():
                 self.state[p][key] = torch.zeros(shape if here else (0,), **kw)
@@ -354,8 +297,8 @@ class SOAP(MatrixOptimizer):
                 g = p.grad
                 if tuple(g.placements) != tuple(p.placements) or g.device_mesh != p.device_mesh:
                     g = g.redistribute(p.device_mesh, p.placements)
-                items.append((self.owners[p], g.to_local(), tuple(p.shape), p.placements[0].dim))
-            wholes = _to_owners(items, pg, dtype, device)
+                items.append((self._plans[p], g.to_local(), tuple(p.shape), p.placements[0].dim))
+            wholes = to_owners(items, pg, dtype, device)
             mine = [j for j, w in enumerate(wholes) if w is not None]
             done = self._local_updates(group, [sub[j] for j in mine], [wholes[j] for j in mine])
             result = dict(zip(map(id, done[0]), done[1]))
@@ -364,9 +307,9 @@ class SOAP(MatrixOptimizer):
                     self.state[p]["step"] += 1  # the owner counted its own in the step
             back = [j for j in range(len(sub)) if steps[j] > 0]  # the first step has no update
             if back:
-                items = [(self.owners[sub[j]], result.get(id(sub[j])), tuple(sub[j].shape),
+                items = [(self._plans[sub[j]], result.get(id(sub[j])), tuple(sub[j].shape),
                           sub[j].placements[0].dim) for j in back]
-                for j, u in zip(back, _from_owners(items, pg, dtype, device)):
+                for j, u in zip(back, from_owners(items, pg, dtype, device)):
                     params.append(sub[j])
                     updates.append(u)
                     scales.append(self._scale(group, steps[j]))
@@ -427,7 +370,7 @@ class SOAP(MatrixOptimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 v = self._views.get(p, p)
-                if group["algorithm"] != "adamw" and v in self.owners:
+                if group["algorithm"] != "adamw" and self._plans.get(v) is not None:
                     yield index, p, v, group
                 index += 1
 
@@ -444,14 +387,14 @@ class SOAP(MatrixOptimizer):
         groups: dict[tuple, list[tuple]] = defaultdict(list)
         for i, p, v, group in entries:
             st = self.state[p]
-            here = self.owners[v] == v.device_mesh.get_local_rank(0)
+            here = self._plans[v] == v.device_mesh.get_local_rank(0)
             for key, shape in self._shapes(group, v).items():
                 dim = v.placements[0].dim if key == "momentum" else 1
                 groups[(_mesh_ranks(v), _state_dtype(v))].append(
-                    (i, v, key, (self.owners[v], st[key] if here else None, shape, dim)))
+                    (i, v, key, (self._plans[v], st[key] if here else None, shape, dim)))
         for (_, dtype), rows in groups.items():
             v0 = rows[0][1]
-            shards = _from_owners([r[3] for r in rows], v0.device_mesh.get_group(0), dtype, to_local(v0).device)
+            shards = from_owners([r[3] for r in rows], v0.device_mesh.get_group(0), dtype, to_local(v0).device)
             for (i, v, key, (_, _, shape, dim)), local in zip(rows, shards):
                 if i not in copied:  # torch's state dict shares the live per-parameter dicts
                     state[i], copied = dict(state[i]), copied | {i}
@@ -479,7 +422,7 @@ class SOAP(MatrixOptimizer):
             if not saved:
                 continue
             saved = state[sid] = dict(saved)
-            here = self.owners[v] == v.device_mesh.get_local_rank(0)
+            here = self._plans[v] == v.device_mesh.get_local_rank(0)
             dtype = _state_dtype(v)
             for key, shape in self._shapes(group, v).items():
                 value = saved.get(key)
@@ -496,13 +439,13 @@ class SOAP(MatrixOptimizer):
                     dim = v.placements[0].dim if key == "momentum" else 1
                     if value.device_mesh != v.device_mesh or tuple(value.placements) != (Shard(dim),):
                         value = value.redistribute(v.device_mesh, [Shard(dim)])
-                    item = (self.owners[v], value.to_local(), shape, dim)
+                    item = (self._plans[v], value.to_local(), shape, dim)
                     groups[(_mesh_ranks(v), dtype)].append((sid, key, v, item))
                 else:
                     saved[key] = value.to(dtype) if here else torch.zeros(0, dtype=dtype, device=value.device)
         for (_, dtype), rows in groups.items():
             v0 = rows[0][2]
-            wholes = _to_owners([r[3] for r in rows], v0.device_mesh.get_group(0), dtype, to_local(v0).device)
+            wholes = to_owners([r[3] for r in rows], v0.device_mesh.get_group(0), dtype, to_local(v0).device)
             for (sid, key, v, _), whole in zip(rows, wholes):
                 state[sid][key] = whole if whole is not None else torch.zeros(0, dtype=dtype,
                                                                                device=to_local(v).device)

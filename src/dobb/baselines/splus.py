@@ -61,6 +61,7 @@ import torch
 from torch import Tensor
 
 from .. import functional as F
+from ..collectives import all_reduce_sum_
 from .._base import MatrixOptimizer, _name_of
 from ..layout import to_local
 from .._hparams import Options, integer, option, positive, unit_interval
@@ -151,10 +152,6 @@ class SPlus(MatrixOptimizer):
     eval_weights = "iterate-ema"
     _own_dtype_keys = ("stat_out", "stat_in", "basis_out", "basis_in")
 
-    def __init__(self, params, *, lr: float, **kwargs):
-        self._layouts: dict[Tensor, tuple] = {}
-        super().__init__(params, lr=lr, **kwargs)
-
     # ------------------------------------------------------------------ validation and state
     def _adamw_inputs(self, group: dict[str, Any]) -> tuple[list, dict]:
         lists, kwargs = super()._adamw_inputs(group)
@@ -162,14 +159,17 @@ class SPlus(MatrixOptimizer):
             kwargs["lr"] = kwargs["lr"] * group["adamw_lr_ratio"]
         return lists, kwargs
 
-    def _check_matrix_group(self, group: dict[str, Any]) -> None:
+    def _group_plans(self, group: dict[str, Any]) -> list[tuple]:
+        """Each matrix's plan: the layouts of its output (``Q_L``) and input (``Q_R``) sides."""
+        plans = []
         for i, p in enumerate(group["params"]):
             try:
-                self._layouts[p] = (layout_for(p, "output", group["out_blocks"], None),
-                                    layout_for(p, "input", group["blocks"], None))
+                plans.append((layout_for(p, "output", group["out_blocks"], None),
+                              layout_for(p, "input", group["blocks"], None)))
             except ValueError as exc:
                 raise ValueError(f"{_name_of(p, self._param_names, i)}: {exc} (out_blocks="
                                  f"{group['out_blocks']}, blocks={group['blocks']})") from None
+        return plans
 
     def _sides(self, group: dict, p: Tensor) -> tuple[bool, bool]:
         """Whether the output (``Q_L``) and input (``Q_R``) sides keep a basis (length < ``max_dim``)."""
@@ -186,7 +186,7 @@ class SPlus(MatrixOptimizer):
             st = self.state[p]
             if "momentum" in st:
                 continue
-            out_lay, in_lay = self._layouts[p]
+            out_lay, in_lay = self._plans[p]
             left, right = self._sides(group, p)
             dt, dev = _state_dtype(p), to_local(p).device
 
@@ -251,7 +251,7 @@ class SPlus(MatrixOptimizer):
         torch._foreach_lerp_(moms, [g.to(m.dtype) for g, m in zip(grads, moms)], 1 - b1)
         by_scale: dict[float, tuple[list, list]] = defaultdict(lambda: ([], []))
         for p, w, st, mom, grad in zip(active, params, states, moms, grads):
-            out_lay, in_lay = self._layouts[p]
+            out_lay, in_lay = self._plans[p]
             left, right = self._sides(group, p)
             dt = st["basis_out"].dtype
             out = (_mine(st["basis_out"], out_lay), out_lay.local_sizes) if left and out_lay.local_sizes else None
@@ -275,8 +275,7 @@ class SPlus(MatrixOptimizer):
                 if refresh:
                     total = stat
                     if lay.l2_group is not None:  # partial sums over the other axis' shards
-                        total = stat.clone()
-                        torch.distributed.all_reduce(total, group=lay.l2_group)
+                        total = all_reduce_sum_(stat.clone(), lay.l2_group, "norm")
                     _eigh_into_(_mine(st[f"basis_{key}"], lay), total, lay.local_sizes, eps)
         for s, (ws, us) in by_scale.items():
             wd = group["weight_decay"]

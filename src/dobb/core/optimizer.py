@@ -135,9 +135,8 @@ class Dobb(MatrixOptimizer):
         self.check_finite = check_finite
         self.split_refresh = split_refresh
         self._stat_group = stat_group
-        # one plan per matrix (sides, layouts, period, offset): a cache derived from the param groups,
-        # rebuilt after load_state_dict and copies (_rebuild), never saved or copied
-        self._plans: dict[torch.Tensor, Plan] = {}
+        # one plan per matrix (sides, layouts, period, offset) lives in self._plans: derived state of
+        # MatrixOptimizer, built by _group_plans with each group, rebuilt after load_state_dict and copies
         self._hooks: CaptureHooks | None = None
         self._plain_group = _UNRESOLVED
         self._constructed = False
@@ -151,9 +150,8 @@ class Dobb(MatrixOptimizer):
         check_params(group, lambda p, i: _name_of(p, self._param_names, i), has_model=self.model is not None)
 
     def _init_matrix_state(self, group: dict[str, Any]) -> None:
-        for p, plan in zip(group["params"], self._group_plans(group)):
-            self._plans[p] = plan
-            self.state[p] = self._new_state(p, group, plan)
+        for p in group["params"]:
+            self.state[p] = self._new_state(p, group, self._plans[p])
 
     def _group_plans(self, group: dict[str, Any]) -> list[Plan]:
         """The plan of every matrix of ``group``, from the group and the parameters alone."""
@@ -207,7 +205,7 @@ class Dobb(MatrixOptimizer):
     def _rebuild(self) -> None:
         """Every plan, from the param groups (after ``load_state_dict``, in a copy)."""
         self._names_from_model = None
-        self._plans = {p: plan for g in self._dobb_groups() for p, plan in zip(g["params"], self._group_plans(g))}
+        super()._rebuild()
 
     def _new_state(self, p: torch.Tensor, group: dict, plan: Plan) -> dict[str, Any]:
         # Created eagerly and identically on every rank, so distributed checkpoints see one key set.
@@ -482,8 +480,7 @@ class Dobb(MatrixOptimizer):
         return (f"blocks={group['blocks']} on the {group['side']} side are cut at the weight's shard "
                 f"boundaries, so the block partition follows the shards")
 
-    def _after_load(self) -> None:
-        self._rebuild()
+    def _after_load(self) -> None:  # the plans are rebuilt by now (MatrixOptimizer.load_state_dict)
         for p, plan in self._plans.items():  # older checkpoints kept other forms of the counts
             self.state[p]["captures"] = captures(self.state[p]["captures"], plan)
         self._install_hooks()  # torch replaced the group dicts the hooks read

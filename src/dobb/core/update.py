@@ -196,7 +196,7 @@ def whole_step_owner():
     from ..baselines.owner_muon import OwnerMuon
 
     owner = OwnerMuon.__new__(OwnerMuon)
-    owner._replicated_group, owner.owners, owner.gathered = "default", {}, {}
+    owner._replicated_group, owner._plans = "default", {}
     return owner
 
 
@@ -218,7 +218,7 @@ def apply_whole_steps(owner, group: dict, active: list[Tensor], plans: list, sta
         xs = list(u)
     ns_group = {"params": active, "ns_coefficients": NS_COEFFICIENTS, "ns_steps": NS_STEPS, "eps": NS_EPS,
                 "ns_method": "standard", "ns_dtype": group["ns_dtype"]}
-    outs = owner._orthogonalize(ns_group, active, xs)
+    outs = owner._orthogonalize(ns_group, active, xs, owner.plan_step(ns_group, active, xs))
     for p, pt, o in zip(active, params, outs):
         m, n = p.shape
         pt.add_(o.to(pt.dtype).mul_(-group["lr"] * F.update_scale(m, n, group["tau"])))

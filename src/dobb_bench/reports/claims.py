@@ -150,9 +150,7 @@ def _seed_move(tables: dict[str, str]) -> str | None:
 def _seed_move_at(muon_lr: float):
     """The same against Muon at ``muon_lr`` (8,300 steps, width 128): from the re-evaluation record."""
     def value(_tables) -> str | None:
-        from dobb_bench.studies.long_horizon import reeval_records
-
-        recs = [r for r in reeval_records() if r["steps"] == 8300 and r["model"]["width"] == 128]
+        recs = [r for r in R.reeval_records() if r["steps"] == 8300 and r["model"]["width"] == 128]
         muon = {r["seed"]: r["common_val_loss"] for r in recs if r["run"] == "Muon" and abs(r["lr"] - muon_lr) < 1e-4}
         by: dict = {}
         for r in recs:

@@ -158,6 +158,17 @@ def check_all(records_dir: Path | None = None) -> int:
     return sum(len(load(p.stem, folder)) for p in sorted(folder.glob("*.jsonl")))
 
 
+def reeval_path() -> Path:
+    """The record of ``scripts/reeval_windows.py`` (read at call time: ``use_docs`` moves the docs)."""
+    return Path(DOCS) / "results" / "checks" / "reeval-windows" / "reeval.jsonl"
+
+
+def reeval_records() -> list[dict]:
+    """Every re-evaluated checkpoint of ``reeval_path()`` (one JSON object a line)."""
+    path = reeval_path()
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def clean(rec: dict) -> bool:
     p = rec.get("provenance") or {}
     return bool(p.get("git_rev")) and p.get("git_dirty") is False

@@ -3,13 +3,15 @@
 Why: ``compare`` is read by people, so its results must be a table they can paste (final val
 loss, throughput, optimizer time, memory) plus the two pictures the paper leads with: validation
 loss against step, and final loss against the optimizer-specific cross-shard payload relative to
-Muon (Fig. 1). The payload ratios come from ``dobb_bench.cost.payload.relative_payload`` (owned by
-another module); when it is absent the scatter is skipped with a note.
+Muon (Fig. 1). The payload ratios come from the caller (``payload``: a function of the optimizer,
+its hparams and the shapes, ``dobb_bench.cost.payload.relative_payload`` in ``dobb-bench compare``):
+this module presents what the layers above it compute and imports none of them.
 """
 from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import dobb.registry
@@ -155,12 +157,10 @@ def plot_curves(records: list[dict], path: Path) -> str:
     return f"validation curves: {path.name}"
 
 
-def plot_payload(finals: list[dict], shapes: list[tuple[int, int]], path: Path) -> str:
-    """Fig. 1-style scatter: final loss vs cross-shard payload relative to Muon (if available)."""
-    try:
-        from dobb_bench.cost.payload import relative_payload
-    except ImportError:
-        return "payload scatter skipped: dobb_bench.cost.payload.relative_payload is not available"
+def plot_payload(finals: list[dict], shapes: list[tuple[int, int]], path: Path, *, payload: Callable) -> str:
+    """Fig. 1-style scatter: final loss vs cross-shard payload relative to Muon (``payload(optimizer,
+    hparams, shapes)``, e.g. ``dobb_bench.cost.payload.relative_payload``)."""
+    relative_payload = payload
     points = []
     for f in finals:
         if final_loss(f) == math.inf:
@@ -249,7 +249,8 @@ def gap_closure(x: float, adamw: float, muon: float) -> float | None:
     return (adamw - x) / (adamw - muon)
 
 
-def plain_summary(finals: list[dict], shapes: list[tuple[int, int]], noise: float | None = None) -> str:
+def plain_summary(finals: list[dict], shapes: list[tuple[int, int]], noise: float | None = None, *,
+                  payload: Callable) -> str:
     """Where each Dobb row lands against AdamW, Muon and Dion (nearest payload), in plain words.
 
     One row per label (its first run: compare's row at its own lr). Verdicts follow the Findings'
@@ -257,10 +258,10 @@ def plain_summary(finals: list[dict], shapes: list[tuple[int, int]], noise: floa
     here): with one seed no spread is known, so a
     difference under ``noise`` (0.1 nats) is within noise, and neither a lead nor a gap closure is
     claimed from it. That bar is a floor, not a bound: a run that leaves the loss plateau late can
-    differ from its other seeds by more (docs/results.md).
+    differ from its other seeds by more (docs/results.md). ``payload(optimizer, hparams, shapes)``:
+    a row's payload relative to Muon's (``dobb_bench.cost.payload.relative_payload``).
     """
-    from dobb_bench.cost.payload import relative_payload
-
+    relative_payload = payload  # payload(optimizer, hparams, shapes): relative to Muon's
     noise = ONE_SEED_NOISE if noise is None else noise  # tables.noise(None, None): one seed, no spread known
     rows = {}
     for f in finals:

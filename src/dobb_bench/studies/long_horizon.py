@@ -15,9 +15,7 @@ moved. A row's best lr is bracketed when a worse lr lies on each side of it.
 """
 from __future__ import annotations
 
-import json
 import statistics
-from pathlib import Path
 
 from dobb_bench.reports import records as R
 from dobb_bench.reports.tables import final_loss, paired, setting_line
@@ -145,14 +143,8 @@ def width_256() -> tuple[str, list[dict]]:
 
 
 # ----------------------------------------------------------------------------- common windows
-def reeval_path() -> Path:
-    """The record of ``scripts/reeval_windows.py`` (read at call time: ``use_docs`` moves the docs)."""
-    return Path(R.DOCS) / "results" / "checks" / "reeval-windows" / "reeval.jsonl"
-
-
-def reeval_records() -> list[dict]:
-    path = reeval_path()
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+# the re-evaluation record's reader lives with the other record readers (reports.records)
+reeval_path, reeval_records = R.reeval_path, R.reeval_records
 
 
 def common_windows() -> tuple[str, list[dict]]:

@@ -351,12 +351,14 @@ def _finish(out: Path, finals: list[dict], model_cfg: ModelConfig, *, grid: bool
     write_jsonl(out / "results.jsonl", records)
     table = report.results_markdown(finals, grid=grid, shared_lr=shared_lr, row_lrs=row_lrs)
     notes = list(notes) + [report.plot_curves(records, out / "val_loss.png")]
+    from dobb_bench.cost.payload import relative_payload  # the ratios the report presents
+
     shapes = [tuple(m.weight.shape) for blk in GPT(replace(model_cfg, layers=1)).blocks
               for m in blk.modules() if isinstance(m, torch.nn.Linear)] * model_cfg.layers
-    notes.append(report.plot_payload(finals, shapes, out / "payload_vs_loss.png"))
+    notes.append(report.plot_payload(finals, shapes, out / "payload_vs_loss.png", payload=relative_payload))
     text = table + "\n" + "\n".join(f"- {n}" for n in notes if n) + "\n"
     if any(refreshes(f["optimizer"]) for f in finals):  # a Dobb row (dobb.registry): say where it lands
-        text += "\n" + report.plain_summary(finals, shapes)
+        text += "\n" + report.plain_summary(finals, shapes, payload=relative_payload)
     (out / "results.md").write_text(text)
     print("\n" + text)
 

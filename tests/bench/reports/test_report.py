@@ -2,6 +2,7 @@
 plain-words summary (issue 14 items 1, 3, 6)."""
 import pytest
 
+from dobb_bench.cost.payload import relative_payload
 from dobb_bench.reports import report
 
 
@@ -39,7 +40,7 @@ def test_gap_closure_and_summary():
               row("Dobb B=4", "dobb", 1.95, 10.0, blocks=4), row("Dobb B=1", "dobb", 1.7, blocks=1),
               row("Two-sided B=1 Bo=1", "dobb", 1.479, side="both")]
     shapes = [(384, 128), (128, 128), (512, 128), (128, 512)] * 2
-    text = report.plain_summary(finals, shapes)
+    text = report.plain_summary(finals, shapes, payload=relative_payload)
     assert text.startswith("Summary (one seed, each row at its lr above; by the Findings' noise rule a "
                            "difference under 0.1 nats is within noise):")
     line = next(x for x in text.splitlines() if x.startswith("- Dobb B=4"))
@@ -68,7 +69,7 @@ def test_summary_tells_a_missing_row_from_a_diverged_one():
                "diverged": True, "model": model},
               {"run": "Dobb B=4", "optimizer": "dobb", "hparams": {"blocks": "4"}, "final_val_loss": 1.9,
                "diverged": False, "model": model}]
-    line = next(x for x in report.plain_summary(finals, [(128, 128)]).splitlines() if x.startswith("- Dobb"))
+    line = next(x for x in report.plain_summary(finals, [(128, 128)], payload=relative_payload).splitlines() if x.startswith("- Dobb"))
     assert "AdamW: not in this run" in line and "Muon: no finite result" in line
 
 
@@ -84,11 +85,11 @@ def test_summary_names_the_dtype_each_row_ran():
                                    {"algorithm": "adamw", "ns_dtype_resolved": "torch.bfloat16"}]),
               row("Dobb B=4", "dobb", [{"algorithm": "dobb", "product_dtype_resolved": "torch.float32"}]),
               row("Old", "dobb", [])]
-    last = report.plain_summary(finals, [(128, 128)]).splitlines()[-1]
+    last = report.plain_summary(finals, [(128, 128)], payload=relative_payload).splitlines()[-1]
     assert last.startswith("- Product dtype: every matrix row's products ran in float32, so the optimizer "
                            "step costs above compare like with like")
     finals[2]["optimizer_groups"][0]["product_dtype_resolved"] = "torch.bfloat16"  # Dobb's products in bf16, Muon's in fp32
-    last = report.plain_summary(finals, [(128, 128)]).splitlines()[-1]
+    last = report.plain_summary(finals, [(128, 128)], payload=relative_payload).splitlines()[-1]
     assert "different dtypes (Muon float32, Dobb B=4 bfloat16)" in last and "do not compare like with like" in last
     assert "AdamW" not in last and "Old" not in last
 
