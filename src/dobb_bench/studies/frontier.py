@@ -116,9 +116,12 @@ def norm_stats(recs: list[dict]) -> tuple[float, float, float] | None:
     return statistics.fmean(top), statistics.fmean(grow), statistics.fmean(late)
 
 
-def _run_records() -> dict[tuple[str, float, int], dict]:
+NORMS_STUDY = "long-horizon-norms"  # reruns of runs made before norms were recorded, for their norms only
+
+
+def _run_records(study: str = LH.STUDY) -> dict[tuple[str, float, int], dict]:
     out = {}
-    for r in R.load(LH.STUDY):
+    for r in R.load(study):
         m = r.get("model") or {}
         if r.get("steps") == STEPS and m.get("width") == WIDTH and m.get("layers") == 2 and not _bf16(r):
             out[(r["run"], _lr(r), r["seed"])] = r
@@ -137,7 +140,7 @@ def pareto(points: dict[str, tuple[float, float]]) -> set[str]:
 
 
 def frontier_20() -> tuple[str, list[dict]]:
-    common, runs = _common(), _run_records()
+    common, runs, reruns = _common(), _run_records(), _run_records(NORMS_STUDY)
     ratios, _ = timing_ratios()
     ref_lr, _ = choose(common.get(REF, {}))
     ref = common.get(REF, {}).get(ref_lr, {})
@@ -180,8 +183,10 @@ def frontier_20() -> tuple[str, list[dict]]:
                 else:
                     gap = "—"
             recs = [runs[(name, lr, sd)] for sd in at if (name, lr, sd) in runs]
-            ns = norm_stats(recs)
-            norms = " | — | —" if ns is None else f" | {ns[0]:.2f} | {ns[1]:.2f}x ({ns[2]:.2f}x)"
+            ns, mark = norm_stats(recs), ""
+            if ns is None:  # a rerun of the same run, made for its norms (its loss is not used)
+                ns, mark = norm_stats([reruns[(name, lr, sd)] for sd in at if (name, lr, sd) in reruns]), " (rerun)"
+            norms = " | — | —" if ns is None else f" | {ns[0]:.2f}{mark} | {ns[1]:.2f}x ({ns[2]:.2f}x)"
             summary[name] = (m, ratio, losses, when)
             lines.append(f"| {name} | {when} | {grid} | {lr:.3g}{'' if bracketed else ' (edge)'} | {per_seed} | "
                          f"{m:.3f}{sd_txt} ({len(vals)}) | {gap}{cost}{norms} |")
@@ -197,7 +202,9 @@ def frontier_20() -> tuple[str, list[dict]]:
     revs = sorted({(r.get("provenance") or {}).get("git_rev", "")[:7] for r in used})
     text += (f"\nLosses: 2,048 common windows at the last checkpoint (record "
              f"`docs/results/checks/reeval-windows/reeval.jsonl`, re-evaluated at {', '.join(revs) or '—'}); "
-             "norms: run records of study `long-horizon` (only runs made after norms were recorded have them).\n")
+             "norms: run records of study `long-horizon` (only runs made after norms were recorded have them); "
+             f"\"(rerun)\": from a rerun of the seed-0 run at the same settings (study `{NORMS_STUDY}`), whose "
+             "loss is not used.\n")
     return text, used + [runs[k] for k in runs if k[0] in summary]
 
 
