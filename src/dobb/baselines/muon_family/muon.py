@@ -35,6 +35,7 @@ from ._split import WHOLE, SplitOptions, Tile, row_parts, row_tiles
 # the NS options lived here before the rooms: their old import path stays
 from .newton_schulz import NS_DTYPES, NSOptions, ns_options, orthogonalize, resolve_ns_dtype  # noqa: F401
 
+
 @dataclass(frozen=True, kw_only=True)
 class MuonOptions(ScaledOptions, NSOptions):
     """Muon's momentum and Newton-Schulz options, shared by the Muon family."""
