@@ -25,8 +25,8 @@ NAMES = ("soap", "newton-muon")
 def make_factory(name: str, lr: float, weight_decay: float, hparams: dict):
     def make(model):
         import dobb
-        from dobb.baselines.newton_muon import NewtonMuon
-        from dobb.baselines.soap import SOAP
+        from dobb.baselines.muon_family.newton_muon import NewtonMuon
+        from dobb.baselines.shampoo_family.soap import SOAP
 
         cls = SOAP if name == "soap" else NewtonMuon
         groups = dobb.param_groups(model, algorithm=cls.algorithm)

@@ -2,7 +2,7 @@
 
 Inputs: ``--tiles`` SPD factors ``G G^T / n`` of ``--size`` (128, DASH's block in the peer table),
 ``G`` Gaussian ``n x 2n``, fp32, one thread. Timed, interleaved call by call over ``--rounds``
-rounds (order rotated): ``dobb.baselines._matrix_roots.inverse_root_newton_db`` (10 fixed steps per
+rounds (order rotated): ``dobb.baselines.shampoo_family._matrix_roots.inverse_root_newton_db`` (10 fixed steps per
 square root, its default tile batch ``TILE_BATCH_BYTES``), the same in one batch of every tile
 (``tile_batch=tiles``, the batching before issue 44), and pytorch-optimizer's
 ``compute_power_newton_db`` called as its DASH calls it for ``p = 4`` (square root, then inverse
@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peer_speed import git_rev, machine, versions  # noqa: E402
 
-from dobb.baselines._matrix_roots import TILE_BATCH_BYTES, inverse_root_newton_db  # noqa: E402
+from dobb.baselines.shampoo_family._matrix_roots import TILE_BATCH_BYTES, inverse_root_newton_db  # noqa: E402
 
 
 def peer_root(x: torch.Tensor, steps: int) -> torch.Tensor:

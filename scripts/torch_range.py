@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # distributed checkpoints on gloo.
 CORE = ["tests/test_functional.py", "tests/core/test_optimizer.py", "tests/test_base.py", "tests/test_capture.py",
         "tests/test_sharding.py", "tests/test_registry.py", "tests/test_factory.py",
-        "tests/baselines/test_muon.py", "tests/distributed/test_fsdp.py",
+        "tests/baselines/muon_family/test_muon.py", "tests/distributed/test_fsdp.py",
         "tests/distributed/test_tensor_parallel.py", "tests/distributed/test_checkpoint.py"]
 
 

@@ -1,10 +1,12 @@
 """The tests mirror the library's modules, so a reader finds a module's tests by its name.
 
-The rule, per tier (a package of ``src/dobb`` and its test folder):
+The rule, per tier (a package of ``src/dobb``, nested ones included, and its test folder):
 ``src/dobb/<pkg>/<name>.py`` and ``src/dobb/<pkg>/_<name>.py`` are tested in ``tests/<pkg>/test_<name>.py``
-(``src/dobb/baselines/muon.py`` -> ``tests/baselines/test_muon.py``, ``src/dobb/_base.py`` ->
-``tests/test_base.py``). Multi-process tests live in ``tests/distributed`` (``test_<name>_sharded.py``
-where they test one module) and the bench's in ``tests/bench``; neither is checked here.
+(``src/dobb/baselines/muon_family/muon.py`` -> ``tests/baselines/muon_family/test_muon.py``,
+``src/dobb/_base.py`` -> ``tests/test_base.py``). Every package (a folder with ``__init__.py``) is a
+tier, so a new room of ``baselines/`` is checked as soon as it exists. Multi-process tests live in
+``tests/distributed`` (``test_<name>_sharded.py`` where they test one module) and the bench's in
+``tests/bench``; neither is checked here.
 
 Checked both ways: every module has its test file (unless exempted below, with the reason), and
 every test file of a tier names a module of it (unless it tests a cross-cutting behaviour, listed
@@ -22,16 +24,18 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SRC, TESTS = ROOT / "src" / "dobb", ROOT / "tests"
 
-# package folder -> test folder
-TIERS = {SRC: TESTS, SRC / "baselines": TESTS / "baselines", SRC / "integrations": TESTS / "integrations",
-         SRC / "core": TESTS / "core"}
+# package folder -> test folder: every package of src/dobb, at any depth, mirrored under tests/
+TIERS = {SRC: TESTS, **{init.parent: TESTS / init.parent.relative_to(SRC)
+                        for init in sorted(SRC.rglob("__init__.py")) if init.parent != SRC}}
+# test folders that mirror no package (not checked here): the multi-process tests and the bench's
+UNMIRRORED = {TESTS / "distributed", TESTS / "bench"}
 
 # Modules without a test file of their own, and why. Each must exist (a stale entry fails).
 EXEMPT_MODULES = {
-    # package files: imports and __all__ only; the exports are checked by tests/test_registry.py
+    # package files: imports, __all__ and docstrings only (baselines/__init__.py's old module paths
+    # are checked by tests/baselines/test_rooms.py); the exports are checked by tests/test_registry.py
     # (every registered optimizer exported) and used by every other test
-    SRC / "__init__.py", SRC / "baselines" / "__init__.py", SRC / "integrations" / "__init__.py",
-    SRC / "core" / "__init__.py",
+    *(pkg / "__init__.py" for pkg in TIERS),
 }
 
 # Modules whose tests are being written: tolerated while absent; a warning says when an entry can
@@ -49,6 +53,7 @@ CROSS_CUTTING_TESTS = {
     TESTS / "integrations" / "test_fsdp_mixed_precision.py",  # FSDP2 MixedPrecisionPolicy
     TESTS / "integrations" / "test_transposed.py",  # Hugging Face Conv1D (in, out) weights, every optimizer
     TESTS / "core" / "test_room.py",  # the room's bounds: files one Dobb step crosses, imports run one way
+    TESTS / "baselines" / "test_rooms.py",  # the rooms of baselines/: files a MuonBP or Dion2 step crosses, old paths
     TESTS / "core" / "test_dobb_muon.py",  # norm="muon" and whole_every: options, optimizer, functional, registry
     TESTS / "core" / "test_eigh_every.py",  # eigh_every: options, optimizer and statistics' refresh rule
 }
@@ -97,6 +102,14 @@ def test_every_test_file_names_a_module(folder):
                         f"cross-cutting test here with the reason)")
 
 
+def test_every_test_folder_mirrors_a_package():
+    """A test folder named for no package (a room renamed or removed, its tests left behind) fails."""
+    folders = {t.parent for t in TESTS.rglob("test_*.py")
+               if not any(t.is_relative_to(u) for u in UNMIRRORED)}
+    strays = sorted(f.relative_to(ROOT) for f in folders - set(TIERS.values()))
+    assert not strays, f"test folders that mirror no package of src/dobb: {strays}"
+
+
 def test_no_two_files_under_tests_share_a_name():
     names = Counter(p.name for p in TESTS.rglob("*.py") if p.name not in ("conftest.py", "__init__.py"))
     assert not [n for n, k in names.items() if k > 1], sorted(n for n, k in names.items() if k > 1)
@@ -107,5 +120,9 @@ def test_the_rule_on_known_cases():
     only if every file were misnamed the same way)."""
     assert mirror_of(SRC / "_base.py") == TESTS / "test_base.py"
     assert mirror_of(SRC / "meter.py") == TESTS / "test_meter.py"
-    assert mirror_of(SRC / "baselines" / "_split.py") == TESTS / "baselines" / "test_split.py"
+    assert mirror_of(SRC / "baselines" / "_common.py") == TESTS / "baselines" / "test_common.py"
+    room, tests = SRC / "baselines" / "muon_family", TESTS / "baselines" / "muon_family"
+    assert mirror_of(room / "_split.py") == tests / "test_split.py"
+    assert mirror_of(room / "muonbp.py") == tests / "test_muonbp.py"
+    assert {SRC / "baselines" / room for room in ("muon_family", "dion_family", "shampoo_family")} <= set(TIERS)
     assert mirror_of(SRC / "integrations" / "hf.py") == TESTS / "integrations" / "test_hf.py"

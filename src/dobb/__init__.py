@@ -6,11 +6,8 @@ protocol, by the names of ``dobb.registry`` (every optimizer declared once); ``p
 splits a model between a matrix optimizer and AdamW.
 """
 from . import functional, registry, resume
-from .baselines import RMNP, BlockMuon, Dion, Dion2, Dion3, Muon, MuonBP, NorMuon, OwnerMuon, PeriodicRowMuon, SAMuon
-from .baselines.dash import Dash, Shampoo
-from .baselines.newton_muon import NewtonMuon
-from .baselines.soap import SOAP
-from .baselines.splus import SPlus
+from .baselines import (RMNP, SOAP, BlockMuon, Dash, Dion, Dion2, Dion3, Muon, MuonBP, NewtonMuon, NorMuon, OwnerMuon,
+                        PeriodicRowMuon, SAMuon, Shampoo, SPlus)
 from .core.optimizer import Dobb
 from .factory import OPTIMIZER_NAMES, build_optimizer, valid_hparams
 from .groups import param_groups, split_parameters

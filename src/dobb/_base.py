@@ -28,7 +28,8 @@ never saved nor copied, rebuilt from the param groups after ``load_state_dict`` 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -88,6 +89,36 @@ def _name_of(param: torch.Tensor, names: dict[int, str] | None, index: int) -> s
     if names and id(param) in names:
         return names[id(param)]
     return f"parameter #{index} (shape {tuple(param.shape)})"
+
+
+def apply_protocol(params: Sequence[torch.Tensor], targets: Sequence[torch.Tensor], updates: Sequence[torch.Tensor],
+                   scales: Sequence[float], lr, weight_decay) -> None:
+    """The baselines' update: ``W <- (1 - lr*wd) W`` on ``params``, then ``T <- T - lr*s*O`` on ``targets``.
+
+    ``targets`` are the params or views of them (Block Muon adds each block with its own ``s``).
+    Updates are cast to the target dtype (exact for bf16 -> fp32) and added with ``alpha`` as
+    ``torch.optim.Muon`` does, grouped by scale so each group is one ``_foreach`` call.
+
+    Why not one apply shared with Dobb's (``core.update.apply_directions``): the Muon family
+    produces bf16 directions, and ``torch.optim.Muon`` adds them with ``param.add_(O, alpha=-lr*s)``,
+    one rounding per entry. Scaling ``O`` first and adding afterwards rounds twice (in bf16 even), so
+    the baselines add with ``alpha`` to stay bitwise equal to torch's Muon on CPU. It lives here, by
+    the loop that calls ``_matrix_step``, so a baseline's step reads one file less.
+    """
+    if not params:
+        return
+    if isinstance(weight_decay, torch.Tensor) or weight_decay != 0:
+        torch._foreach_mul_(list(params), 1.0 - lr * weight_decay)
+    by_scale: dict[float, tuple[list, list]] = defaultdict(lambda: ([], []))
+    for t, u, s in zip(targets, updates, scales):
+        ts, us = by_scale[s]
+        ts.append(t)
+        us.append(u if u.dtype == t.dtype else u.to(t.dtype))
+    for s, (ts, us) in by_scale.items():
+        if isinstance(lr, torch.Tensor):  # a tensor lr cannot be an ``alpha``
+            torch._foreach_add_(ts, torch._foreach_mul(us, -lr * s))
+        else:
+            torch._foreach_add_(ts, us, alpha=-lr * s)
 
 
 class MatrixOptimizer(Copies, torch.optim.Optimizer):

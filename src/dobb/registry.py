@@ -29,11 +29,8 @@ from typing import Any
 import torch
 
 from ._hparams import check_kind
-from .baselines import RMNP, BlockMuon, Dion, Dion2, Dion3, Muon, MuonBP, NorMuon, OwnerMuon, PeriodicRowMuon, SAMuon
-from .baselines.dash import Dash, Shampoo
-from .baselines.newton_muon import NewtonMuon
-from .baselines.soap import SOAP
-from .baselines.splus import SPlus
+from .baselines import (RMNP, SOAP, BlockMuon, Dash, Dion, Dion2, Dion3, Muon, MuonBP, NewtonMuon, NorMuon, OwnerMuon,
+                        PeriodicRowMuon, SAMuon, Shampoo, SPlus)
 from .core.optimizer import Dobb
 
 __all__ = ["Entry", "OPTIMIZERS", "OPTIMIZER_NAMES", "GROUPING_KEYS", "get", "valid_hparams",

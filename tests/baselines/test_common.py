@@ -1,5 +1,5 @@
-"""dobb.baselines._common: the update protocol ``apply_protocol`` against the formula written out in
-float64, the DTensor forwarders on plain tensors, and the step's rules shared by all baselines (their
+"""dobb.baselines._common: the update protocol ``apply_protocol`` (written in ``dobb._base``, named
+here for the baselines) against the formula written out in float64, the DTensor forwarders on plain tensors, and the step's rules shared by all baselines (their
 hyperparameters refused with a ValueError naming them, by the one set of rules of ``dobb._hparams``;
 no host synchronisation inside ``step()``)."""
 from __future__ import annotations

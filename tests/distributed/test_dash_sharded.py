@@ -15,7 +15,7 @@ from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
 from _common import max_diff, same_on_all_ranks, state_keys
 from _spawn import spawn_once
-from dobb.baselines.dash import Dash
+from dobb.baselines.shampoo_family.dash import Dash
 from dobb.meter import PayloadMeter
 
 pytestmark = pytest.mark.slow

@@ -4,7 +4,7 @@ One 2-rank spawn and one 4-rank spawn run every check; the tests assert on what 
 Reference: ``dobb.Dion`` on plain float64 tensors with the same weights, gradients and seed, in the
 spawning process (tolerance 1e-10 on weights, momentum and ``Q``). Derived payload per matrix and
 step, in logical entries (``s = min(m, n)``: ``P``'s axis, ``l = max(m, n)``: ``Q``'s axis,
-``k = ceil(1.25 r)``), from the algorithm in ``dobb/baselines/dion.py``:
+``k = ceil(1.25 r)``), from the algorithm in ``dobb/baselines/dion_family/dion.py``:
 
 - rows of the oriented matrix split (``Shard(0)`` of a wide/square weight, ``Shard(1)`` of a tall
   one): Householder ``s r`` (P completed) + ``l r`` (R = B^T P); rcqr ``k r + r^2 + l r``;

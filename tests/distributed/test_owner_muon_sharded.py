@@ -24,7 +24,7 @@ import _common as C
 from _common import Net, data, full_params, groups, max_diff, per_rank, train
 from _spawn import spawn_once
 from dobb.baselines import Muon
-from dobb.baselines.owner_muon import OwnerMuon
+from dobb.baselines.muon_family.owner_muon import OwnerMuon
 from dobb.meter import PayloadMeter
 
 pytestmark = pytest.mark.slow

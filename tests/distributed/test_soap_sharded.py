@@ -32,7 +32,7 @@ import _common as C
 from _common import Net, data, full_params, max_diff, per_rank, same_on_all_ranks, state_keys, train
 from _spawn import spawn, spawn_once
 from dobb import SOAP
-from dobb.baselines.soap import OWNED_KEYS, soap_cost
+from dobb.baselines.shampoo_family.soap import OWNED_KEYS, soap_cost
 from dobb.meter import PayloadMeter
 from dobb.sharding import chunk_sizes
 

@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
 from _spawn import spawn_once
-from dobb.baselines.splus import SPlus
+from dobb.baselines.shampoo_family.splus import SPlus
 from dobb.meter import PayloadMeter
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,7 @@ this test pins down (so the docs' statement fails loudly the day a torchtitan re
    (``TypeError``), so the CUDA-stream design, not only the guard, ties it to GPUs.
 
 The reference the docs keep in its place is the project's owner-compute Muon
-(``dobb.baselines.owner_muon.OwnerMuon``), whose sharded step equals single-process Muon in float64
+(``dobb.baselines.muon_family.owner_muon.OwnerMuon``), whose sharded step equals single-process Muon in float64
 on 2 and 4 ranks (``test_owner_muon_sharded.py``).
 """
 from __future__ import annotations

@@ -153,8 +153,7 @@ def apply_preconditioned_muon(mats: list[TwoSided], *, lr, tau: float, basis_dty
 
     ``TwoSided`` carries the plan, the state (``basis``, ``second_moment``, ``step``), the update
     ``u``, the gradient ``g`` and the weight ``w`` (local tensors)."""
-    from ..baselines.muon import resolve_ns_dtype
-    from ..baselines.newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_STEPS, orthogonalize
+    from ..baselines.muon_family.newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_STEPS, orthogonalize, resolve_ns_dtype
 
     for plan, state, ut, gt, pt in mats:
         lay = plan.layout
@@ -193,7 +192,7 @@ def precondition(plan, state: dict, ut: Tensor, gt: Tensor, *, basis_dtype: torc
 def whole_step_owner():
     """``OwnerMuon``'s routing and all-to-alls, without its state: the owner of ``apply_whole_steps``
     (kept by the optimizer as a derived cache)."""
-    from ..baselines.owner_muon import OwnerMuon
+    from ..baselines.muon_family.owner_muon import OwnerMuon
 
     owner = OwnerMuon.__new__(OwnerMuon)
     owner._replicated_group, owner._plans = "default", {}
@@ -207,7 +206,7 @@ def apply_whole_steps(owner, group: dict, active: list[Tensor], plans: list, sta
     local unsharded), with ``X`` the Dobb-preconditioned ``P`` (``norm="muon"``, whose second moment
     advances as on any step) or the momentum (two-sided sign): MuonBP's periodic full step on Dobb's
     forms."""
-    from ..baselines.newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_STEPS
+    from ..baselines.muon_family.newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_STEPS
 
     if group["norm"] == "muon":  # P in the storage orientation (transposed weights: (in, out))
         xs = [precondition(plan, st, ut, gt, basis_dtype=group["basis_dtype"], product_dtype=group["product_dtype"],

@@ -180,7 +180,7 @@ def _fit(name: str, hp: dict) -> dict:
 
 def ns5_counts() -> dict:
     """Kernels of one Newton-Schulz call on one matrix (the owner's work in owner-compute Muon)."""
-    from dobb.baselines.newton_schulz import newton_schulz
+    from dobb.baselines.muon_family.newton_schulz import newton_schulz
 
     x = torch.randn(*SHAPE)
     newton_schulz(x)

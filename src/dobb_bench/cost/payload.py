@@ -56,7 +56,7 @@ baselines gather whole matrices, which the payload meter would show). Amortized 
 boundary (only possible when ``B`` is not a multiple of the shard count on the sharded axis; the
 library refuses such layouts) is charged its dense slab ``s_b x`` (other axis).
 
-Dion's rank is the library's ``dobb.baselines.dion.dion_rank``: ``r = max(1, round(rank_fraction *
+Dion's rank is the library's ``dobb.baselines.dion_family.dion.dion_rank``: ``r = max(1, round(rank_fraction *
 min(m, n)))``. Hyperparameters a spec leaves out are the optimizers' own defaults
 (``optimizer_defaults``: the classes' ``matrix_defaults``), never repeated here. Over GPT-2 XL's
 matrices (q, k, v, o: ``d x d``; fc ``4d x d``; proj ``d x 4d``) the aggregate Dion ratio
@@ -69,7 +69,7 @@ from typing import Callable, Iterable, Sequence
 
 import dobb
 from dobb import registry
-from dobb.baselines.dion import dion_rank
+from dobb.baselines.dion_family.dion import dion_rank
 from dobb.functional import block_sizes
 from dobb.sharding import chunk_sizes
 from dobb_bench.bench_entries import bench_entry
@@ -205,7 +205,7 @@ def _pay_pr_muon(m, n, hp, sharded, shards):
     return (m * n + (period - 1) * cheap) / period
 
 
-def _pay_selected_rows(m, n, hp, sharded, shards):  # k selected rows (dobb.baselines.dion2)
+def _pay_selected_rows(m, n, hp, sharded, shards):  # k selected rows (dobb.baselines.dion_family.dion2)
     frac = _fraction(hp, "fraction")
     if hp.get("select", "global") != "shard":
         return float(max(1, round(frac * m)) * n)
@@ -430,7 +430,7 @@ def _state_dobb(m, n, hp, mn, out_shards, in_shards):
 def _state_dash(m, n, hp, mn, out_shards, in_shards):
     """Gradient EMA and Adam-graft second moment (weight-shaped), plus fp32 ``L``, ``R`` and their
     inverse roots for every tile of this rank's shard (``r^2 + c^2`` each: ``2 mn`` for full square tiles)."""
-    from dobb.baselines.dash import tile_specs
+    from dobb.baselines.shampoo_family.dash import tile_specs
 
     ml, nl = chunk_sizes(m, out_shards)[0], chunk_sizes(n, in_shards)[0]  # the largest (first) shard
     block = hp.get("block_size") or max(ml, nl)  # shampoo: one tile per matrix

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from dobb.baselines.dion import dion_rank
+from dobb.baselines.dion_family.dion import dion_rank
 from dobb.collectives import plan_owners
 from dobb_bench.cost import payload as P
 from dobb_bench.cost.projection_model import (Hardware, Layout, Matrix, _add, _adamw_other, _elementwise, _locals,

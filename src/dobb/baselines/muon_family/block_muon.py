@@ -1,0 +1,94 @@
+"""Block Muon: NS5 on independent contiguous near-equal blocks of each matrix.
+
+Not CMuon: CMuon cuts fused weights along their functional boundaries (Q/K/V, heads), which is
+``split_sizes``/``num_heads`` here (``_split``; Muon, Block Muon and NorMuon take it).
+
+The matrix is cut into ``blocks`` contiguous blocks along ``axis`` (1: column blocks, Dobb's input
+side and the default; 0: row blocks, Dobb-G's side) with ``dobb.functional.block_sizes``, the same
+partition Dobb uses (first ``size % B`` blocks one longer; cut at shard boundaries first when the
+layout is sharded). Each block ``U_b`` gets ``O_b = NS5(U_b)``.
+
+Scaling (our statement of the shared protocol for blocks): each block moves as a Muon update of a
+matrix of its own shape, ``W_b <- W_b - lr * tau*sqrt(max(m_b, n_b)) * O_b``, so every block's
+update RMS is ``tau``, as Muon's is (Table 9). Written against the whole-matrix ``s``, the raw
+update is ``O = [ (s_b / s) O_b ]_b``. ``blocks=1`` is Muon exactly. Weight decay is the protocol's.
+
+Locality: a block needs every entry of its rows x columns. When the axis that is *not* blocked is
+whole on this rank (plain tensors; DTensors sharded only along the blocked axis, with blocks that
+do not straddle shards, which ``block_sizes`` guarantees) the update is computed on the local
+shard with no communication; otherwise the matrix is gathered first. All equal-shape blocks of all
+matrices of a group run as one batched NS5.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ... import functional as F
+from ..._base import _name_of
+from ...placement import layout_for
+from ..._hparams import integer, option
+from .muon import AXIS, MuonSplitOptions, _MuonFamily, tiled_directions
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockMuonOptions(MuonSplitOptions):
+    blocks: int = option(4, integer(1))
+    axis: int = option(1, AXIS)
+
+
+class BlockMuon(_MuonFamily):
+    """Block Muon. Args as ``Muon`` plus ``blocks`` (default 4) and ``axis`` (1 columns, 0 rows).
+
+    With ``split_sizes``/``num_heads`` a split weight's parts are matrices of their own, each cut
+    into ``blocks`` blocks (the parts x blocks tiles are gathered when the weight is sharded)."""
+
+    algorithm = "block-muon"
+    Options = BlockMuonOptions
+
+    def _group_plans(self, group):
+        """Each matrix's tiles and whether they index its local shard: ``tiled_directions``' plan.
+
+        Blocks are computed on the local shard when the unblocked axis is whole on this rank (a block
+        never straddles shards, ``block_sizes`` guarantees it); otherwise the matrix is gathered first.
+        A split (CMuon) weight's parts are cut into blocks, gathered when sharded."""
+        axis, blocks = group["axis"], group["blocks"]
+        side = "input" if axis == 1 else "output"
+        plans = []
+        for i, p in enumerate(group["params"]):
+            try:
+                parts = self._row_parts(group, p)
+                if parts is not None:
+                    plans.append((_part_blocks(parts, p.shape[1], blocks, axis), False))
+                    continue
+                lay = layout_for(p, side, blocks, None)
+            except ValueError as exc:
+                raise ValueError(f"{_name_of(p, self._param_names, i)}: {exc}") from None
+            local_ok = lay.local_shape[1 - axis] == lay.shape[1 - axis]
+            sizes = lay.local_sizes if local_ok else F.block_sizes(p.shape[axis], blocks)
+            plans.append((_blocks(sizes, axis), local_ok))
+        return plans
+
+    def _directions(self, group, active, states, params, u):
+        return tiled_directions(group, active, params, u, [self._plans[p] for p in active], self._ns(group))
+
+
+def _blocks(sizes, axis, rows=slice(None)):
+    """Tiles of contiguous blocks of ``sizes`` along ``axis`` (within ``rows`` for column blocks)."""
+    tiles, start = [], 0
+    for size in sizes:
+        cut = slice(start, start + size)
+        tiles.append((rows, cut) if axis == 1 else (cut, slice(None)))
+        start += size
+    return tiles
+
+
+def _part_blocks(parts, n, blocks, axis):
+    """Each part of a split weight cut into ``blocks`` blocks along ``axis`` (a part is a matrix)."""
+    tiles, start = [], 0
+    for rows in parts:
+        if axis == 1:
+            tiles += _blocks(F.block_sizes(n, blocks), 1, slice(start, start + rows))
+        else:
+            tiles += [(slice(start + t.start, start + t.stop), cs) for t, cs in _blocks(F.block_sizes(rows, blocks), 0)]
+        start += rows
+    return tiles

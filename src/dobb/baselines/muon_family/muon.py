@@ -1,0 +1,186 @@
+"""Muon under the shared update-scale protocol, with AdamW groups in the same optimizer.
+
+Step for a matrix ``W`` (``m x n``), exactly ``torch.optim.Muon(adjust_lr_fn="match_rms_adamw")``
+when ``tau = 0.2`` and Newton-Schulz runs in bf16 as torch's does (``ns_dtype="bfloat16"``, or
+``"auto"`` on a device with native bf16; tests compare weights bitwise after several steps):
+
+1. ``buf <- buf + (1 - mu) (G - buf)`` (torch's EMA momentum; the paper's ``mu M + G`` (docs/algorithm.md) differs by
+   the constant factor ``1 - mu``, which orthogonalization removes);
+2. ``U = G + mu (buf - G)`` with Nesterov (default, as torch), else ``U = buf``;
+3. ``O = NS5(U)`` (``||O||_F^2 ~ min(m, n)``, Table 9);
+4. ``W <- (1 - lr*wd) W - lr * tau*sqrt(max(m, n)) * O``.
+
+``_MuonFamily`` holds steps 1, 2 and 4 for every baseline built on Muon's momentum (PR-Muon,
+Block Muon); subclasses only say how ``U`` becomes a direction (``_directions``).
+
+``split_sizes`` / ``num_heads`` (Muon, Block Muon, NorMuon; see ``_split``) cut a fused weight
+(Q/K/V, per head) into parts that are orthogonalized and scaled as separate matrices (CMuon).
+``tiled_directions`` is the family's update of a matrix cut into tiles (CMuon's parts, Block
+Muon's and MuonBP's blocks): each tile a matrix of its own under the protocol.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..._base import MatrixOptimizer, _name_of
+from ..._hparams import Rule, ScaledOptions, boolean, option, unit_interval
+from ...layout import is_dtensor, to_local
+from .. import _common as C
+from ._split import WHOLE, SplitOptions, Tile, row_parts, row_tiles
+# the NS options lived here before the rooms: their old import path stays
+from .newton_schulz import NS_DTYPES, NSOptions, ns_options, orthogonalize, resolve_ns_dtype  # noqa: F401
+
+
+@dataclass(frozen=True, kw_only=True)
+class MuonOptions(ScaledOptions, NSOptions):
+    """Muon's momentum and Newton-Schulz options, shared by the Muon family."""
+    momentum: float = option(0.95, unit_interval)
+    nesterov: bool = option(True, boolean)
+
+
+# Block Muon's and MuonBP's block axis
+AXIS = Rule(lambda v: v in (0, 1) and not isinstance(v, bool), "be 0 (row blocks) or 1 (column blocks)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MuonSplitOptions(MuonOptions, SplitOptions):
+    """Muon's options with the fused-weight split (Muon, CMuon, NorMuon, Block Muon)."""
+
+
+class _MuonFamily(MatrixOptimizer):
+    """Muon's momentum and protocol; subclasses implement ``_directions``."""
+
+    Options = MuonOptions
+    _uses_step = False  # whether the state carries a step counter (schedules)
+
+    def _check_matrix_group(self, group: dict[str, Any]) -> None:
+        if "split_sizes" in self.matrix_defaults:
+            for i, p in enumerate(group["params"]):
+                try:
+                    row_parts(p.shape, group["split_sizes"], group["num_heads"])
+                except ValueError as exc:
+                    raise ValueError(f"{_name_of(p, self._param_names, i)}: {exc}") from None
+
+    @staticmethod
+    def _row_parts(group: dict[str, Any], p: Tensor) -> list[int] | None:
+        """Row sizes of ``p``'s parts under the group's split (``None``: whole)."""
+        return row_parts(p.shape, group.get("split_sizes"), group.get("num_heads"))
+
+    def _ns(self, group: dict[str, Any]):
+        """The group's NS5 as a function of a list of matrices."""
+        return lambda mats: orthogonalize(mats, group["ns_coefficients"], group["ns_steps"], group["eps"],
+                                          **ns_options(group))
+
+    def _init_matrix_state(self, group: dict[str, Any]) -> None:
+        for p in group["params"]:
+            state = self.state[p]
+            if "momentum" not in state:
+                state["momentum"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if self._uses_step:
+                    state["step"] = 0
+
+    def _matrix_step(self, group: dict[str, Any], active: list[Tensor]) -> None:
+        states = [self.state[p] for p in active]
+        grads = [to_local(p.grad) for p in active]
+        bufs = [to_local(s["momentum"]) for s in states]
+        mu = group["momentum"]
+        torch._foreach_lerp_(bufs, grads, 1 - mu)
+        u = torch._foreach_lerp(grads, bufs, mu) if group["nesterov"] else bufs
+        params = [to_local(p) for p in active]
+        targets, updates, scales = self._directions(group, active, states, params, u)
+        C.apply_protocol(params, targets, updates, scales, group["lr"], group["weight_decay"])
+        if self._uses_step:
+            for s in states:
+                s["step"] += 1
+
+    def _orthogonalize(self, group: dict, active: list[Tensor], u: list[Tensor]) -> list[Tensor]:
+        """NS5 of each full matrix (sharded ones are gathered), returned as local shards."""
+        full = [C.gather_full(t, p) for t, p in zip(u, active)]
+        outs = orthogonalize(full, group["ns_coefficients"], group["ns_steps"], group["eps"],
+                             **ns_options(group))
+        return [C.local_slice(o, p) for o, p in zip(outs, active)]
+
+    def _directions(self, group: dict, active: list[Tensor], states: list[dict], params: list[Tensor],
+                    u: list[Tensor]) -> tuple[list[Tensor], list[Tensor], list[float]]:
+        """Returns ``(targets, updates, scales)`` for ``apply_protocol``."""
+        raise NotImplementedError
+
+
+class Muon(_MuonFamily):
+    """Muon (momentum orthogonalized by Newton–Schulz) for hidden matrices, AdamW for the rest.
+
+    Args: ``lr``, ``weight_decay``, ``tau`` (update scale ``tau*sqrt(max(m, n))``, 0.2 = torch's
+    ``match_rms_adamw``), ``momentum`` (0.95), ``nesterov`` (True), ``ns_coefficients``,
+    ``ns_steps`` (5), ``eps`` (1e-7), ``ns_method`` (``"standard"`` NS5 or ``"gram"``: the same
+    iteration on the short side's Gram matrix, fewer FLOPs on non-square matrices; see
+    ``gram_ns``), ``ns_dtype`` (``"auto"``: bf16 where the device has native bf16 products, as torch's
+    Muon always does, fp32 on CPUs without them; ``"float64"`` for exact comparisons),
+    ``adamw_betas``, ``adamw_eps``; ``split_sizes`` and ``num_heads`` (``None``: CMuon's split of
+    fused weights, see ``_split``; ``split_sizes="qkv"`` cuts every ``3n x n`` matrix in three).
+    """
+
+    algorithm = "muon"
+    Options = MuonSplitOptions
+
+    def _directions(self, group, active, states, params, u):
+        if group["split_sizes"] is None and group["num_heads"] is None:
+            outs = self._orthogonalize(group, active, u)  # (OwnerMuon routes this one)
+            return params, outs, [C.update_scale(*p.shape, group["tau"]) for p in active]
+        # Whole matrices are one tile each (gathered when sharded); all tiles go to one batched NS5.
+        plans = [(row_tiles(self._row_parts(group, p)), False) for p in active]
+        return tiled_directions(group, active, params, u, plans, self._ns(group))
+
+
+# ----------------------------------------------------------------------------- the tiled update
+def _extent(sl: slice, size: int) -> int:
+    return len(range(*sl.indices(size)))
+
+
+def tiled_directions(group: dict, active: list[Tensor], params: list[Tensor], u: list[Tensor],
+                     plans: list[tuple[list[Tile], bool]], orthogonalize_fn: Callable,
+                     finish: Callable | None = None) -> tuple[list, list, list]:
+    """``(targets, updates, scales)`` for ``apply_protocol`` when matrix ``i`` is cut into tiles.
+
+    ``plans[i] = (tiles, local)``: with ``local`` the tiles index this rank's shard and are computed
+    from it (no communication); otherwise the full matrix is gathered, tiles index it, and each
+    tile's ``s_t / s`` is folded into the full ``O``, of which this rank keeps its shard. All tiles of
+    all matrices go to one ``orthogonalize_fn`` call (equal shapes batched). ``finish(i, tiles, outs)``
+    may transform matrix ``i``'s tile directions (NorMuon's row normalization).
+    """
+    tau = group["tau"]
+    srcs, spans = [], []
+    for p, ut, (tiles, local) in zip(active, u, plans):
+        src = ut if local else C.gather_full(ut, p)
+        spans.append((len(srcs), src.shape))
+        srcs.extend(src if t == WHOLE else src[t] for t in tiles)
+    outs = orthogonalize_fn(srcs)
+    targets, updates, scales = [], [], []
+    for i, (p, pl, (tiles, local)) in enumerate(zip(active, params, plans)):
+        first, (m, n) = spans[i]
+        mine = outs[first:first + len(tiles)]
+        if finish is not None:
+            mine = finish(i, tiles, mine)
+        tile_scales = [C.update_scale(_extent(rs, m), _extent(cs, n), tau) for rs, cs in tiles]
+        if local or not is_dtensor(p):
+            for t, o, st in zip(tiles, mine, tile_scales):
+                targets.append(pl if t == WHOLE else pl[t])
+                updates.append(o)
+                scales.append(st)
+        elif tiles == [WHOLE]:
+            targets.append(pl)
+            updates.append(C.local_slice(mine[0], p))
+            scales.append(tile_scales[0])
+        else:  # tiles of a gathered matrix: one full O against the matrix's s, this rank's shard of it
+            s = C.update_scale(m, n, tau)
+            full = torch.empty((m, n), dtype=C.upcast(mine[0]).dtype, device=mine[0].device)
+            for t, o, st in zip(tiles, mine, tile_scales):
+                full[t] = o.to(full.dtype) * (st / s)
+            targets.append(pl)
+            updates.append(C.local_slice(full, p))
+            scales.append(s)
+    return targets, updates, scales
