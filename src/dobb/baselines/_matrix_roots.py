@@ -61,12 +61,15 @@ def _fro(x: Tensor) -> Tensor:
 
 
 def inverse_root_eigh(x: Tensor, p: int = 4, eps: float = 0.0, overwrite: bool = False) -> Tensor:
-    """``(X + eps I)^{-1/p}`` by ``eigh``; ``overwrite`` lets it damp ``x`` in place (no copy)."""
-    vals, vecs = torch.linalg.eigh(_damped(x, eps, overwrite))
+    """``(X + eps I)^{-1/p}`` by ``eigh``; ``overwrite`` lets it damp ``x`` in place and then hold
+    ``V diag(w)`` in it (two fewer batch-sized tensors: on a CPU a large one is fresh memory each time)."""
+    a = _damped(x, eps, overwrite)
+    vals, vecs = torch.linalg.eigh(a)
     vals = vals + (eps - vals.amin(dim=-1, keepdim=True).clamp(max=0))
     # Shampoo's shift makes every eigenvalue >= eps; with eps = 0 a zero eigenvalue would give inf
     vals = vals.clamp_min(torch.finfo(vals.dtype).tiny)
-    return (vecs * vals.pow(-1.0 / p).unsqueeze(-2)) @ vecs.mT
+    scaled = torch.mul(vecs, vals.pow(-1.0 / p).unsqueeze(-2), out=a if overwrite else None)
+    return scaled @ vecs.mT
 
 
 # The bytes of working buffers one tile batch of the iterative roots may hold: about one core's L2
