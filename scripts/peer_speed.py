@@ -15,12 +15,21 @@ peer start from the same weights and see the same gradients:
    ``sum(ours) / sum(peer)``; reported: median and IQR over rounds, and each side's median ms
    per step.
 
+**Same numbers** means that difference is at most ``SAME_TOL`` (``same_numbers``); a row above it
+has its ratio reported, not claimed. A peer that fails, or drops ``p.grad`` in ``step()`` without
+``Pair(regrad=True)`` handing it back, is recorded as an error.
+
 Peers that optimize matrices only (``torch.optim.Muon``, the packages' SOAP/DASH/Shampoo/Muon) get
 the matrices, and torch's fused AdamW (betas 0.9/0.95) the LayerNorm, as the AdamW part of ours
 does. Weight decay is 0 (the packages apply it at different points). heavyball runs with
 ``heavyball.utils.compile_mode = None`` (eager: no C++ compiler is assumed on a CPU host).
 
-    PYTHONPATH=src OMP_NUM_THREADS=1 python scripts/peer_speed.py --out docs/results/peers/peer_speed.json
+``shampoo`` is ours matched to pytorch-optimizer's Shampoo (``shampoo_matched``), the peer started at
+step 9 so that both refresh at the first step. ``--layers`` and ``--width`` change the model (the
+issue's: 2 and 768); ``--table`` renders the Markdown table of records (``docs/timing.md``).
+
+    PYTHONPATH=src OMP_NUM_THREADS=1 python scripts/peer_speed.py --out /tmp/peer_speed.json --cases soap
+    python scripts/peer_speed.py --table rec1.json "rec2.json#adamw" --notes notes.json --write docs/timing.md
 """
 from __future__ import annotations
 
@@ -339,15 +348,21 @@ def _fmt_diff(peer: dict) -> str:
 
 def table(records: list[tuple[str, dict]], notes: dict) -> str:
     """The peer-speed table in Markdown from ``(path, record)`` pairs and ``notes``
-    (``{case: {peer: why}}``: why a ratio is above 1.0x, or why a row is not comparable)."""
+    (``{case: {peer: why}}``: why a ratio is above 1.0x, or why a row is not comparable). A path
+    ``file.json#case1,case2`` keeps those cases of the record only."""
     head = ("| ours | peer | layers | ours / peer, median [IQR] (rounds x steps) | ours ms/step | peer ms/step "
             "| same numbers after 3 steps (max rel. diff of the weight change) | record | why above 1.0x, or why "
             "not comparable |")
     rows = [head, "|" + "---|" * 9]
     for path, rec in records:
+        path, _, only = str(path).partition("#")
         layers = rec["settings"]["layers"]
+        rev = rec.get("provenance", {}).get("git_rev", "")[:7]
+        source = f"`{Path(path).name}` ({rev})" if rev else f"`{Path(path).name}`"
         for res in rec["results"]:
             case = res["case"]
+            if only and case not in only.split(","):
+                continue
             for peer, p in res["peers"].items():
                 why = notes.get(case, {}).get(peer, "")
                 if "error" in p or "error" in res:
@@ -361,7 +376,7 @@ def table(records: list[tuple[str, dict]], notes: dict) -> str:
                     if not why and p["ratio"]["median"] > 1.0:
                         why = "**above 1.0x, not explained**"
                 rows.append(f"| `{case}` | {peer} | {layers} | " + " | ".join(cells)
-                            + f" | `{Path(path).name}` | {why or '-'} |")
+                            + f" | {source} | {why or '-'} |")
     return "\n".join(rows)
 
 
@@ -386,13 +401,14 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--layers", type=int, default=LAYERS, help="layers of the four matrices (the issue's: 2)")
     ap.add_argument("--width", type=int, default=WIDTH, help="model width (the issue's: 768; others for smoke runs)")
-    ap.add_argument("--table", nargs="+", metavar="RECORD", help="print the table of these records instead of timing")
+    ap.add_argument("--table", nargs="+", metavar="RECORD",
+                    help="print the table of these records (RECORD#case,case: those cases) instead of timing")
     ap.add_argument("--notes", help="with --table: JSON {case: {peer: why}}")
     ap.add_argument("--write", help="with --table: replace the generated table in this Markdown file")
     args = ap.parse_args(argv)
     if args.table:
         notes = json.loads(Path(args.notes).read_text()) if args.notes else {}
-        text = table([(p, json.loads(Path(p).read_text())) for p in args.table], notes)
+        text = table([(p, json.loads(Path(p.partition("#")[0]).read_text())) for p in args.table], notes)
         if args.write:
             write_table(Path(args.write), text)
         print(text)

@@ -73,6 +73,7 @@ def test_the_table_marks_different_numbers_and_unexplained_ratios(ps):
     assert "bitwise (0)" in rows[0] and "above 1.0x, not explained" in rows[0]
     assert "not the same numbers" in rows[1] and "B takes fewer steps" in rows[1]
     assert "failed: ValueError: x" in rows[2]
+    assert ps.table([("r.json#muon", rec)], {}).count("\n") == 1  # a case filter that keeps nothing
 
 
 def test_write_table_replaces_only_the_generated_block(ps, tmp_path):
