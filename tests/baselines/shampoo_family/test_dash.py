@@ -338,3 +338,65 @@ def test_newton_db_against_the_authors_newton_db_on_the_same_inputs(dash_package
     ours = _rel_err(inverse_root_newton_db(a.float(), 4, 0.0, 100, 1e-4), expected)
     # package: 10 steps 0.27 off, 30 steps 1.4e-3 (its bf16-rounded scale); ours 2e-5
     assert errs[10] > 0.05 and errs[30] < 1e-2 and ours < 1e-3 and ours < errs[30]
+
+
+# ----------------------------------------------------------------------------- in place, same bits
+class _PlainDash(Dash):
+    """Step 3 as plain expressions on whole matrices (the Adam direction over the whole matrix, its
+    tiles by ``to_tiles``, the update reassembled by ``from_tiles`` and added whole): the form the
+    in-place step replaced, kept to pin its bits."""
+
+    def _matrix_step(self, group, active):
+        from dobb.baselines import _common as C
+        from dobb.baselines.dash import NORM_EPS, _factor_views, _flat
+        captured = {}
+        apply = C.apply_protocol
+        C.apply_protocol = lambda *a: captured.setdefault("call", a)  # steps 1-2 as Dash runs them
+        try:
+            super()._matrix_step(group, active)
+        finally:
+            C.apply_protocol = apply
+        b_g, b_a, graft = group["beta_g"], group["beta_graft"], group["graft"]
+        updates = []
+        for p in active:
+            st, m = self.state[p], self.state[p]["momentum"]
+            t, B = st["step"], self._block_size(group, p.shape)
+            specs = tile_specs(*p.shape, B)
+            roots = {k: _factor_views(_flat(st[k]), specs, 1 if k[0] == "L" else 2) for k in ("L_root", "R_root")}
+            bc_g = 1 - b_g ** t if b_g > 0 else 1.0
+            m32 = m.to(_flat(st["L"]).dtype)
+            if graft == "adam":
+                adam = (m32 / bc_g) / ((st["graft_sq"].to(m32.dtype) / (1 - b_a ** t)).sqrt() + group["eps_graft"])
+                norms = [torch.linalg.matrix_norm(a, keepdim=True) for a in to_tiles(adam, B)]
+            tiles = []
+            for i, (mt, lr_, rr_) in enumerate(zip(to_tiles(m32, B), roots["L_root"], roots["R_root"])):
+                u = lr_ @ mt @ rr_
+                if graft == "adam":
+                    u = u * (norms[i] / (torch.linalg.matrix_norm(u, keepdim=True) + NORM_EPS))
+                else:
+                    u = u * (C.update_scale(mt.shape[1], mt.shape[2], group["tau"]) / bc_g)
+                tiles.append(u)
+            updates.append(from_tiles(tiles, *m.shape, B, like=m32))
+        apply(list(active), list(active), updates, [1.0] * len(active), group["lr"], group["weight_decay"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kw", [dict(), dict(graft="none"), dict(beta_g=0.0, beta_lr=1.0)])
+def test_in_place_step_equals_the_plain_expressions_bitwise(dtype, kw):
+    """Every tile layout (full tiles with one and with several tile columns, right and bottom
+    remainders, corner, a matrix smaller than a tile), 12 steps (two refreshes): the in-place step's
+    weights and state are the plain whole-matrix expressions' bit for bit."""
+    shapes = [(40, 37), (48, 40), (32, 48), (16, 20), (8, 20), (20, 16)]
+    ws, grads = problem(shapes, 12, seed=5)
+    results = []
+    for cls in (Dash, _PlainDash):
+        params = [torch.nn.Parameter(w.to(dtype)) for w in ws]
+        opt = cls(params, lr=0.05, weight_decay=0.1, block_size=16, precondition_every=5, **kw)
+        for step_grads in grads:
+            for p, g in zip(params, step_grads):
+                p.grad = (0.01 * g).to(dtype)
+            opt.step()
+        results.append([p.detach().clone() for p in params] + [v for p in params for v in opt.state[p].values()
+                                                                if torch.is_tensor(v)])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

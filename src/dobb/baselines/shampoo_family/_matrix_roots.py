@@ -44,8 +44,15 @@ def _eye_like(x: Tensor) -> Tensor:
     return torch.eye(x.shape[-1], dtype=x.dtype, device=x.device)
 
 
-def _damped(x: Tensor, eps: float) -> Tensor:
-    return x + eps * _eye_like(x) if eps else x.clone()
+def _damped(x: Tensor, eps: float, overwrite: bool = False) -> Tensor:
+    """``X + eps I``: ``eps`` added to the diagonal in place, of a copy (of ``x`` itself with
+    ``overwrite``). The numbers are the broadcast sum's, which re-reads an ``n x n`` identity for
+    every matrix: off the diagonal ``x + 0`` is ``x`` (up to the sign of a zero, which a factor
+    EMA never holds)."""
+    y = x if overwrite else x.clone()
+    if eps:
+        y.diagonal(dim1=-2, dim2=-1).add_(eps)
+    return y
 
 
 def _fro(x: Tensor) -> Tensor:
@@ -53,12 +60,16 @@ def _fro(x: Tensor) -> Tensor:
     return torch.linalg.matrix_norm(x).clamp_min(torch.finfo(x.dtype).tiny).unsqueeze(-1).unsqueeze(-1)
 
 
-def inverse_root_eigh(x: Tensor, p: int = 4, eps: float = 0.0) -> Tensor:
-    vals, vecs = torch.linalg.eigh(_damped(x, eps))
+def inverse_root_eigh(x: Tensor, p: int = 4, eps: float = 0.0, overwrite: bool = False) -> Tensor:
+    """``(X + eps I)^{-1/p}`` by ``eigh``; ``overwrite`` lets it damp ``x`` in place and then hold
+    ``V diag(w)`` in it (two fewer batch-sized tensors: on a CPU a large one is fresh memory each time)."""
+    a = _damped(x, eps, overwrite)
+    vals, vecs = torch.linalg.eigh(a)
     vals = vals + (eps - vals.amin(dim=-1, keepdim=True).clamp(max=0))
     # Shampoo's shift makes every eigenvalue >= eps; with eps = 0 a zero eigenvalue would give inf
     vals = vals.clamp_min(torch.finfo(vals.dtype).tiny)
-    return (vecs * vals.pow(-1.0 / p).unsqueeze(-2)) @ vecs.mT
+    scaled = torch.mul(vecs, vals.pow(-1.0 / p).unsqueeze(-2), out=a if overwrite else None)
+    return scaled @ vecs.mT
 
 
 # The bytes of working buffers one tile batch of the iterative roots may hold: about one core's L2
@@ -160,13 +171,15 @@ def _coupled_sqrt(a: Tensor, steps: int, tol: float | None = None) -> tuple[Tens
 
 
 def inverse_root_newton_db(x: Tensor, p: int = 4, eps: float = 0.0, steps: int = 10,
-                           tol: float | None = None, tile_batch: int | None = None) -> Tensor:
+                           tol: float | None = None, tile_batch: int | None = None,
+                           overwrite: bool = False) -> Tensor:
     """``(X + eps I)^{-1/p}`` for ``p`` in (2, 4) by the coupled Newton-Schulz square root.
 
     ``tol=None`` runs ``steps`` iterations per square root; a number stops each at that residual
     (at most ``steps`` iterations) and warns when a matrix of the batch did not get there. The
     matrices go through in batches of ``tile_batch`` (default: sized by ``TILE_BATCH_BYTES``) that
-    share one set of buffers; the result is written into one output tensor.
+    share one set of buffers; the result is written into one output tensor. ``overwrite`` lets it
+    damp and scale ``x`` in place (no copy of each batch).
     """
     if p not in (2, 4):
         raise ValueError(f"newton-db computes inverse square and fourth roots only (p in (2, 4)), got p={p}")
@@ -180,7 +193,7 @@ def inverse_root_newton_db(x: Tensor, p: int = 4, eps: float = 0.0, steps: int =
     worst = None
     for lo in range(0, k, batch):
         xs = x[lo:lo + batch]
-        a = _damped(xs, eps)
+        a = _damped(xs, eps, overwrite)
         scale = _fro(a)
         a.div_(scale)  # of A / s: A^{1/2} = s^{1/2} Y
         sqrt_a, inv_sqrt_a, r = work.run(a, steps, tol)
@@ -280,13 +293,15 @@ def inverse_root_coupled_newton(x: Tensor, p: int = 4, eps: float = 0.0, steps: 
 
 
 def inverse_root(x: Tensor, method: str, p: int = 4, eps: float = 0.0, steps: int = 10,
-                 tol: float | None = None, tile_batch: int | None = None) -> Tensor:
+                 tol: float | None = None, tile_batch: int | None = None, overwrite: bool = False) -> Tensor:
     """``(X + eps I)^{-1/p}`` of every matrix of ``x`` by ``method`` (one of ``INVERSE_ROOTS``);
-    ``tol`` is newton-db's residual tolerance (``None``: a fixed ``steps``)."""
+    ``tol`` is newton-db's residual tolerance (``None``: a fixed ``steps``). ``overwrite=True``
+    says ``x`` is the caller's scratch: ``eigh`` and ``newton-db`` then damp it in place instead of
+    copying it (the same numbers; ``x`` is left holding intermediate values)."""
     if method == "eigh":
-        return inverse_root_eigh(x, p, eps)
+        return inverse_root_eigh(x, p, eps, overwrite)
     if method == "newton-db":
-        return inverse_root_newton_db(x, p, eps, steps, tol, tile_batch)
+        return inverse_root_newton_db(x, p, eps, steps, tol, tile_batch, overwrite)
     if method == "coupled-newton":
         return inverse_root_coupled_newton(x, p, eps, steps, tile_batch)
     raise ValueError(f"inverse_root must be one of {INVERSE_ROOTS}, got {method!r}")

@@ -108,6 +108,37 @@ def from_tiles(tiles: list[Tensor], m: int, n: int, block_size: int, like: Tenso
     return x
 
 
+def _tile_views(x: Tensor, block_size: int) -> list[Tensor]:
+    """Views into the 2-D ``x`` of its tiles, in ``to_tiles`` order, no copy: the full tiles as
+    ``(a, b, B, B)`` (tile ``(i, j)`` at ``[i, j]``), the remainders as ``(count, rows, cols)``.
+    A contiguous ``(count, rows, cols)`` stack viewed as the same shape lines up with it tile by tile."""
+    m, n = x.shape
+    B = block_size
+    a, r = divmod(m, B)
+    b, c = divmod(n, B)
+    out = []
+    if a and b:
+        out.append(x[:a * B, :b * B].view(a, B, b, B).transpose(1, 2))
+    if a and c:
+        out.append(x[:a * B, b * B:].view(a, B, c))
+    if r and b:
+        out.append(x[a * B:, :b * B].view(r, b, B).transpose(0, 1))
+    if r and c:
+        out.append(x[a * B:, b * B:].unsqueeze(0))
+    return out
+
+
+def _divided_stack(view: Tensor, shape, dtype: torch.dtype, divisor: float) -> Tensor:
+    """``to_tiles(x.to(dtype)) / divisor`` for one tile stack of ``x`` from its ``_tile_views``
+    view: a fresh contiguous ``shape`` stack, written once (element-wise: the same numbers)."""
+    out = torch.empty(shape, dtype=dtype, device=view.device)
+    if view.dtype == dtype:
+        torch.div(view, divisor, out=out.view(view.shape))
+        return out
+    out.view(view.shape).copy_(view)  # the exact widening first, as ``x.to(dtype)`` does
+    return out.div_(divisor)
+
+
 def _factor_views(flat: Tensor, specs, side: int) -> list[Tensor]:
     """``(count, k, k)`` views into a flat factor buffer, ``k`` the tile's rows (side 1) or cols (2)."""
     views, start = [], 0
@@ -255,29 +286,51 @@ class Dash(MatrixOptimizer):
                         dsts.append(r)
         for srcs, dsts in due.values():
             roots = inverse_root(torch.cat(srcs), group["inverse_root"], ROOT, group["eps_inv_root"],
-                                 group["newton_steps"], group["newton_tol"] or None)
+                                 group["newton_steps"], group["newton_tol"] or None, overwrite=True)
             torch._foreach_copy_(dsts, list(roots.split([d.shape[0] for d in dsts])))
 
-        # 3. the preconditioned, grafted (or protocol-scaled) tile updates
-        updates = []
-        for m, st, (B, specs, views) in zip(moms, states, plans):
+        # 3. the preconditioned, grafted (or protocol-scaled) tile updates, tile stack by tile stack,
+        # each added to its tiles of the weight in place (no full-matrix temporaries)
+        params = [to_local(p) for p in active]
+        targets, updates = [], []
+        for w, m, st, (B, specs, views) in zip(params, moms, states, plans):
             t = st["step"]
             bc_g = 1 - b_g ** t if b_g > 0 else 1.0
-            m32 = m.to(_flat(st["L"]).dtype)
+            dtype = _flat(st["L"]).dtype
             if graft == "adam":
-                adam = (m32 / bc_g) / ((to_local(st["graft_sq"]).to(m32.dtype) / (1 - b_a ** t)).sqrt() + group["eps_graft"])
-                norms = [torch.linalg.matrix_norm(a, keepdim=True) for a in to_tiles(adam, B)]
-            tiles = []
-            for i, (mt, lr_, rr_) in enumerate(zip(to_tiles(m32, B), views["L_root"], views["R_root"])):
-                u = lr_ @ mt @ rr_
+                bc_a = 1 - b_a ** t
+                sq_views = _tile_views(to_local(st["graft_sq"]), B)
+                scratch = None
+            # the update goes into the weight's tiles in place; a weight of a narrower dtype gets it as
+            # one fp32 matrix (its rounded add then sees the whole matrix's layout, as it always did)
+            whole = None if w.dtype == dtype else torch.empty(m.shape, dtype=dtype, device=m.device)
+            dest = _tile_views(w if whole is None else whole, B)
+            tiles = zip(to_tiles(m.to(dtype), B), dest, views["L_root"], views["R_root"])
+            for i, (mt, w_t, lr_, rr_) in enumerate(tiles):
+                u = torch.bmm(torch.bmm(lr_, mt), rr_)
                 if graft == "adam":
-                    u = u * (norms[i] / (torch.linalg.matrix_norm(u, keepdim=True) + NORM_EPS))
+                    # (M / bc_g) / (sqrt(A / bc_a) + eps_graft) is element-wise, so the same numbers in any
+                    # layout; its norm (a reduction) is taken in to_tiles' layout of the whole matrix: a
+                    # fresh stack, or, where to_tiles gives a strided view, the same view of a scratch matrix
+                    den = _divided_stack(sq_views[i], mt.shape, dtype, bc_a).sqrt_().add_(group["eps_graft"])
+                    if mt.is_contiguous():
+                        adam = torch.div(mt, bc_g)
+                    else:
+                        scratch = torch.empty(m.shape, dtype=dtype, device=m.device) if scratch is None else scratch
+                        adam = torch.div(mt, bc_g, out=_tile_views(scratch, B)[i].view(mt.shape))
+                    factor = torch.linalg.matrix_norm(adam.div_(den), keepdim=True)
+                    u.mul_(factor.div_(torch.linalg.matrix_norm(u, keepdim=True).add_(NORM_EPS)))
                 else:
-                    u = u * (C.update_scale(mt.shape[1], mt.shape[2], group["tau"]) / bc_g)
-                tiles.append(u)
-            updates.append(from_tiles(tiles, *m.shape, B, like=m32))
-        params = [to_local(p) for p in active]
-        C.apply_protocol(params, params, updates, [1.0] * len(params), group["lr"], group["weight_decay"])
+                    u.mul_(C.update_scale(mt.shape[1], mt.shape[2], group["tau"]) / bc_g)
+                if whole is None:
+                    targets.append(w_t)
+                    updates.append(u.view(w_t.shape))
+                else:
+                    w_t.copy_(u.view(w_t.shape))
+            if whole is not None:
+                targets.append(w)
+                updates.append(whole)
+        C.apply_protocol(params, targets, updates, [1.0] * len(targets), group["lr"], group["weight_decay"])
 
 
 class Shampoo(Dash):
