@@ -44,8 +44,9 @@ from .options import DobbOptions, check_params
 from .schedule import (MAX_CYCLE, Plan, Side, captures, cycle, due, ns_rows, queue_refresh, refresh_period,
                        saved_captures, schedule_of, stagger_offsets, two_sided_layouts)
 from .statistics import DueStat, RefreshBatch, agree, solve
-from .update import (FUSE_MIN_BLOCK_WORK, OneSided, TwoSided, apply_directions, apply_preconditioned_muon,
-                     apply_two_sided, apply_whole_steps, decay_in_update, precondition, whole_step_owner)
+from .update import (FUSE_MIN_BLOCK_WORK, DirectionCache, OneSided, TwoSided, apply_directions,
+                     apply_preconditioned_muon, apply_prepared, apply_two_sided, apply_whole_steps, cacheable,
+                     decay_in_update, precondition, whole_step_owner)
 
 __all__ = ["Dobb", "Side", "Plan", "due", "captures", "saved_captures", "refresh_period",
            "cycle", "stagger_offsets", "two_sided_layouts", "FUSE_MIN_BLOCK_WORK", "OneSided", "TwoSided",
@@ -138,6 +139,8 @@ class Dobb(MatrixOptimizer):
         # one plan per matrix (sides, layouts, period, offset): a cache derived from the param groups,
         # rebuilt after load_state_dict and copies (_rebuild), never saved or copied
         self._plans: dict[torch.Tensor, Plan] = {}
+        # per matrix, its one-sided direction's views and constants (core.update.DirectionCache): derived too
+        self._directions = DirectionCache()
         self._hooks: CaptureHooks | None = None
         self._plain_group = _UNRESOLVED
         self._constructed = False
@@ -202,11 +205,12 @@ class Dobb(MatrixOptimizer):
         raise ValueError(f"heads={group['heads']} finds attention matrices by name: pass model=<the nn.Module> "
                          f"or named parameters ((name, tensor) pairs); {_name_of(p, self._param_names, 0)} has none")
 
-    _derived = ("_plans", "_names_from_model", "_owner")
+    _derived = ("_plans", "_names_from_model", "_owner", "_directions")
 
     def _rebuild(self) -> None:
         """Every plan, from the param groups (after ``load_state_dict``, in a copy)."""
         self._names_from_model = None
+        self._directions = DirectionCache()
         self._plans = {p: plan for g in self._dobb_groups() for p, plan in zip(g["params"], self._group_plans(g))}
 
     def _new_state(self, p: torch.Tensor, group: dict, plan: Plan) -> dict[str, Any]:
@@ -433,14 +437,23 @@ class Dobb(MatrixOptimizer):
         params = [lay.local(p) for lay, p in zip(layouts, active)]
         lr, wd = group["lr"], group["weight_decay"]
         two_sided = group["side"] == "both"
-        # Where the reconstruction runs per matrix in the weight's dtype (CPU), the decay is its
-        # baddbmm's beta: one pass over W instead of a multiply pass and a strided add pass.
-        fused = [not two_sided and group["norm"] != "muon" and decay_in_update(pt, lay, lr=lr, basis_dtype=group["basis_dtype"],
-                                                   product_dtype=group["product_dtype"])
-                 for pt, lay in zip(params, layouts)]
+        every = group["whole_every"]
+        # one-sided, eager, on a CPU: each matrix's direction items are built once and kept (DirectionCache)
+        preps = None
+        if not two_sided and group["norm"] != "muon" and not every and cacheable(params):
+            settings = (group["norm"], group["tau"], group["product_dtype"], group["basis_dtype"])
+            preps = [self._directions.get(lay, lay.local(s["basis"]), ut, pt, settings)
+                     for lay, s, ut, pt in zip(layouts, states, u, params)]
+            # a tensor lr is never fused (decay_in_update)
+            fused = [e.fuse and not isinstance(lr, torch.Tensor) for e in preps]
+        else:
+            # Where the reconstruction runs per matrix in the weight's dtype (CPU), the decay is its
+            # baddbmm's beta: one pass over W instead of a multiply pass and a strided add pass.
+            fused = [not two_sided and group["norm"] != "muon" and decay_in_update(
+                pt, lay, lr=lr, basis_dtype=group["basis_dtype"], product_dtype=group["product_dtype"])
+                for pt, lay in zip(params, layouts)]
         if wd != 0 and not all(fused):
             torch._foreach_mul_([pt for pt, f in zip(params, fused) if not f], 1.0 - lr * wd)
-        every = group["whole_every"]
         whole = [i for i, s in enumerate(states) if every and s["step"] % every == 0]
         if whole:  # whole-matrix steps (every rank of a sharded matrix takes them together: same step count)
             if getattr(self, "_owner", None) is None:  # OwnerMuon's routing and all-to-alls, without its state
@@ -460,6 +473,8 @@ class Dobb(MatrixOptimizer):
                 [TwoSided(plan, s, ut, gt, pt) for plan, s, ut, gt, pt in zip(plans, states, u, grads, params)],
                 lr=lr, tau=group["tau"], basis_dtype=group["basis_dtype"], product_dtype=group["product_dtype"],
                 momentum=mu, beta2=group["beta2"], eps=group["eps"], ns_dtype=group["ns_dtype"])
+        elif preps is not None:
+            apply_prepared(preps, [1.0 - lr * wd if f else None for f in fused], norm=group["norm"], lr=lr)
         else:
             apply_directions([OneSided(lay, lay.local(s["basis"]), ut, pt, 1.0 - lr * wd if f else None)
                               for lay, s, ut, pt, f in zip(layouts, states, u, params, fused)],

@@ -32,7 +32,8 @@ from ..layout import MatrixLayout
 from .statistics import all_reduce_sum_
 
 __all__ = ["FUSE_MIN_BLOCK_WORK", "OneSided", "TwoSided", "decay_in_update", "apply_directions", "apply_two_sided",
-           "apply_preconditioned_muon", "precondition", "apply_whole_steps", "whole_step_owner"]
+           "apply_preconditioned_muon", "precondition", "apply_whole_steps", "whole_step_owner", "Prepared",
+           "prepare_direction", "DirectionCache", "cacheable", "apply_prepared"]
 
 # torch runs baddbmm_ into a strided weight view as one addmm_ per block: a win (one pass over
 # W, no update temporary) for large blocks, launch-bound for small ones (docs/timing.md)
@@ -79,6 +80,76 @@ def decay_in_update(w: Tensor, layout: MatrixLayout, *, lr, basis_dtype: torch.d
     return (w.device.type == "cpu" and not isinstance(lr, torch.Tensor)
             and w.dtype == F.matmul_dtype(basis_dtype, w.device, product_dtype)
             and min([rows * s * s for s in layout.local_sizes if s > 0] or [0]) >= FUSE_MIN_BLOCK_WORK)
+
+
+class Prepared(NamedTuple):
+    """One matrix's one-sided direction as ``apply_directions`` builds it, kept across steps
+    (``DirectionCache``): the ``add_directions_`` items of its runs of equal blocks (views of the
+    weight, the update and the basis; ``factor`` and ``beta`` are set per step), the product
+    ``dtype``, the update scale and whether the decay can be the reconstruction's ``beta``
+    (``decay_in_update`` for a float lr)."""
+
+    tensors: tuple  # (w, u, basis): the local tensors the views are of (the cache's key)
+    ptrs: tuple  # their data pointers: a tensor given new storage (``p.data = ...``) is prepared again
+    settings: tuple  # (norm, tau, product_dtype, basis_dtype)
+    items: tuple  # (Blocks, l2 group) per run
+    dtype: torch.dtype
+    scale: float  # update_scale(m, n, tau)
+    root: float  # sign's sqrt(rows), else 1.0
+    fuse: bool
+
+
+def prepare_direction(layout: MatrixLayout, basis: Tensor, u: Tensor, w: Tensor, *, norm: str, tau: float,
+                      product_dtype, basis_dtype: torch.dtype) -> Prepared:
+    """``Prepared`` of one matrix of a one-sided group: exactly the views ``apply_directions`` takes."""
+    u3, w3, b3 = _oriented(layout.stacked(u), layout), _oriented(layout.stacked(w), layout), layout.stacked(basis)
+    items = []
+    for run in F.block_runs(layout.local_sizes):
+        cols = slice(run.start, run.stop)
+        items.append((F.Blocks(w=w3[:, :, cols], u=u3[:, :, cols], q=F.stack_block_view(b3, run), factor=0.0),
+                      layout.l2_group))
+    return Prepared((w, u, basis), (w.data_ptr(), u.data_ptr(), basis.data_ptr()),
+                    (norm, tau, product_dtype, basis_dtype), tuple(items),
+                    F.matmul_dtype(basis.dtype, basis.device, product_dtype), F.update_scale(*layout.shape, tau),
+                    math.sqrt(layout.rows) if norm == "sign" else 1.0,
+                    decay_in_update(w, layout, lr=0.0, basis_dtype=basis_dtype, product_dtype=product_dtype))
+
+
+class DirectionCache:
+    """Per matrix, its ``Prepared`` direction, reused while the weight, update and basis tensors are the
+    same objects on the same storage and the group's settings are unchanged (a refresh writes the
+    basis in place, so its views stay valid; a load replaces the tensors). A cache derived from the
+    state, never saved or copied: what it saves per matrix and step is the Python and the view
+    operations of building the items again (a dozen dispatches), not any arithmetic."""
+
+    def __init__(self):
+        self.entries: dict[Tensor, Prepared] = {}
+
+    def get(self, layout: MatrixLayout, basis: Tensor, u: Tensor, w: Tensor, settings: tuple) -> Prepared:
+        e = self.entries.get(w)
+        if (e is None or e.tensors[1] is not u or e.tensors[2] is not basis or e.settings != settings
+                or e.ptrs != (w.data_ptr(), u.data_ptr(), basis.data_ptr())):
+            norm, tau, product_dtype, basis_dtype = settings
+            e = self.entries[w] = prepare_direction(layout, basis, u, w, norm=norm, tau=tau,
+                                                    product_dtype=product_dtype, basis_dtype=basis_dtype)
+        return e
+
+
+def cacheable(params: list[Tensor]) -> bool:
+    """Whether a one-sided group's directions may come from a ``DirectionCache``: eager (a compiled
+    step traces the plain path), on a CPU (where ``apply_directions`` runs one call per matrix)."""
+    return not torch.compiler.is_compiling() and all(p.device.type == "cpu" for p in params)
+
+
+def apply_prepared(preps: list[Prepared], decays: list[float | None], *, norm: str, lr) -> None:
+    """``apply_directions`` of matrices whose items are ``preps`` (``DirectionCache``; CPU, one
+    ``add_directions_`` call per run, as there), with ``decays[i]`` the ``beta`` of matrix ``i``."""
+    for e, beta in zip(preps, decays):
+        factor = -lr * e.scale / e.root  # the same expression as apply_directions: the same rounding
+        for blocks, l2_group in e.items:
+            col_sq_sum = (lambda sq, g=l2_group: all_reduce_sum_(sq, g)) if l2_group is not None else None
+            F.add_directions_([F.Blocks(blocks.w, blocks.u, blocks.q, factor, beta)], norm=norm, dtype=e.dtype,
+                              col_sq_sum=col_sq_sum)
 
 
 def _oriented(t: Tensor, layout: MatrixLayout) -> Tensor:
