@@ -94,3 +94,33 @@ def test_direction_cache_follows_new_storage_settings_and_loads(monkeypatch):
     (cached, opt, model), (plain, _, _) = _pair_steps(monkeypatch, 6, mutate=mutate, blocks=2)
     assert all(torch.equal(a, b) for a, b in zip(cached, plain))
     assert all(e.tensors[0] is p for p, e in zip(model.parameters(), opt._directions.entries.values()))
+
+
+@pytest.mark.parametrize("row_sizes,col_sizes", [([12], [20]), ([12], [5, 5, 5, 5]), ([4, 4, 4], [20]),
+                                                 ([5, 4, 3], [7, 7, 6])])
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+def test_two_sided_sign_is_the_functional_update_bitwise(row_sizes, col_sizes, w_dtype):
+    """``two_sided_sign_`` (bases converted once, no copy of a whole-axis product) writes the same bits
+    as ``functional.two_sided_update_`` with ``norm="sign"``: bf16 bases, fp32 products, every mix of
+    one block and several per axis."""
+    from dobb import functional as F
+
+    gen = torch.Generator().manual_seed(0)
+    r, k = sum(row_sizes), sum(col_sizes)
+
+    def basis(sizes):
+        out = torch.zeros(sum(sizes), max(sizes))
+        start = 0
+        for s in sizes:
+            out[start : start + s, :s] = torch.linalg.qr(torch.randn(s, s, generator=gen)).Q
+            start += s
+        return out.bfloat16()
+
+    rows, cols = F.BlockBasis(basis(row_sizes), row_sizes), F.BlockBasis(basis(col_sizes), col_sizes)
+    u = torch.randn(r, k, generator=gen)
+    w = torch.randn(r, k, generator=gen).to(w_dtype)
+    w0, w_ref = w.clone(), w.clone()
+    update.two_sided_sign_(w, u, rows, cols, factor=-0.37, dtype=torch.float32)
+    F.two_sided_update_(w=w_ref, u=u, g=u, rows=rows, cols=cols, factor=-0.37, dtype=torch.float32, norm="sign")
+    assert not torch.equal(w, w0)
+    assert torch.equal(w, w_ref)

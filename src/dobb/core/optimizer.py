@@ -11,8 +11,10 @@ read both by the capture hooks' arming and by the statistic fold. A step
    fold (``statistics.fold_side``; ``statistics.gram_statistic`` for ``source="grad_gram"``) and the
    batched basis solve (``statistics.solve`` over ``functional.refresh_bases``);
 2. ``Dobb._matrix_step`` per param group: the momentum, then ``core.update``: ``apply_directions``
-   (one-sided: the direction via ``functional.add_directions_``) or ``apply_two_sided`` (``side="both"``:
-   ``functional.two_sided_update_``), which choose the kernel and batch equal blocks.
+   (one-sided: the direction via ``functional.add_directions_``; eager on a CPU each matrix's items
+   come from ``core.update.DirectionCache``, built once, through ``apply_prepared``) or
+   ``apply_two_sided`` (``side="both"``: ``functional.two_sided_update_``, with sign
+   ``core.update.two_sided_sign_``, bitwise the same), which choose the kernel and batch equal blocks.
 
 The math on plain tensors is in ``dobb.functional``; where blocks live in ``dobb.layout`` (DTensors:
 ``dobb.sharding``; expert stacks: ``core.experts``; chosen by ``placement.layout_for``); the capture
@@ -442,8 +444,8 @@ class Dobb(MatrixOptimizer):
         preps = None
         if not two_sided and group["norm"] != "muon" and not every and cacheable(params):
             settings = (group["norm"], group["tau"], group["product_dtype"], group["basis_dtype"])
-            preps = [self._directions.get(lay, lay.local(s["basis"]), ut, pt, settings)
-                     for lay, s, ut, pt in zip(layouts, states, u, params)]
+            preps = [self._directions.get(p, lay, lay.local(s["basis"]), ut, pt, settings)
+                     for p, lay, s, ut, pt in zip(active, layouts, states, u, params)]
             # a tensor lr is never fused (decay_in_update)
             fused = [e.fuse and not isinstance(lr, torch.Tensor) for e in preps]
         else:

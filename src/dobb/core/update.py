@@ -33,7 +33,7 @@ from .statistics import all_reduce_sum_
 
 __all__ = ["FUSE_MIN_BLOCK_WORK", "OneSided", "TwoSided", "decay_in_update", "apply_directions", "apply_two_sided",
            "apply_preconditioned_muon", "precondition", "apply_whole_steps", "whole_step_owner", "Prepared",
-           "prepare_direction", "DirectionCache", "cacheable", "apply_prepared"]
+           "prepare_direction", "DirectionCache", "cacheable", "apply_prepared", "two_sided_sign_"]
 
 # torch runs baddbmm_ into a strided weight view as one addmm_ per block: a win (one pass over
 # W, no update temporary) for large blocks, launch-bound for small ones (docs/timing.md)
@@ -123,14 +123,16 @@ class DirectionCache:
     operations of building the items again (a dozen dispatches), not any arithmetic."""
 
     def __init__(self):
-        self.entries: dict[Tensor, Prepared] = {}
+        self.entries: dict[Tensor, Prepared] = {}  # by parameter
 
-    def get(self, layout: MatrixLayout, basis: Tensor, u: Tensor, w: Tensor, settings: tuple) -> Prepared:
-        e = self.entries.get(w)
-        if (e is None or e.tensors[1] is not u or e.tensors[2] is not basis or e.settings != settings
-                or e.ptrs != (w.data_ptr(), u.data_ptr(), basis.data_ptr())):
+    def get(self, param: Tensor, layout: MatrixLayout, basis: Tensor, u: Tensor, w: Tensor, settings: tuple) -> Prepared:
+        """``param``'s entry (the parameter: one entry per matrix whatever its local tensors), prepared
+        again unless ``w``, ``u`` and ``basis`` (local tensors) are the ones it was prepared from."""
+        e = self.entries.get(param)
+        if (e is None or e.tensors[0] is not w or e.tensors[1] is not u or e.tensors[2] is not basis
+                or e.settings != settings or e.ptrs != (w.data_ptr(), u.data_ptr(), basis.data_ptr())):
             norm, tau, product_dtype, basis_dtype = settings
-            e = self.entries[w] = prepare_direction(layout, basis, u, w, norm=norm, tau=tau,
+            e = self.entries[param] = prepare_direction(layout, basis, u, w, norm=norm, tau=tau,
                                                     product_dtype=product_dtype, basis_dtype=basis_dtype)
         return e
 
@@ -205,10 +207,71 @@ def apply_two_sided(mats: list[TwoSided], *, norm: str, lr, tau: float, basis_dt
         v = lin.stacked(state["second_moment"]) if norm == "adam" else None
         w, u, g = lin.stacked(pt), lin.stacked(ut), lin.stacked(gt)
         for e in range(w.shape[0]):
-            two_sided_update_(w=w[e], u=u[e], g=g[e], rows=BlockBasis(bases[0][e], sides[0].layout.local_sizes),
-                              cols=BlockBasis(bases[1][e], sides[1].layout.local_sizes), factor=factor, dtype=dtype,
+            rows = BlockBasis(bases[0][e], sides[0].layout.local_sizes)
+            cols = BlockBasis(bases[1][e], sides[1].layout.local_sizes)
+            if norm == "sign" and u[e].dtype == dtype and u[e].is_contiguous() and not torch.compiler.is_compiling():
+                two_sided_sign_(w[e], u[e], rows, cols, factor=factor, dtype=dtype)
+                continue
+            two_sided_update_(w=w[e], u=u[e], g=g[e], rows=rows, cols=cols, factor=factor, dtype=dtype,
                               norm=norm, v=None if v is None else v[e], step=state["step"] + 1, momentum=momentum,
                               beta2=beta2, eps=eps)
+
+
+def _converted(basis: BlockBasis, dtype: torch.dtype) -> list[tuple]:
+    """``(run, Q)`` per run of equal blocks of one axis, the blocks ``(count, s, s)`` in ``dtype``."""
+    return [(run, F.block_view(basis.basis, run).to(dtype)) for run in F.block_runs(basis.sizes)]
+
+
+def _whole(qs: list[tuple], length: int) -> bool:
+    """Whether ``qs`` is one block over the whole axis (``blocks=1``, ``out_blocks=1``)."""
+    return len(qs) == 1 and qs[0][0].count == 1 and qs[0][0].size == length
+
+
+def _blockwise(x: Tensor, qs: list[tuple], transpose: bool = False, out: Tensor | None = None) -> Tensor:
+    """``functional.blockwise`` with the bases converted beforehand (``_converted``): the same products
+    of the same views, written into ``out`` (default ``empty_like(x)``)."""
+    out = torch.empty_like(x) if out is None else out
+    for run, q in qs:
+        q = q.transpose(-1, -2) if transpose else q
+        xs = x[..., run.start : run.stop].unflatten(-1, (run.count, run.size)).transpose(-3, -2)
+        out[..., run.start : run.stop].unflatten(-1, (run.count, run.size)).transpose(-3, -2).copy_(torch.matmul(xs, q))
+    return out
+
+
+def _whole_product(x: Tensor, qs: list[tuple], transpose: bool = False) -> Tensor:
+    """The one product of ``_blockwise`` over a whole axis (``_whole``), as ``torch.matmul`` returns it:
+    ``(1, r, k)``, contiguous."""
+    run, q = qs[0]
+    q = q.transpose(-1, -2) if transpose else q
+    return torch.matmul(x[..., run.start : run.stop].unflatten(-1, (run.count, run.size)).transpose(-3, -2), q)
+
+
+def two_sided_sign_(w: Tensor, u: Tensor, rows: BlockBasis, cols: BlockBasis, *, factor: float,
+                    dtype: torch.dtype) -> None:
+    """``functional.two_sided_update_`` with ``norm="sign"`` for a contiguous ``u`` in ``dtype``, bit for
+    bit: the same products of the same views, each basis converted to ``dtype`` once (not once per
+    product), and where an axis is one block (``blocks=1`` / ``out_blocks=1``) no copy of a product into a
+    buffer of the same layout. The row side's products come back transposed (``(k, r)``), so the
+    rotation's sign is written straight into the ``(r, k)`` coefficients (one pass for a copy and a
+    sign) and the reconstruction is scaled in its own layout and added through its transpose.
+
+    ``w``, ``u``: ``(r, k)`` oriented (rows axis, cols axis); ``factor`` carries sign's ``1/sqrt(m)``."""
+    r, k = u.shape
+    qr, qc = _converted(rows, dtype), _converted(cols, dtype)
+    # C = Q_rows^T U Q_cols, then sign
+    y = _whole_product(u, qc).view(r, k) if _whole(qc, k) else _blockwise(u, qc)
+    d = torch.empty_like(y)
+    if _whole(qr, r):
+        torch.sign(_whole_product(y.transpose(0, 1), qr).view(k, r).transpose(0, 1), out=d)
+    else:
+        _blockwise(y.transpose(0, 1), qr, out=d.transpose(0, 1)).transpose(0, 1).sign_()
+    # O = Q_rows D Q_cols^T; W += factor * O
+    z = _whole_product(d, qc, transpose=True).view(r, k) if _whole(qc, k) else _blockwise(d, qc, transpose=True)
+    if _whole(qr, r):
+        o = _whole_product(z.transpose(0, 1), qr, transpose=True).view(k, r).mul_(factor).transpose(0, 1)
+    else:
+        o = _blockwise(z.transpose(0, 1), qr, transpose=True).transpose(0, 1).mul_(factor)
+    w.add_(o.to(w.dtype))
 
 
 def apply_preconditioned_muon(mats: list[TwoSided], *, lr, tau: float, basis_dtype: torch.dtype, product_dtype,
