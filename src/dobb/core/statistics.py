@@ -166,6 +166,9 @@ def agree(due: list[DueStat], params: list[torch.Tensor], step_group, check_fini
     return out
 
 
+_NARROW = (torch.float16, torch.bfloat16)  # summed in fp32: a sum in their own dtype overflows early
+
+
 def local_nonfinite(params: list[torch.Tensor]) -> torch.Tensor | None:
     """1.0 for every parameter whose local gradient holds NaN/Inf, else 0.0 (no host sync).
 
@@ -180,9 +183,11 @@ def local_nonfinite(params: list[torch.Tensor]) -> torch.Tensor | None:
     # the sum itself: in fp32 at least, that needs an entry whose square (a norm's) would overflow
     # first. One read of each gradient, the cheapest reduction there is (a norm also squares, and
     # torch._foreach_norm is a loop over the tensors on a CPU anyway).
-    sums = torch.stack([g.sum(dtype=torch.promote_types(g.dtype, torch.float32))
+    sums = torch.stack([g.sum(dtype=torch.float32 if g.dtype in _NARROW else None)
                         for g in (to_local(params[i].grad) for i in with_grad)])
-    bad = torch.isfinite(sums).logical_not_().to(torch.float32)
+    # 0 * x is 0 for a finite x and NaN for NaN or an infinity: 1.0 where the sum is not finite
+    bad = sums.mul(0.0).ne_(0.0)
+    bad = bad if bad.dtype == torch.float32 else bad.to(torch.float32)
     if len(with_grad) == len(params):
         return bad
     flags = torch.zeros(len(params), dtype=torch.float32, device=bad.device)

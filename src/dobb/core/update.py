@@ -197,19 +197,25 @@ def apply_two_sided(mats: list[TwoSided], *, norm: str, lr, tau: float, basis_dt
     """``side="both"``: ``W += factor * Q_rows D Q_cols^T`` (``functional.two_sided_update_``) for
     every matrix of every stack of ``mats`` (an expert stack: each expert with its own bases and
     ``second_moment``)."""
+    eager = not torch.compiler.is_compiling()
     for plan, state, ut, gt, pt in mats:
         lin = plan.layout
         dtype = F.matmul_dtype(basis_dtype, pt.device, product_dtype)
         sides = sorted(plan.sides, key=lambda side: side.layout.blocked_axis)  # (rows side, cols side)
-        bases = [side.layout.stacked(state[side.basis]) for side in sides]
         # sign's 1/sqrt(m) with m = the global output axis (lin.rows), as one-sided Dobb
         factor = -lr * F.update_scale(*lin.shape, tau) / math.sqrt(lin.rows)
+        if norm == "sign" and eager and pt.dim() == 2 and ut.dtype == dtype and ut.is_contiguous():
+            # a 2-D matrix: its local tensors are the stack's only member (no stack views to take)
+            two_sided_sign_(pt, ut, *(BlockBasis(side.layout.local(state[side.basis]), side.layout.local_sizes)
+                                      for side in sides), factor=factor, dtype=dtype)
+            continue
+        bases = [side.layout.stacked(state[side.basis]) for side in sides]
         v = lin.stacked(state["second_moment"]) if norm == "adam" else None
         w, u, g = lin.stacked(pt), lin.stacked(ut), lin.stacked(gt)
         for e in range(w.shape[0]):
             rows = BlockBasis(bases[0][e], sides[0].layout.local_sizes)
             cols = BlockBasis(bases[1][e], sides[1].layout.local_sizes)
-            if norm == "sign" and u[e].dtype == dtype and u[e].is_contiguous() and not torch.compiler.is_compiling():
+            if norm == "sign" and eager and u[e].dtype == dtype and u[e].is_contiguous():
                 two_sided_sign_(w[e], u[e], rows, cols, factor=factor, dtype=dtype)
                 continue
             two_sided_update_(w=w[e], u=u[e], g=g[e], rows=rows, cols=cols, factor=factor, dtype=dtype,
@@ -227,23 +233,26 @@ def _whole(qs: list[tuple], length: int) -> bool:
     return len(qs) == 1 and qs[0][0].count == 1 and qs[0][0].size == length
 
 
+# ``torch.matmul`` of two 3-D tensors with the same batch is ``bmm`` of the same tensors (its expand and
+# reshape are views of the same sizes and strides): called directly, the products are the same calls
+# without five view dispatches each (tests/core/test_update.py checks the bits against functional).
 def _blockwise(x: Tensor, qs: list[tuple], transpose: bool = False, out: Tensor | None = None) -> Tensor:
-    """``functional.blockwise`` with the bases converted beforehand (``_converted``): the same products
-    of the same views, written into ``out`` (default ``empty_like(x)``)."""
+    """``functional.blockwise`` of a 2-D ``x`` with the bases converted beforehand (``_converted``): the
+    same products of the same views, written into ``out`` (default ``empty_like(x)``)."""
     out = torch.empty_like(x) if out is None else out
     for run, q in qs:
         q = q.transpose(-1, -2) if transpose else q
-        xs = x[..., run.start : run.stop].unflatten(-1, (run.count, run.size)).transpose(-3, -2)
-        out[..., run.start : run.stop].unflatten(-1, (run.count, run.size)).transpose(-3, -2).copy_(torch.matmul(xs, q))
+        xs = x[:, run.start : run.stop].unflatten(-1, (run.count, run.size)).transpose(0, 1)
+        out[:, run.start : run.stop].unflatten(-1, (run.count, run.size)).transpose(0, 1).copy_(torch.bmm(xs, q))
     return out
 
 
 def _whole_product(x: Tensor, qs: list[tuple], transpose: bool = False) -> Tensor:
-    """The one product of ``_blockwise`` over a whole axis (``_whole``), as ``torch.matmul`` returns it:
-    ``(1, r, k)``, contiguous."""
+    """The one product of ``_blockwise`` over a whole axis (``_whole``) of a 2-D ``x``, as ``bmm``
+    returns it: ``(1, r, k)``, contiguous."""
     run, q = qs[0]
     q = q.transpose(-1, -2) if transpose else q
-    return torch.matmul(x[..., run.start : run.stop].unflatten(-1, (run.count, run.size)).transpose(-3, -2), q)
+    return torch.bmm(x.unflatten(-1, (1, run.size)).transpose(0, 1), q)
 
 
 def two_sided_sign_(w: Tensor, u: Tensor, rows: BlockBasis, cols: BlockBasis, *, factor: float,
