@@ -47,7 +47,7 @@ def _pair_steps(monkeypatch, steps, *, mutate=None, **options):
     out = []
     for cached in (True, False):
         if not cached:
-            monkeypatch.setattr(core_optimizer, "cacheable", lambda params: False)
+            monkeypatch.setattr(update, "cacheable", lambda params: False)
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(24, 40, bias=False), torch.nn.Linear(40, 40, bias=False),
                                     torch.nn.Linear(40, 9, bias=False))

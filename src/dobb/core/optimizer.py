@@ -11,10 +11,8 @@ read both by the capture hooks' arming and by the statistic fold. A step
    fold (``statistics.fold_side``; ``statistics.gram_statistic`` for ``source="grad_gram"``) and the
    batched basis solve (``statistics.solve`` over ``functional.refresh_bases``);
 2. ``Dobb._matrix_step`` per param group: the momentum, then ``core.update``: ``apply_directions``
-   (one-sided: the direction via ``functional.add_directions_``; eager on a CPU each matrix's items
-   come from ``core.update.DirectionCache``, built once, through ``apply_prepared``) or
-   ``apply_two_sided`` (``side="both"``: ``functional.two_sided_update_``, with sign
-   ``core.update.two_sided_sign_``, bitwise the same), which choose the kernel and batch equal blocks.
+   (one-sided: ``functional.add_directions_``, its items built once per matrix on a CPU: ``DirectionCache``)
+   or ``apply_two_sided`` (``side="both"``: ``functional.two_sided_update_``), which choose the kernel.
 
 The math on plain tensors is in ``dobb.functional``; where blocks live in ``dobb.layout`` (DTensors:
 ``dobb.sharding``; expert stacks: ``core.experts``; chosen by ``placement.layout_for``); the capture
@@ -47,8 +45,8 @@ from .schedule import (MAX_CYCLE, Plan, Side, captures, cycle, due, ns_rows, que
                        saved_captures, schedule_of, stagger_offsets, two_sided_layouts)
 from .statistics import DueStat, RefreshBatch, agree, solve
 from .update import (FUSE_MIN_BLOCK_WORK, DirectionCache, OneSided, TwoSided, apply_directions,
-                     apply_preconditioned_muon, apply_prepared, apply_two_sided, apply_whole_steps, cacheable,
-                     decay_in_update, precondition, whole_step_owner)
+                     apply_preconditioned_muon, apply_prepared, apply_two_sided, apply_whole_steps, decay_in_update,
+                     fused_decays, precondition, prepared_directions, whole_step_owner)
 
 __all__ = ["Dobb", "Side", "Plan", "due", "captures", "saved_captures", "refresh_period",
            "cycle", "stagger_offsets", "two_sided_layouts", "FUSE_MIN_BLOCK_WORK", "OneSided", "TwoSided",
@@ -141,8 +139,7 @@ class Dobb(MatrixOptimizer):
         # one plan per matrix (sides, layouts, period, offset): a cache derived from the param groups,
         # rebuilt after load_state_dict and copies (_rebuild), never saved or copied
         self._plans: dict[torch.Tensor, Plan] = {}
-        # per matrix, its one-sided direction's views and constants (core.update.DirectionCache): derived too
-        self._directions = DirectionCache()
+        self._directions = DirectionCache()  # per matrix, its direction's views (core.update): derived too
         self._hooks: CaptureHooks | None = None
         self._plain_group = _UNRESOLVED
         self._constructed = False
@@ -440,20 +437,9 @@ class Dobb(MatrixOptimizer):
         lr, wd = group["lr"], group["weight_decay"]
         two_sided = group["side"] == "both"
         every = group["whole_every"]
-        # one-sided, eager, on a CPU: each matrix's direction items are built once and kept (DirectionCache)
-        preps = None
-        if not two_sided and group["norm"] != "muon" and not every and cacheable(params):
-            settings = (group["norm"], group["tau"], group["product_dtype"], group["basis_dtype"])
-            preps = [self._directions.get(p, lay, lay.local(s["basis"]), ut, pt, settings)
-                     for p, lay, s, ut, pt in zip(active, layouts, states, u, params)]
-            # a tensor lr is never fused (decay_in_update)
-            fused = [e.fuse and not isinstance(lr, torch.Tensor) for e in preps]
-        else:
-            # Where the reconstruction runs per matrix in the weight's dtype (CPU), the decay is its
-            # baddbmm's beta: one pass over W instead of a multiply pass and a strided add pass.
-            fused = [not two_sided and group["norm"] != "muon" and decay_in_update(
-                pt, lay, lr=lr, basis_dtype=group["basis_dtype"], product_dtype=group["product_dtype"])
-                for pt, lay in zip(params, layouts)]
+        preps = (None if two_sided or group["norm"] == "muon" or every else  # one-sided, eager, on a CPU
+                 prepared_directions(self._directions, group, active, layouts, states, u, params))
+        fused = fused_decays(group, preps, params, layouts)
         if wd != 0 and not all(fused):
             torch._foreach_mul_([pt for pt, f in zip(params, fused) if not f], 1.0 - lr * wd)
         whole = [i for i, s in enumerate(states) if every and s["step"] % every == 0]

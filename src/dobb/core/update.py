@@ -33,7 +33,8 @@ from .statistics import all_reduce_sum_
 
 __all__ = ["FUSE_MIN_BLOCK_WORK", "OneSided", "TwoSided", "decay_in_update", "apply_directions", "apply_two_sided",
            "apply_preconditioned_muon", "precondition", "apply_whole_steps", "whole_step_owner", "Prepared",
-           "prepare_direction", "DirectionCache", "cacheable", "apply_prepared", "two_sided_sign_"]
+           "prepare_direction", "DirectionCache", "cacheable", "prepared_directions", "fused_decays",
+           "apply_prepared", "two_sided_sign_"]
 
 # torch runs baddbmm_ into a strided weight view as one addmm_ per block: a win (one pass over
 # W, no update temporary) for large blocks, launch-bound for small ones (docs/timing.md)
@@ -141,6 +142,30 @@ def cacheable(params: list[Tensor]) -> bool:
     """Whether a one-sided group's directions may come from a ``DirectionCache``: eager (a compiled
     step traces the plain path), on a CPU (where ``apply_directions`` runs one call per matrix)."""
     return not torch.compiler.is_compiling() and all(p.device.type == "cpu" for p in params)
+
+
+def prepared_directions(cache: DirectionCache, group: dict, active: list[Tensor], layouts: list, states: list[dict],
+                        u: list[Tensor], params: list[Tensor]) -> list[Prepared] | None:
+    """The ``Prepared`` of every matrix of a one-sided group (parameters ``active``, local update ``u``
+    and weights ``params``) from ``cache``, or None where the cache does not apply (``cacheable``)."""
+    if not cacheable(params):
+        return None
+    settings = (group["norm"], group["tau"], group["product_dtype"], group["basis_dtype"])
+    return [cache.get(p, lay, lay.local(s["basis"]), ut, pt, settings)
+            for p, lay, s, ut, pt in zip(active, layouts, states, u, params)]
+
+
+def fused_decays(group: dict, preps: list[Prepared] | None, params: list[Tensor], layouts: list) -> list[bool]:
+    """Per matrix of ``group`` (local weights ``params``), whether its weight decay is the ``beta`` of its
+    reconstruction ``baddbmm`` (``decay_in_update``: one pass over ``W`` instead of a multiply pass and a
+    strided add pass), read from its ``Prepared`` where ``preps`` holds them; never for ``side="both"``
+    or ``norm="muon"``. A tensor lr is never fused."""
+    lr = group["lr"]
+    if preps is not None:
+        return [e.fuse and not isinstance(lr, torch.Tensor) for e in preps]
+    return [group["side"] != "both" and group["norm"] != "muon" and decay_in_update(
+        pt, lay, lr=lr, basis_dtype=group["basis_dtype"], product_dtype=group["product_dtype"])
+        for pt, lay in zip(params, layouts)]
 
 
 def apply_prepared(preps: list[Prepared], decays: list[float | None], *, norm: str, lr) -> None:
