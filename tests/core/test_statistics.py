@@ -39,8 +39,10 @@ def test_sum_bucket_without_group_hands_back_the_segments_in_order():
     assert [o.shape for o in out] == [a.shape, b.shape, c.shape]
     assert all(o.dtype == torch.float64 for o in out)
     assert torch.equal(out[0], a.double()) and torch.equal(out[1], b.double()) and torch.equal(out[2], c.double())
-    # one flat buffer behind all of them (one collective when there is a group)
-    assert len({o.untyped_storage().data_ptr() for o in out}) == 1
+    # no flat buffer without a group: a segment already in the bucket's dtype is handed back itself
+    same = SumBucket(None, torch.float32, torch.device("cpu"))
+    same.add(a)
+    assert same.reduce("stat")[0] is a
 
 
 def test_sum_bucket_is_one_all_reduce_tagged_with_its_kind():
@@ -123,6 +125,14 @@ def test_a_nonfinite_gradient_is_reported_before_any_statistic():
     assert out.nonfinite == (1, 1) and out.stats == ({}, {})
     assert agree(due, [w1, w2], None, check_finite=False).nonfinite is None
     assert local_nonfinite([w1, w2]).tolist() == [0.0, 1.0]
+    w2.grad[1, 2], w1.grad[0, 0] = float("inf"), float("-inf")
+    assert local_nonfinite([w1, w2]).tolist() == [1.0, 1.0]
+    w1.grad = None
+    assert local_nonfinite([w1, w2]).tolist() == [0.0, 1.0]  # a parameter without a gradient is finite
+    # fp16 gradients whose sum exceeds fp16's range (65504) are finite: the sum is taken in fp32
+    w3 = torch.nn.Parameter(torch.zeros(4, 6, dtype=torch.float16))
+    w3.grad = torch.full_like(w3, 60000.0)
+    assert local_nonfinite([w1, w3]).tolist() == [0.0, 0.0]
     w1.grad = w2.grad = None
     assert local_nonfinite([w1, w2]).tolist() == [0.0, 0.0]  # no gradient here: still takes part
 
@@ -261,6 +271,14 @@ def test_solve_without_shared_groups_is_refresh_bases():
         blocks.append((a, torch.linalg.qr(torch.randn(b, s, s, generator=gen)).Q, exact))
     out = solve([RefreshBatch(1, "householder", torch.float32, blocks, [None] * 3)])
     ref = F.refresh_bases(blocks, 1, "householder")
+    assert all(torch.equal(o, r) for o, r in zip(out[0], ref))
+    # one request per block size and rule: solved from its own tensors (no concatenation), bitwise the same;
+    # the basis in bf16 as the optimizer keeps it, a statistic that is a view of a wider state
+    state = blocks[0][0].new_zeros(3, 4, 4)
+    state[1:] = blocks[0][0]
+    lone = [(state[1:], blocks[0][1].bfloat16(), False), blocks[1]]
+    out = solve([RefreshBatch(2, "householder", torch.bfloat16, lone, [None] * 2)])
+    ref = F.refresh_bases(lone, 2, "householder")
     assert all(torch.equal(o, r) for o, r in zip(out[0], ref))
 
 

@@ -11,8 +11,8 @@ read both by the capture hooks' arming and by the statistic fold. A step
    fold (``statistics.fold_side``; ``statistics.gram_statistic`` for ``source="grad_gram"``) and the
    batched basis solve (``statistics.solve`` over ``functional.refresh_bases``);
 2. ``Dobb._matrix_step`` per param group: the momentum, then ``core.update``: ``apply_directions``
-   (one-sided: the direction via ``functional.add_directions_``) or ``apply_two_sided`` (``side="both"``:
-   ``functional.two_sided_update_``), which choose the kernel and batch equal blocks.
+   (one-sided: ``functional.add_directions_``, its items built once per matrix on a CPU: ``DirectionCache``)
+   or ``apply_two_sided`` (``side="both"``: ``functional.two_sided_update_``), which choose the kernel.
 
 The math on plain tensors is in ``dobb.functional``; where blocks live in ``dobb.layout`` (DTensors:
 ``dobb.sharding``; expert stacks: ``core.experts``; chosen by ``placement.layout_for``); the capture
@@ -44,8 +44,9 @@ from .options import DobbOptions, check_params
 from .schedule import (MAX_CYCLE, Plan, Side, captures, cycle, due, ns_rows, queue_refresh, refresh_period,
                        saved_captures, schedule_of, stagger_offsets, two_sided_layouts)
 from .statistics import DueStat, RefreshBatch, agree, solve
-from .update import (FUSE_MIN_BLOCK_WORK, OneSided, TwoSided, apply_directions, apply_preconditioned_muon,
-                     apply_two_sided, apply_whole_steps, decay_in_update, precondition, whole_step_owner)
+from .update import (FUSE_MIN_BLOCK_WORK, DirectionCache, OneSided, TwoSided, apply_directions,
+                     apply_preconditioned_muon, apply_prepared, apply_two_sided, apply_whole_steps, decay_in_update,
+                     fused_decays, precondition, prepared_directions, whole_step_owner)
 
 __all__ = ["Dobb", "Side", "Plan", "due", "captures", "saved_captures", "refresh_period",
            "cycle", "stagger_offsets", "two_sided_layouts", "FUSE_MIN_BLOCK_WORK", "OneSided", "TwoSided",
@@ -137,6 +138,7 @@ class Dobb(MatrixOptimizer):
         self._stat_group = stat_group
         # one plan per matrix (sides, layouts, period, offset) lives in self._plans: derived state of
         # MatrixOptimizer, built by _group_plans with each group, rebuilt after load_state_dict and copies
+        self._directions = DirectionCache()  # per matrix, its direction's views (core.update): derived too
         self._hooks: CaptureHooks | None = None
         self._plain_group = _UNRESOLVED
         self._constructed = False
@@ -200,11 +202,12 @@ class Dobb(MatrixOptimizer):
         raise ValueError(f"heads={group['heads']} finds attention matrices by name: pass model=<the nn.Module> "
                          f"or named parameters ((name, tensor) pairs); {_name_of(p, self._param_names, 0)} has none")
 
-    _derived = ("_plans", "_names_from_model", "_owner")
+    _derived = ("_plans", "_names_from_model", "_owner", "_directions")
 
     def _rebuild(self) -> None:
         """Every plan, from the param groups (after ``load_state_dict``, in a copy)."""
         self._names_from_model = None
+        self._directions = DirectionCache()
         super()._rebuild()
 
     def _new_state(self, p: torch.Tensor, group: dict, plan: Plan) -> dict[str, Any]:
@@ -431,14 +434,12 @@ class Dobb(MatrixOptimizer):
         params = [lay.local(p) for lay, p in zip(layouts, active)]
         lr, wd = group["lr"], group["weight_decay"]
         two_sided = group["side"] == "both"
-        # Where the reconstruction runs per matrix in the weight's dtype (CPU), the decay is its
-        # baddbmm's beta: one pass over W instead of a multiply pass and a strided add pass.
-        fused = [not two_sided and group["norm"] != "muon" and decay_in_update(pt, lay, lr=lr, basis_dtype=group["basis_dtype"],
-                                                   product_dtype=group["product_dtype"])
-                 for pt, lay in zip(params, layouts)]
+        every = group["whole_every"]
+        preps = (None if two_sided or group["norm"] == "muon" or every else  # one-sided, eager, on a CPU
+                 prepared_directions(self._directions, group, active, layouts, states, u, params))
+        fused = fused_decays(group, preps, params, layouts)
         if wd != 0 and not all(fused):
             torch._foreach_mul_([pt for pt, f in zip(params, fused) if not f], 1.0 - lr * wd)
-        every = group["whole_every"]
         whole = [i for i, s in enumerate(states) if every and s["step"] % every == 0]
         if whole:  # whole-matrix steps (every rank of a sharded matrix takes them together: same step count)
             if getattr(self, "_owner", None) is None:  # OwnerMuon's routing and all-to-alls, without its state
@@ -458,6 +459,8 @@ class Dobb(MatrixOptimizer):
                 [TwoSided(plan, s, ut, gt, pt) for plan, s, ut, gt, pt in zip(plans, states, u, grads, params)],
                 lr=lr, tau=group["tau"], basis_dtype=group["basis_dtype"], product_dtype=group["product_dtype"],
                 momentum=mu, beta2=group["beta2"], eps=group["eps"], ns_dtype=group["ns_dtype"])
+        elif preps is not None:
+            apply_prepared(preps, [1.0 - lr * wd if f else None for f in fused], norm=group["norm"], lr=lr)
         else:
             apply_directions([OneSided(lay, lay.local(s["basis"]), ut, pt, 1.0 - lr * wd if f else None)
                               for lay, s, ut, pt, f in zip(layouts, states, u, params, fused)],

@@ -69,9 +69,13 @@ class SumBucket:
         return len(self.parts) - 1
 
     def reduce(self, kind: str) -> list[torch.Tensor]:
+        """The segments summed over the group, in the bucket's dtype and device. Without a group the
+        sum is each segment itself: no flat buffer is written (a segment already in the bucket's
+        dtype and device comes back as it is, not a copy)."""
+        if self.group is None:
+            return [t.to(device=self.device, dtype=self.dtype) for t in self.parts]
         flat = torch.cat([t.reshape(-1).to(device=self.device, dtype=self.dtype) for t in self.parts])
-        if self.group is not None:  # (a step without one never enters collectives: the room's seven files)
-            collectives.all_reduce_sum_(flat, self.group, kind)
+        collectives.all_reduce_sum_(flat, self.group, kind)
         sizes = [t.numel() for t in self.parts]
         return [v.view(t.shape) for v, t in zip(flat.split(sizes), self.parts)]
 
@@ -161,6 +165,9 @@ def agree(due: list[DueStat], params: list[torch.Tensor], step_group, check_fini
     return out
 
 
+_NARROW = (torch.float16, torch.bfloat16)  # summed in fp32: a sum in their own dtype overflows early
+
+
 def local_nonfinite(params: list[torch.Tensor]) -> torch.Tensor | None:
     """1.0 for every parameter whose local gradient holds NaN/Inf, else 0.0 (no host sync).
 
@@ -171,9 +178,19 @@ def local_nonfinite(params: list[torch.Tensor]) -> torch.Tensor | None:
         return None
     if not with_grad:
         return torch.zeros(len(params), dtype=torch.float32, device=to_local(params[0]).device)
-    norms = torch.stack(torch._foreach_norm([to_local(params[i].grad) for i in with_grad]))
-    flags = torch.zeros(len(params), dtype=torch.float32, device=norms.device)
-    flags[with_grad] = (~torch.isfinite(norms)).to(torch.float32)
+    # A sum is finite iff every entry is (NaN and opposite infinities give NaN), barring an overflow of
+    # the sum itself: in fp32 at least, that needs an entry whose square (a norm's) would overflow
+    # first. One read of each gradient, the cheapest reduction there is (a norm also squares, and
+    # torch._foreach_norm is a loop over the tensors on a CPU anyway).
+    sums = torch.stack([g.sum(dtype=torch.float32 if g.dtype in _NARROW else None)
+                        for g in (to_local(params[i].grad) for i in with_grad)])
+    # 0 * x is 0 for a finite x and NaN for NaN or an infinity: 1.0 where the sum is not finite
+    bad = sums.mul(0.0).ne_(0.0)
+    bad = bad if bad.dtype == torch.float32 else bad.to(torch.float32)
+    if len(with_grad) == len(params):
+        return bad
+    flags = torch.zeros(len(params), dtype=torch.float32, device=bad.device)
+    flags[with_grad] = bad
     return flags
 
 
@@ -291,7 +308,7 @@ def solve(batches: list[RefreshBatch]) -> list[list[torch.Tensor]]:
             key = (tuple(sorted(group_ranks(g))), str(b.basis_dtype))
             handles[key] = (g, b.basis_dtype)
             units.setdefault(key, []).extend((bi, ri, j) for j in range(a.shape[0]))
-        for ri, q in zip(local, F.refresh_bases([b.blocks[ri] for ri in local], b.ortho_steps, b.qr)):
+        for ri, q in zip(local, refresh_local([b.blocks[ri] for ri in local], b.ortho_steps, b.qr)):
             out[bi][ri] = q
     parts: dict[tuple[int, int], dict[int, torch.Tensor]] = {}
     for key in sorted(units):  # the same order on every rank
@@ -300,6 +317,25 @@ def solve(batches: list[RefreshBatch]) -> list[list[torch.Tensor]]:
             parts.setdefault((bi, ri), {})[j] = q
     for (bi, ri), blocks in parts.items():
         out[bi][ri] = torch.stack([blocks[j] for j in range(len(blocks))])
+    return out
+
+
+def refresh_local(blocks: list[tuple[torch.Tensor, torch.Tensor, bool]], ortho_steps: int,
+                  qr: str) -> list[torch.Tensor]:
+    """``functional.refresh_bases`` of ``blocks``, bitwise, without its concatenation where a batch
+    (block size and rule) holds one request whose statistic is contiguous: the solve then reads the
+    request's own tensors (a concatenation of one tensor is a contiguous copy of it, so the products
+    see the same values in the same layout)."""
+    groups: dict[tuple[int, bool], list[int]] = {}
+    for i, (a, _, exact) in enumerate(blocks):
+        groups.setdefault((a.shape[-1], exact), []).append(i)
+    if any(len(idx) > 1 or not blocks[idx[0]][0].is_contiguous() for idx in groups.values()):
+        return F.refresh_bases(blocks, ortho_steps, qr)
+    out: list[torch.Tensor] = [None] * len(blocks)  # type: ignore[list-item]
+    for (_, exact), (i,) in groups.items():
+        a, q0, _ = blocks[i]
+        a = a.to(torch.promote_types(a.dtype, torch.float32))
+        out[i] = F.eigh_basis(a) if exact else F.orthogonal_iteration(a, q0.contiguous(), ortho_steps, qr)
     return out
 
 

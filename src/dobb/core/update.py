@@ -32,7 +32,9 @@ from ..layout import MatrixLayout
 from .statistics import all_reduce_sum_
 
 __all__ = ["FUSE_MIN_BLOCK_WORK", "OneSided", "TwoSided", "decay_in_update", "apply_directions", "apply_two_sided",
-           "apply_preconditioned_muon", "precondition", "apply_whole_steps", "whole_step_owner"]
+           "apply_preconditioned_muon", "precondition", "apply_whole_steps", "whole_step_owner", "Prepared",
+           "prepare_direction", "DirectionCache", "cacheable", "prepared_directions", "fused_decays",
+           "apply_prepared", "two_sided_sign_"]
 
 # torch runs baddbmm_ into a strided weight view as one addmm_ per block: a win (one pass over
 # W, no update temporary) for large blocks, launch-bound for small ones (docs/timing.md)
@@ -81,6 +83,102 @@ def decay_in_update(w: Tensor, layout: MatrixLayout, *, lr, basis_dtype: torch.d
             and min([rows * s * s for s in layout.local_sizes if s > 0] or [0]) >= FUSE_MIN_BLOCK_WORK)
 
 
+class Prepared(NamedTuple):
+    """One matrix's one-sided direction as ``apply_directions`` builds it, kept across steps
+    (``DirectionCache``): the ``add_directions_`` items of its runs of equal blocks (views of the
+    weight, the update and the basis; ``factor`` and ``beta`` are set per step), the product
+    ``dtype``, the update scale and whether the decay can be the reconstruction's ``beta``
+    (``decay_in_update`` for a float lr)."""
+
+    tensors: tuple  # (w, u, basis): the local tensors the views are of (the cache's key)
+    ptrs: tuple  # their data pointers: a tensor given new storage (``p.data = ...``) is prepared again
+    settings: tuple  # (norm, tau, product_dtype, basis_dtype)
+    items: tuple  # (Blocks, l2 group) per run
+    dtype: torch.dtype
+    scale: float  # update_scale(m, n, tau)
+    root: float  # sign's sqrt(rows), else 1.0
+    fuse: bool
+
+
+def prepare_direction(layout: MatrixLayout, basis: Tensor, u: Tensor, w: Tensor, *, norm: str, tau: float,
+                      product_dtype, basis_dtype: torch.dtype) -> Prepared:
+    """``Prepared`` of one matrix of a one-sided group: exactly the views ``apply_directions`` takes."""
+    u3, w3, b3 = _oriented(layout.stacked(u), layout), _oriented(layout.stacked(w), layout), layout.stacked(basis)
+    items = []
+    for run in F.block_runs(layout.local_sizes):
+        cols = slice(run.start, run.stop)
+        items.append((F.Blocks(w=w3[:, :, cols], u=u3[:, :, cols], q=F.stack_block_view(b3, run), factor=0.0),
+                      layout.l2_group))
+    return Prepared((w, u, basis), (w.data_ptr(), u.data_ptr(), basis.data_ptr()),
+                    (norm, tau, product_dtype, basis_dtype), tuple(items),
+                    F.matmul_dtype(basis.dtype, basis.device, product_dtype), F.update_scale(*layout.shape, tau),
+                    math.sqrt(layout.rows) if norm == "sign" else 1.0,
+                    decay_in_update(w, layout, lr=0.0, basis_dtype=basis_dtype, product_dtype=product_dtype))
+
+
+class DirectionCache:
+    """Per matrix, its ``Prepared`` direction, reused while the weight, update and basis tensors are the
+    same objects on the same storage and the group's settings are unchanged (a refresh writes the
+    basis in place, so its views stay valid; a load replaces the tensors). A cache derived from the
+    state, never saved or copied: what it saves per matrix and step is the Python and the view
+    operations of building the items again (a dozen dispatches), not any arithmetic."""
+
+    def __init__(self):
+        self.entries: dict[Tensor, Prepared] = {}  # by parameter
+
+    def get(self, param: Tensor, layout: MatrixLayout, basis: Tensor, u: Tensor, w: Tensor, settings: tuple) -> Prepared:
+        """``param``'s entry (the parameter: one entry per matrix whatever its local tensors), prepared
+        again unless ``w``, ``u`` and ``basis`` (local tensors) are the ones it was prepared from."""
+        e = self.entries.get(param)
+        if (e is None or e.tensors[0] is not w or e.tensors[1] is not u or e.tensors[2] is not basis
+                or e.settings != settings or e.ptrs != (w.data_ptr(), u.data_ptr(), basis.data_ptr())):
+            norm, tau, product_dtype, basis_dtype = settings
+            e = self.entries[param] = prepare_direction(layout, basis, u, w, norm=norm, tau=tau,
+                                                    product_dtype=product_dtype, basis_dtype=basis_dtype)
+        return e
+
+
+def cacheable(params: list[Tensor]) -> bool:
+    """Whether a one-sided group's directions may come from a ``DirectionCache``: eager (a compiled
+    step traces the plain path), on a CPU (where ``apply_directions`` runs one call per matrix)."""
+    return not torch.compiler.is_compiling() and all(p.device.type == "cpu" for p in params)
+
+
+def prepared_directions(cache: DirectionCache, group: dict, active: list[Tensor], layouts: list, states: list[dict],
+                        u: list[Tensor], params: list[Tensor]) -> list[Prepared] | None:
+    """The ``Prepared`` of every matrix of a one-sided group (parameters ``active``, local update ``u``
+    and weights ``params``) from ``cache``, or None where the cache does not apply (``cacheable``)."""
+    if not cacheable(params):
+        return None
+    settings = (group["norm"], group["tau"], group["product_dtype"], group["basis_dtype"])
+    return [cache.get(p, lay, lay.local(s["basis"]), ut, pt, settings)
+            for p, lay, s, ut, pt in zip(active, layouts, states, u, params)]
+
+
+def fused_decays(group: dict, preps: list[Prepared] | None, params: list[Tensor], layouts: list) -> list[bool]:
+    """Per matrix of ``group`` (local weights ``params``), whether its weight decay is the ``beta`` of its
+    reconstruction ``baddbmm`` (``decay_in_update``: one pass over ``W`` instead of a multiply pass and a
+    strided add pass), read from its ``Prepared`` where ``preps`` holds them; never for ``side="both"``
+    or ``norm="muon"``. A tensor lr is never fused."""
+    lr = group["lr"]
+    if preps is not None:
+        return [e.fuse and not isinstance(lr, torch.Tensor) for e in preps]
+    return [group["side"] != "both" and group["norm"] != "muon" and decay_in_update(
+        pt, lay, lr=lr, basis_dtype=group["basis_dtype"], product_dtype=group["product_dtype"])
+        for pt, lay in zip(params, layouts)]
+
+
+def apply_prepared(preps: list[Prepared], decays: list[float | None], *, norm: str, lr) -> None:
+    """``apply_directions`` of matrices whose items are ``preps`` (``DirectionCache``; CPU, one
+    ``add_directions_`` call per run, as there), with ``decays[i]`` the ``beta`` of matrix ``i``."""
+    for e, beta in zip(preps, decays):
+        factor = -lr * e.scale / e.root  # the same expression as apply_directions: the same rounding
+        for blocks, l2_group in e.items:
+            col_sq_sum = (lambda sq, g=l2_group: all_reduce_sum_(sq, g)) if l2_group is not None else None
+            F.add_directions_([F.Blocks(blocks.w, blocks.u, blocks.q, factor, beta)], norm=norm, dtype=e.dtype,
+                              col_sq_sum=col_sq_sum)
+
+
 def _oriented(t: Tensor, layout: MatrixLayout) -> Tensor:
     """A stack ``(E, m, n)`` with the blocked axis last."""
     return t if layout.blocked_axis == 1 else t.transpose(1, 2)
@@ -124,20 +222,90 @@ def apply_two_sided(mats: list[TwoSided], *, norm: str, lr, tau: float, basis_dt
     """``side="both"``: ``W += factor * Q_rows D Q_cols^T`` (``functional.two_sided_update_``) for
     every matrix of every stack of ``mats`` (an expert stack: each expert with its own bases and
     ``second_moment``)."""
+    eager = not torch.compiler.is_compiling()
     for plan, state, ut, gt, pt in mats:
         lin = plan.layout
         dtype = F.matmul_dtype(basis_dtype, pt.device, product_dtype)
         sides = sorted(plan.sides, key=lambda side: side.layout.blocked_axis)  # (rows side, cols side)
-        bases = [side.layout.stacked(state[side.basis]) for side in sides]
         # sign's 1/sqrt(m) with m = the global output axis (lin.rows), as one-sided Dobb
         factor = -lr * F.update_scale(*lin.shape, tau) / math.sqrt(lin.rows)
+        if norm == "sign" and eager and pt.dim() == 2 and ut.dtype == dtype and ut.is_contiguous():
+            # a 2-D matrix: its local tensors are the stack's only member (no stack views to take)
+            two_sided_sign_(pt, ut, *(BlockBasis(side.layout.local(state[side.basis]), side.layout.local_sizes)
+                                      for side in sides), factor=factor, dtype=dtype)
+            continue
+        bases = [side.layout.stacked(state[side.basis]) for side in sides]
         v = lin.stacked(state["second_moment"]) if norm == "adam" else None
         w, u, g = lin.stacked(pt), lin.stacked(ut), lin.stacked(gt)
         for e in range(w.shape[0]):
-            two_sided_update_(w=w[e], u=u[e], g=g[e], rows=BlockBasis(bases[0][e], sides[0].layout.local_sizes),
-                              cols=BlockBasis(bases[1][e], sides[1].layout.local_sizes), factor=factor, dtype=dtype,
+            rows = BlockBasis(bases[0][e], sides[0].layout.local_sizes)
+            cols = BlockBasis(bases[1][e], sides[1].layout.local_sizes)
+            if norm == "sign" and eager and u[e].dtype == dtype and u[e].is_contiguous():
+                two_sided_sign_(w[e], u[e], rows, cols, factor=factor, dtype=dtype)
+                continue
+            two_sided_update_(w=w[e], u=u[e], g=g[e], rows=rows, cols=cols, factor=factor, dtype=dtype,
                               norm=norm, v=None if v is None else v[e], step=state["step"] + 1, momentum=momentum,
                               beta2=beta2, eps=eps)
+
+
+def _converted(basis: BlockBasis, dtype: torch.dtype) -> list[tuple]:
+    """``(run, Q)`` per run of equal blocks of one axis, the blocks ``(count, s, s)`` in ``dtype``."""
+    return [(run, F.block_view(basis.basis, run).to(dtype)) for run in F.block_runs(basis.sizes)]
+
+
+def _whole(qs: list[tuple], length: int) -> bool:
+    """Whether ``qs`` is one block over the whole axis (``blocks=1``, ``out_blocks=1``)."""
+    return len(qs) == 1 and qs[0][0].count == 1 and qs[0][0].size == length
+
+
+# ``torch.matmul`` of two 3-D tensors with the same batch is ``bmm`` of the same tensors (its expand and
+# reshape are views of the same sizes and strides): called directly, the products are the same calls
+# without five view dispatches each (tests/core/test_update.py checks the bits against functional).
+def _blockwise(x: Tensor, qs: list[tuple], transpose: bool = False, out: Tensor | None = None) -> Tensor:
+    """``functional.blockwise`` of a 2-D ``x`` with the bases converted beforehand (``_converted``): the
+    same products of the same views, written into ``out`` (default ``empty_like(x)``)."""
+    out = torch.empty_like(x) if out is None else out
+    for run, q in qs:
+        q = q.transpose(-1, -2) if transpose else q
+        xs = x[:, run.start : run.stop].unflatten(-1, (run.count, run.size)).transpose(0, 1)
+        out[:, run.start : run.stop].unflatten(-1, (run.count, run.size)).transpose(0, 1).copy_(torch.bmm(xs, q))
+    return out
+
+
+def _whole_product(x: Tensor, qs: list[tuple], transpose: bool = False) -> Tensor:
+    """The one product of ``_blockwise`` over a whole axis (``_whole``) of a 2-D ``x``, as ``bmm``
+    returns it: ``(1, r, k)``, contiguous."""
+    run, q = qs[0]
+    q = q.transpose(-1, -2) if transpose else q
+    return torch.bmm(x.unflatten(-1, (1, run.size)).transpose(0, 1), q)
+
+
+def two_sided_sign_(w: Tensor, u: Tensor, rows: BlockBasis, cols: BlockBasis, *, factor: float,
+                    dtype: torch.dtype) -> None:
+    """``functional.two_sided_update_`` with ``norm="sign"`` for a contiguous ``u`` in ``dtype``, bit for
+    bit: the same products of the same views, each basis converted to ``dtype`` once (not once per
+    product), and where an axis is one block (``blocks=1`` / ``out_blocks=1``) no copy of a product into a
+    buffer of the same layout. The row side's products come back transposed (``(k, r)``), so the
+    rotation's sign is written straight into the ``(r, k)`` coefficients (one pass for a copy and a
+    sign) and the reconstruction is scaled in its own layout and added through its transpose.
+
+    ``w``, ``u``: ``(r, k)`` oriented (rows axis, cols axis); ``factor`` carries sign's ``1/sqrt(m)``."""
+    r, k = u.shape
+    qr, qc = _converted(rows, dtype), _converted(cols, dtype)
+    # C = Q_rows^T U Q_cols, then sign
+    y = _whole_product(u, qc).view(r, k) if _whole(qc, k) else _blockwise(u, qc)
+    d = torch.empty_like(y)
+    if _whole(qr, r):
+        torch.sign(_whole_product(y.transpose(0, 1), qr).view(k, r).transpose(0, 1), out=d)
+    else:
+        _blockwise(y.transpose(0, 1), qr, out=d.transpose(0, 1)).transpose(0, 1).sign_()
+    # O = Q_rows D Q_cols^T; W += factor * O
+    z = _whole_product(d, qc, transpose=True).view(r, k) if _whole(qc, k) else _blockwise(d, qc, transpose=True)
+    if _whole(qr, r):
+        o = _whole_product(z.transpose(0, 1), qr, transpose=True).view(k, r).mul_(factor).transpose(0, 1)
+    else:
+        o = _blockwise(z.transpose(0, 1), qr, transpose=True).transpose(0, 1).mul_(factor)
+    w.add_(o.to(w.dtype))
 
 
 def apply_preconditioned_muon(mats: list[TwoSided], *, lr, tau: float, basis_dtype: torch.dtype, product_dtype,
