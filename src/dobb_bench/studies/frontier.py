@@ -76,8 +76,24 @@ def _common() -> dict[str, dict[float, dict[int, dict]]]:
 
 
 def choose(by_lr: dict[float, dict[int, dict]]) -> tuple[float | None, bool]:
-    """The seed-0 best lr on the common windows and whether it is bracketed."""
-    return best_of((lr, s[0]["common_val_loss"]) for lr, s in by_lr.items() if 0 in s)
+    """The row's lr and whether the seed-0 grid brackets it: the seed-0 best on the common windows,
+    or, where a neighbouring lr (one grid step, a factor sqrt 2) is worse than it by less than two
+    standard errors of the window noise (paired over the window groups), the one of them with the
+    lowest mean over seeds 0 and 1 once each has seed 1 (``define.chosen_j``, the driver's rule)."""
+    best, bracketed = best_of((lr, s[0]["common_val_loss"]) for lr, s in by_lr.items() if 0 in s)
+    if best is None or not bracketed:
+        return best, bracketed
+    ref = by_lr[best][0].get("common_groups")
+    cands = [best]
+    for lr in by_lr:
+        if lr != best and 0 in by_lr[lr] and abs(math.log2(lr / best)) < 0.51 and ref:
+            got = paired(by_lr[lr][0].get("common_groups") or [], ref)
+            if got is not None and got[0] < 2 * got[1]:
+                cands.append(lr)
+    if len(cands) == 1 or any(1 not in by_lr[lr] for lr in cands):
+        return best, bracketed
+    means = [(by_lr[lr][0]["common_val_loss"] + by_lr[lr][1]["common_val_loss"]) / 2 for lr in cands]
+    return cands[means.index(min(means))], bracketed
 
 
 def verdict(gaps: dict[int, float]) -> tuple[float, str]:

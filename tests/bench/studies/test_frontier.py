@@ -78,3 +78,23 @@ def test_compact_keeps_norms_and_the_raw_curve():
     json.dumps(rec)
     plain = R.compact({"run": "y", "train": {"seed": 0}}, [{"type": "eval", "step": 0, "val_loss": 2.0}])
     assert "norm_curve" not in plain and "raw_curve" not in plain
+
+
+def test_choose_takes_a_close_neighbour_on_the_mean_of_seeds_0_and_1():
+    """The driver's rule (define.chosen_j): a neighbour within two window standard errors of the
+    seed-0 best is chosen when its mean over seeds 0 and 1 is lower; a far neighbour is not."""
+    def rec(lr, seed, common, spread):
+        r = _re("R", lr, seed, common)
+        r["common_groups"] = [common + e for e in spread]
+        return r
+    noisy = [0.01, -0.01, 0.02, -0.02]  # groups differ by a noisy amount: the 0.001 gap is within it
+    by_lr = {0.0025: {0: rec(0.0025, 0, 1.30, noisy)},
+             0.00354: {0: rec(0.00354, 0, 1.276, noisy), 1: rec(0.00354, 1, 1.280, noisy)},
+             0.005: {0: rec(0.005, 0, 1.277, [0.0, 0.0, 0.0, 0.0]), 1: rec(0.005, 1, 1.278, noisy)},
+             0.00707: {0: rec(0.00707, 0, 1.29, noisy)}}
+    assert F.choose(by_lr) == (0.005, True)  # 1.2775 against 1.278 over seeds 0 and 1
+    del by_lr[0.005][1]
+    assert F.choose(by_lr) == (0.00354, True)  # no seed 1 at the neighbour yet: the seed-0 best
+    far = {k: {s: dict(v, common_groups=[v["common_val_loss"]] * 4) for s, v in d.items()} for k, d in by_lr.items()}
+    far[0.005][1] = rec(0.005, 1, 1.0, [0.0] * 4)
+    assert F.choose(far) == (0.00354, True)  # a neighbour worse beyond the window noise is not close
