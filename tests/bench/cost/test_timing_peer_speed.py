@@ -1,4 +1,5 @@
-"""scripts/peer_speed.py's same-numbers check and table, on a tiny model with no timing: the check
+"""scripts/peer_speed.py's same-numbers check and table (the script has no module in dobb_bench;
+its test sits with dobb_bench.cost.timing), on a tiny model with no timing: the check
 passes an identical peer, flags a perturbed or diverging one, and the table says so."""
 from __future__ import annotations
 
