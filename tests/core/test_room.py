@@ -8,7 +8,6 @@ statistic fold, basis solve, update), for the one-sided step, ``side="both"`` an
 from __future__ import annotations
 
 import ast
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ import torch
 from torch import nn
 
 import dobb
+from _step_files import library_files
 
 SRC = Path(dobb.__file__).resolve().parent
 MAX_FILES = 7
@@ -32,20 +32,8 @@ def step_files(**options) -> set[str]:
     opt = dobb.Dobb([model[0].weight, model[2].weight], model, lr=0.01, **options)
     model(torch.randn(5, 8)).square().sum().backward()
     assert opt.is_refresh_step()
-    seen: set[str] = set()
-
-    def profile(frame, event, arg):
-        if event == "call":
-            path = Path(frame.f_code.co_filename)
-            if path.is_relative_to(SRC):
-                seen.add(path.relative_to(SRC).as_posix())
-
     before = [p.detach().clone() for p in model.parameters()]
-    sys.setprofile(profile)
-    try:
-        opt.step()
-    finally:
-        sys.setprofile(None)
+    seen = library_files(opt.step)
     assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))  # the step ran
     return seen
 
