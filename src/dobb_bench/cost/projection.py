@@ -84,7 +84,8 @@ def config_spec(config: str, inputs: dict) -> dict:
             spec = {"kind": "llama", "width": int(cfg["hidden_size"]), "layers": int(cfg["num_hidden_layers"]),
                     "heads": heads, "kv_heads": int(cfg.get("num_key_value_heads") or heads),
                     "ffn": int(cfg["intermediate_size"]), "vocab": int(cfg["vocab_size"]),
-                    "tied": bool(cfg.get("tie_word_embeddings", False)), "qk_norm": kind == "qwen3"}
+                    "tied": bool(cfg.get("tie_word_embeddings", False)), "qk_norm": kind == "qwen3",
+                    "qkv_bias": kind == "qwen2"}  # Hugging Face's Qwen2Attention: q, k, v with biases, o without
             if cfg.get("head_dim"):
                 spec["head_dim"] = int(cfg["head_dim"])
             return spec
