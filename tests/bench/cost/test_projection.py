@@ -418,3 +418,54 @@ def test_dobb_g_l2_sums_norms_over_tp_on_row_parallel_matrices():
     assert l2["steady_ms"] - sign["steady_ms"] == pytest.approx(_ms(16 / 1e10 + 1e-5))
     col = PJ.project({"kind": "dobb-g", "norm": "l2", "blocks": 1, "refresh_every": 9}, MAT, 0, lay, HW)
     assert col["latency_ms"] == 0  # column-parallel: whole rows on each rank, nothing to sum
+
+
+def test_qwen2_shapes_match_published_parameter_counts(tmp_path):
+    inputs = PJ.load_inputs()
+    for name, count in (("qwen2.5-1.5b", 1_543_714_304), ("qwen2.5-7b", 7_615_616_512),
+                        ("llama3.2-3b-dmuon", 3_606_752_256)):
+        mats, other = PJ.model_matrices(inputs["models"][name])
+        assert sum(x.m * x.n for x in mats) + other == count, name
+    # 28 layers x (2 norms + q, k, v biases) + tied embedding + final norm
+    assert PJ.other_tensors(inputs["models"]["qwen2.5-1.5b"]) == 28 * 5 + 2
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "qwen2", "hidden_size": 1536, "num_hidden_layers": 28,
+                               "num_attention_heads": 12, "num_key_value_heads": 2, "intermediate_size": 8960,
+                               "vocab_size": 151936, "tie_word_embeddings": True}))
+    spec = PJ.config_spec(str(cfg), inputs)
+    assert spec["qkv_bias"] is True
+    assert sum(x.m * x.n for x in PJ.model_matrices(spec)[0]) + PJ.model_matrices(spec)[1] == 1_543_714_304
+
+
+def test_dion_on_qwen3_readings_are_shown_not_counted():
+    inputs = PJ.load_inputs()
+    rec = PJ.build(inputs)
+    entry = next(e for e in rec["not_calibrated"] if "Dion on Qwen3" in e["label"])
+    assert [r["label"] for r in entry["reading_ratios"]] == ["rank fraction 1/FS", "rank 1024/FS"]
+    case = next(c for c in inputs["calibration"] if c["label"] == entry["cases"][0]["label"])  # Qwen3-8B, FS 8
+    hw = PJ.Hardware.from_inputs(inputs["hardware"][case["hardware"]], rec["fitted"])
+    mats, other = PJ.model_matrices(inputs["models"][case["model"]])
+    tensors = PJ.other_tensors(inputs["models"][case["model"]])
+    for rd, method in zip(entry["reading_ratios"], ({"kind": "dion", "rank_fraction": 1 / 8}, {"kind": "dion", "rank": 128})):
+        ms = PJ.project(method, mats, other, PJ.Layout(8), hw, True, inputs["kernels"]["methods"], tensors)["amortized_ms"]
+        assert rd["ratios"][0] == pytest.approx(ms / 159.5)
+    assert all("Dion" not in c["published"] for c in rec["calibration"] if "Qwen3" in c["case"])
+
+
+def test_dmuon_benchmark_points_read_its_setup():
+    inputs = PJ.load_inputs()
+    dm = [c for c in inputs["calibration"] if c["label"].startswith("DMuon LLM benchmark")]
+    assert sum(len(c["points"]) for c in dm) == 14  # 4 models x AdamW, FSDP2+Muon, DMuon; DDP+Muon on two
+    for c in dm:
+        assert c["hardware"] == "a800-sxm" and "cfa7703" in c["source"]
+        assert c["layout"] == ({"fs": 1, "tp": 1, "dp": 8} if "DDP" in c["label"] else {"fs": 8, "tp": 1, "dp": 1})
+        for pt in c["points"]:
+            m = pt["method"]
+            if pt["published"] == "DMuon":
+                assert m["partition"] == "dmuon" and m["ns"] == "gram-syrk" and m["kernels_per_matrix"] == 33
+            if pt["published"] == "FSDP2+Muon":  # bench_llm.py: numel >= 1024 * 1024 and rows <= 20000
+                assert m["select"] == {"min_entries": 1048576, "max_rows": 20000} and m["grad_bytes"] == 4
+    # Qwen2.5-1.5B's k and v (256 x 1536) fall under the FSDP2+Muon baseline's size cut
+    mats, _ = PJ.model_matrices(inputs["models"]["qwen2.5-1.5b"])
+    sel = {"select": {"min_entries": 1048576, "max_rows": 20000}}
+    assert {x.name.split(".")[1] for x in mats if not _selected(x, sel)} == {"k", "v"}
