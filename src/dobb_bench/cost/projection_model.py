@@ -195,7 +195,7 @@ def kernel_count(counts: dict, label: str, part: str, mats: list) -> float:
 def _adamw_other(other: int, tensors: int, lay: Layout, counts: dict) -> dict:
     c = _zero()
     c["hbm_bytes"] = 28.0 * other / (lay.fs * lay.tp)  # roofline: read W, G, M, V, write W, M, V (fp32)
-    c["kernels"] = counts["adamw"]["steady"]["per_matrix"] * tensors  # torch's single-tensor path
+    c["kernels"] = counts["adamw"]["steady"]["per_matrix"] * tensors  # torch's single-tensor count (see projection)
     return c
 
 
