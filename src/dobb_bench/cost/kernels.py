@@ -59,6 +59,7 @@ METHODS: dict[str, tuple[str, dict]] = {
     "dobb-b1": ("dobb", {"blocks": 1, "refresh_every": 3, "stagger": False}),
     "dobb-b4": ("dobb", {"blocks": 4, "refresh_every": 3, "stagger": False}),
     "dobb-both": ("dobb", {"blocks": 1, "side": "both", "out_blocks": 4, "refresh_every": 3, "stagger": False}),
+    "dobb-g-l2": ("dobb-g-l2", {"blocks": 4, "refresh_every": 3, "stagger": False}),
 }
 SHAPE = (48, 32)  # rows x columns of the counted matrices (divisible by every block count above)
 OTHER_SHAPE = (64, 32)

@@ -18,7 +18,11 @@ Per rank and per ``optimizer.step()``, a method's time is the sum of six terms (
 - **launch**: a per-kernel cost times the kernels the step launches. The counts per matrix, per
   group and per extra shape are the library's own, from a profiler trace
   (``dobb_bench.cost.kernels``; in the inputs under ``kernels``); the AdamW part of every method
-  (embeddings, norms, biases) is charged torch's single-tensor path (the one DTensor parameters take);
+  (embeddings, norms, biases) is charged torch's single-tensor count, 7 kernels a tensor (a model
+  choice: on CUDA, torch defaults DTensors to its foreach path, since ``torch.distributed.tensor``
+  adds DTensor to ``torch.optim``'s foreach types; the per-kernel cost is fitted on an AdamW point,
+  so it carries that path's cost per tensor); a published benchmark's own loop states its counts
+  (``kernels_per_matrix``, ``other_update``);
 - **QR**: a cost per Householder QR factorization (cuSOLVER runs each as a sequence of panel
   kernels; a batched call of ``b`` blocks is ``b`` of them): Dobb's refresh blocks, Dion's factor.
 
@@ -84,7 +88,8 @@ def config_spec(config: str, inputs: dict) -> dict:
             spec = {"kind": "llama", "width": int(cfg["hidden_size"]), "layers": int(cfg["num_hidden_layers"]),
                     "heads": heads, "kv_heads": int(cfg.get("num_key_value_heads") or heads),
                     "ffn": int(cfg["intermediate_size"]), "vocab": int(cfg["vocab_size"]),
-                    "tied": bool(cfg.get("tie_word_embeddings", False)), "qk_norm": kind == "qwen3"}
+                    "tied": bool(cfg.get("tie_word_embeddings", False)), "qk_norm": kind == "qwen3",
+                    "qkv_bias": kind == "qwen2"}  # Hugging Face's Qwen2Attention: q, k, v with biases, o without
             if cfg.get("head_dim"):
                 spec["head_dim"] = int(cfg["head_dim"])
             return spec

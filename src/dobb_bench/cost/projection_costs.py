@@ -25,6 +25,85 @@ def owner_plan(mats, ranks: int) -> tuple[list[int], int]:
     return [i for i, r in enumerate(owner) if r == busiest], len(set(owner))
 
 
+def dmuon_owners(mats, ranks: int, small: int = 5_000_000) -> list[int]:
+    """DMuon's ownership plan (``compute_balanced_assignment`` in ``dmuon/partition.py``,
+    github.com/X-Square-Robot/dmuon at cfa7703, the revision of its LLM benchmark): each matrix of at
+    least ``small`` entries is a unit, and a layer's smaller matrices are merged into one; units go,
+    largest first (by entries; a stable sort keeps the model's order among equals), to the
+    least-loaded rank not yet used in their layer, else to the least-loaded rank. The owner of each
+    matrix, by index (layer: the ``h{i}`` prefix of the matrix name)."""
+    layers: dict[str, list[int]] = {}
+    for i, x in enumerate(mats):
+        layers.setdefault(x.name.split(".", 1)[0], []).append(i)
+    units = []
+    for layer, idx in layers.items():
+        units += [(layer, [i], mats[i].m * mats[i].n) for i in idx if mats[i].m * mats[i].n >= small]
+        rest = [i for i in idx if mats[i].m * mats[i].n < small]
+        if rest:
+            units.append((layer, rest, sum(mats[i].m * mats[i].n for i in rest)))
+    units.sort(key=lambda u: u[2], reverse=True)
+    load, used, owner = [0] * ranks, {}, [0] * len(mats)
+    for layer, idx, numel in units:
+        seen = used.setdefault(layer, set())
+        r = min(range(ranks), key=lambda q: (q in seen, load[q]))
+        for i in idx:
+            owner[i] = r
+        load[r] += numel
+        seen.add(r)
+    return owner
+
+
+def gram_ns_flops(m: float, n: float, syrk: bool = True) -> float:
+    """FLOPs of DMuon's Gram Newton-Schulz (``gram_newton_schulz_local`` in ``dmuon/optim/newton_schulz.py``
+    at cfa7703: five POLAR_EXPRESS steps, a restart before step 2) on an ``m x n`` matrix, ``a = min``,
+    ``b = max``: ``X X^T`` at the start and at the restart (``2 a^2 b`` each), ``Q X`` at the restart
+    and at the end (``2 a^2 b`` each), and 14 ``a x a`` products (``2 a^3`` each: ``Z`` in every
+    step, ``Q Z`` in steps 1, 3, 4, ``R Z`` and ``Z (R Z)`` in steps 0, 2, 3). With its SYRK kernel
+    ("lower-triangle + mirror-write kernel (50% tile savings)") every symmetric product, all but the
+    two ``Q X``, costs half: ``6 a^2 b + 14 a^3``; without, ``8 a^2 b + 28 a^3``."""
+    a, b = min(m, n), max(m, n)
+    half = 0.5 if syrk else 1.0
+    return half * 2 * (2 * a * a * b) + 2 * (2 * a * a * b) + half * 14 * (2 * a ** 3)
+
+
+def _ns(x, hp: dict) -> float:
+    """The Newton-Schulz FLOPs of one whole matrix under ``hp``: NS5 (``ns_steps``) or ``ns="gram-syrk"``."""
+    if hp.get("ns") == "gram-syrk":
+        return gram_ns_flops(x.m, x.n)
+    if hp.get("ns") not in (None, "standard"):
+        raise ValueError(f"ns {hp['ns']!r}: 'standard' or 'gram-syrk'")
+    return _ns_flops(x.m, x.n, hp.get("ns_steps", 5))
+
+
+def _selected(x, hp: dict) -> bool:
+    """Whether a benchmark's Muon takes ``x`` (``hp["select"]``: ``min_entries`` and ``max_rows``);
+    the others get the method's ``other_update``."""
+    sel = hp.get("select") or {}
+    return x.m * x.n >= sel.get("min_entries", 0) and x.m <= sel.get("max_rows", math.inf)
+
+
+def _per_matrix_kernels(hp: dict, label: str, mats, counts) -> float:
+    """``hp["kernels_per_matrix"]`` (a benchmark's own loop, counted from its source) times the
+    matrices, else the library's traced counts for ``label`` over the whole shapes."""
+    if "kernels_per_matrix" in hp:
+        return hp["kernels_per_matrix"] * len(mats)
+    return kernel_count(counts, label, "steady", [(x.m, x.n) for x in mats])
+
+
+def other_update(hp: dict, entries: float, tensors: int, lay, counts) -> dict:
+    """The update of the parameters a method does not orthogonalize: AdamW (28 bytes an entry,
+    torch's single-tensor kernel count) unless ``hp["other_update"]`` gives ``bytes_per_entry`` and
+    ``kernels_per_tensor`` (a benchmark's own loop: DMuon's baselines add the gradient, one
+    ``add_``; its AdamW loop is 9 kernels a tensor)."""
+    if "other_update" not in hp:
+        return _adamw_other(entries, tensors, lay, counts)
+    o = hp["other_update"]
+    c = _zero()
+    c["hbm_bytes"] = o["bytes_per_entry"] * entries / (lay.fs * lay.tp)
+    c["kernels"] = o["kernels_per_tensor"] * tensors
+    return c
+
+
 def cost_adamw(mats, lay, hw, hp, counts) -> dict:
     c = _elementwise("adamw", mats, lay)
     c["kernels"] = counts["adamw"]["steady"]["per_matrix"] * len(mats)
@@ -49,13 +128,20 @@ def cost_owner_muon(mats, lay, hw, hp, counts) -> dict:
 
 
 def cost_gather_muon(mats, lay, hw, hp, counts) -> dict:
-    """Every rank all-gathers every matrix (``payload``'s dense ``mn``) and runs NS5 on all of them."""
-    c = _elementwise("muon", mats, lay, hp)
+    """Every rank all-gathers every matrix (``payload``'s dense ``mn``) and runs NS5 on all of them
+    (one gather a matrix; on ``fs = tp = 1``, DDP, there is nothing to gather). ``select``: the
+    matrices a benchmark's Muon takes, the rest get ``other_update`` (DMuon's FSDP2+Muon baseline);
+    ``kernels_per_matrix``: the benchmark's own per-matrix loop."""
+    ns = [x for x in mats if _selected(x, hp)]
+    rest = [x for x in mats if not _selected(x, hp)]
+    c = _elementwise("muon", ns, lay, hp)
     G = lay.fs * lay.tp
-    c["bf16_flops"] = sum(_ns_flops(x.m, x.n, hp.get("ns_steps", 5)) for x in mats)
-    c["kernels"] = kernel_count(counts, "muon", "steady", [(x.m, x.n) for x in mats])
-    logical = sum(P.payload_entries("muon", x.m, x.n, sharded="output", shards=G) for x in mats)
-    c["link_s"], c["latency_s"] = ring_time(logical * (G - 1) / G * hp.get("grad_bytes", 4), G, 1, hw, count=len(mats))
+    c["bf16_flops"] = sum(_ns(x, hp) for x in ns)
+    c["kernels"] = _per_matrix_kernels(hp, "muon", ns, counts)
+    logical = sum(P.payload_entries("muon", x.m, x.n, sharded="output", shards=G) for x in ns)
+    c["link_s"], c["latency_s"] = ring_time(logical * (G - 1) / G * hp.get("grad_bytes", 4), G, 1, hw, count=len(ns))
+    if rest:
+        c = _add(c, other_update(hp, sum(x.m * x.n for x in rest), len(rest), lay, counts))
     return {"steady": c}
 
 
@@ -79,13 +165,25 @@ def cost_dtensor_muon(mats, lay, hw, hp, counts) -> dict:
 
 
 def cost_placement_muon(mats, lay, hw, hp, counts) -> dict:
-    """Owner placement (MatrixFSDP, DMuon): whole matrices live on owners; no step collective."""
+    """Owner placement (MatrixFSDP, DMuon): whole matrices live on owners; no step collective.
+    ``partition="dmuon"``: DMuon's plan (``dmuon_owners``), the busiest owner by Newton-Schulz
+    FLOPs; else the library's greedy plan. ``ns="gram-syrk"``: DMuon's Gram Newton-Schulz."""
     G = lay.fs * lay.tp
-    mine, _ = owner_plan(mats, G)
+    if hp.get("partition") == "dmuon":
+        owner = dmuon_owners(mats, G)
+        load = [0.0] * G
+        for i, r in enumerate(owner):
+            load[r] += _ns(mats[i], hp)
+        busiest = max(range(G), key=lambda r: (load[r], -r))
+        mine = [i for i, r in enumerate(owner) if r == busiest]
+    elif hp.get("partition") not in (None, "library"):
+        raise ValueError(f"partition {hp['partition']!r}: 'library' or 'dmuon'")
+    else:
+        mine, _ = owner_plan(mats, G)
     c = _zero()
     c["hbm_bytes"] = hp.get("state_bytes", 4) / 4 * sum(step_cost("muon", mats[i].m, mats[i].n)["bytes"] for i in mine)
-    c["bf16_flops"] = sum(_ns_flops(mats[i].m, mats[i].n, hp.get("ns_steps", 5)) for i in mine)
-    c["kernels"] = kernel_count(counts, "muon", "steady", [(mats[i].m, mats[i].n) for i in mine])
+    c["bf16_flops"] = sum(_ns(mats[i], hp) for i in mine)
+    c["kernels"] = _per_matrix_kernels(hp, "muon", [mats[i] for i in mine], counts)
     return {"steady": c}
 
 
@@ -153,45 +251,64 @@ def _dobb_side(r: float, k: float, blocks: float, side: str) -> tuple[dict, dict
     return steady, {key: once[key] - steady[key] for key in ("bytes", "flops")}
 
 
+def _output_span(x: Matrix, lay: Layout) -> float:
+    """Rows of the output-side statistic a rank captures and all-reduces: FSDP's shards of the output
+    axis sit on data-parallel ranks, so each rank reduces the statistic of the whole axis (``dobb.sharding``:
+    ``span_sizes``), less TP's split of it (column-parallel), whose ranks see the same data."""
+    return x.m / (lay.tp if x.colwise else 1)
+
+
 def cost_dobb(mats, lay, hw, hp, counts, stat_sync: bool = True) -> dict:
-    """One- (``kind="dobb"``, input side) or two-sided Dobb (``kind="dobb-both"``): projections
-    in ``hp["product_dtype"]`` (default bf16, the basis dtype: this library's products on a GPU,
+    """One-sided Dobb (``kind="dobb"``: input side; ``kind="dobb-g"``: output side, Dobb-G, with
+    ``norm="l2"`` Dobb-G-ell2) or two-sided Dobb (``kind="dobb-both"``): projections in
+    ``hp["product_dtype"]`` (default bf16, the basis dtype: this library's products on a GPU,
     ``dobb.functional.matmul_dtype``; "fp32" where a published implementation multiplies in fp32),
     refresh (``A Q`` and Householder QR of every local block, on every rank holding it) in fp32,
-    statistic all-reduce (``payload.dp_stat_entries``, fp32) over the data-parallel ``fs x dp``
-    ranks once per refresh; all three per step, the refresh divided by T."""
+    statistic all-reduce (fp32) over the data-parallel ``fs x dp`` ranks once per refresh; all three
+    per step, the refresh divided by T. Input side: every rank holds all ``n / s`` blocks of its rows
+    and reduces their ``n s`` entries (``payload.dp_stat_entries``). Output side: blocks of
+    ``min(m / B, local rows)`` rows, cut at shard boundaries; a rank refreshes only its own blocks but
+    reduces the statistic of the whole span (``_output_span``: ``span x s`` entries). Dobb-G-ell2 on a
+    row-parallel matrix (its input axis split by TP) sums its coefficient norms over the TP ranks,
+    one all-reduce of its local rows a matrix, every step (the paper's Table 7: ``O(m)``)."""
     if hp.get("product_dtype", "bf16") not in ("bf16", "fp32"):
         raise ValueError(f"dobb product_dtype {hp['product_dtype']!r}: bf16 or fp32")
     prod = "fp32_flops" if hp.get("product_dtype") == "fp32" else "bf16_flops"
-    both = hp.get("kind") == "dobb-both"
-    label = hp.get("kernels", "dobb-both" if both else "dobb-b4")
+    kind = hp.get("kind", "dobb")
+    both, out_only = kind == "dobb-both", kind == "dobb-g"
+    label = hp.get("kernels", "dobb-both" if both else "dobb-g-l2" if out_only else "dobb-b4")
     steady, refresh = _zero(), _zero()
     stat_entries = 0.0
+    l2_rows, l2_count = 0.0, 0
     for x in mats:
         r, k = local_shape(x, lay)
-        s_in = min(x.n / hp["blocks"], k)
-        st, rf = _dobb_side(r, k, k / s_in, "input")
-        steady["hbm_bytes"] += st["bytes"]
-        steady[prod] += st["flops"]
-        refresh["hbm_bytes"] += rf["bytes"]
-        refresh["fp32_flops"] += rf["flops"]
-        refresh["qr"] += k / s_in
-        stat_hp = {"blocks": max(1, round(k / s_in))}
-        if both:
-            s_out = min(x.m / hp["out_blocks"], r)
+        if not out_only:
+            s_in = min(x.n / hp["blocks"], k)
+            st, rf = _dobb_side(r, k, k / s_in, "input")
+            steady["hbm_bytes"] += st["bytes"]
+            steady[prod] += st["flops"]
+            refresh["hbm_bytes"] += rf["bytes"]
+            refresh["fp32_flops"] += rf["flops"]
+            refresh["qr"] += k / s_in
+            stat_entries += P.dp_stat_entries("dobb", round(r), round(k), {"blocks": max(1, round(k / s_in))})
+        if both or out_only:
+            s_out = min(x.m / hp["out_blocks" if both else "blocks"], r)
             st2, rf2 = _dobb_side(r, k, r / s_out, "output")
-            steady["hbm_bytes"] += st2["bytes"] - step_cost("muon", 1, 1)["bytes"] * r * k  # one momentum pass
+            steady["hbm_bytes"] += st2["bytes"] - (step_cost("muon", 1, 1)["bytes"] * r * k if both else 0)  # one momentum pass
             steady[prod] += st2["flops"]
             refresh["hbm_bytes"] += rf2["bytes"]
             refresh["fp32_flops"] += rf2["flops"]
             refresh["qr"] += r / s_out
-            stat_hp = {**stat_hp, "side": "both", "out_blocks": max(1, round(r / s_out))}
-            stat_entries += P.dp_stat_entries("dobb", round(r), round(k), stat_hp)
-        else:
-            stat_entries += P.dp_stat_entries("dobb", round(r), round(k), stat_hp)
+            stat_entries += _output_span(x, lay) * s_out
+            if out_only and hp.get("norm") == "l2" and not x.colwise and lay.tp > 1:
+                l2_rows += r
+                l2_count += 1
     local = _locals(mats, lay)
     steady["kernels"] = kernel_count(counts, label, "steady", local)
     refresh["kernels"] = kernel_count(counts, label, "refresh", local) - steady["kernels"]
+    if l2_count:
+        steady["link_s"], steady["latency_s"] = ring_time(2 * l2_rows * 4 * (lay.tp - 1) / lay.tp, lay.tp, 1, hw,
+                                                          count=l2_count)
     G = lay.fs * lay.dp
     if stat_sync:
         refresh["link_s"], refresh["latency_s"] = ring_time(2 * stat_entries * (G - 1) / G * 4, G, lay.tp, hw)
@@ -200,7 +317,8 @@ def cost_dobb(mats, lay, hw, hp, counts, stat_sync: bool = True) -> dict:
 
 COSTS = {"adamw": cost_adamw, "owner-muon": cost_owner_muon, "gather-muon": cost_gather_muon,
          "placement-muon": cost_placement_muon, "dtensor-muon": cost_dtensor_muon, "row-block-muon": cost_row_block_muon, "muonbp": cost_muonbp,
-         "dion2-shard": cost_dion2_shard, "dion": cost_dion, "dobb": cost_dobb, "dobb-both": cost_dobb}
+         "dion2-shard": cost_dion2_shard, "dion": cost_dion, "dobb": cost_dobb, "dobb-both": cost_dobb,
+         "dobb-g": cost_dobb}
 
 
 def project(method: dict, mats, other: int, lay: Layout, hw: Hardware, stat_sync: bool = True,
@@ -215,7 +333,7 @@ def project(method: dict, mats, other: int, lay: Layout, hw: Hardware, stat_sync
     counts = counts if counts is not None else load_inputs()["kernels"]["methods"]
     extra = {"stat_sync": stat_sync} if kind.startswith("dobb") else {}
     parts = COSTS[kind](mats, lay, hw, method, counts, **extra)
-    steady = _add(parts["steady"], _adamw_other(other, tensors, lay, counts))
+    steady = _add(parts["steady"], other_update(method, other, tensors, lay, counts))
     every = parts.get("every", 1)
     periodic = _add(steady, parts["periodic"]) if "periodic" in parts else None
     amort = _add(steady, parts["periodic"], 1.0 / every) if periodic is not None else steady

@@ -104,6 +104,7 @@ def model_matrices(spec: dict) -> tuple[list[Matrix], int]:
         mats = [Matrix(f"h{i}.{nm}", m, n, c) for i in range(L) for nm, m, n, c in layer]
         other = spec["vocab"] * d * (1 if spec.get("tied") else 2) + d * (2 * L + 1)  # embeddings, RMSNorms
         other += 2 * hd * L * bool(spec.get("qk_norm"))  # Qwen3's per-head q and k RMSNorms
+        other += (q + 2 * kv) * L * bool(spec.get("qkv_bias"))  # Qwen2's q, k and v biases
         return mats, other
     raise ValueError(f"unknown model kind {spec['kind']!r} (gpt2, llama or layers)")
 
@@ -116,7 +117,8 @@ def other_tensors(spec: dict) -> int:
         biases = 4 if spec.get("fused_qkv") else 6  # one c_attn bias for the fused q, k, v
         return (biases + 4) * (preset(spec["preset"]).layers if "preset" in spec else spec["layers"]) + 4  # biases + 2 LayerNorms a layer; wte, wpe, ln_f
     L = spec["layers"]
-    return (2 + 2 * bool(spec.get("qk_norm"))) * L + (2 if spec.get("tied") else 3)  # norms; embeddings, head, final norm
+    per_layer = 2 + 2 * bool(spec.get("qk_norm")) + 3 * bool(spec.get("qkv_bias"))  # norms (q, k norms), q, k, v biases
+    return per_layer * L + (2 if spec.get("tied") else 3)  # embeddings, head, final norm
 
 
 def local_shape(x: Matrix, lay: Layout) -> tuple[float, float]:
@@ -193,7 +195,7 @@ def kernel_count(counts: dict, label: str, part: str, mats: list) -> float:
 def _adamw_other(other: int, tensors: int, lay: Layout, counts: dict) -> dict:
     c = _zero()
     c["hbm_bytes"] = 28.0 * other / (lay.fs * lay.tp)  # roofline: read W, G, M, V, write W, M, V (fp32)
-    c["kernels"] = counts["adamw"]["steady"]["per_matrix"] * tensors  # torch's single-tensor path
+    c["kernels"] = counts["adamw"]["steady"]["per_matrix"] * tensors  # torch's single-tensor count (see projection)
     return c
 
 

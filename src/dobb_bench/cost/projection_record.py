@@ -50,6 +50,18 @@ def fit_constants(inputs: dict) -> dict:
     return {**fixed, **{f["constant"]: 1e-3 * v for f, v in zip(fits, sol)}}
 
 
+def _per_fs(method: dict, case: dict) -> dict:
+    """A method whose rank is stated per FSDP degree (``rank_per_fs``, ``rank_fraction_per_fs``: the
+    value over the case's ``fs``), as one reading of the paper's Dion on Qwen3."""
+    m = {k: v for k, v in method.items() if not k.endswith("_per_fs")}
+    fs = case["layout"]["fs"]
+    if "rank_per_fs" in method:
+        m["rank"] = method["rank_per_fs"] / fs
+    if "rank_fraction_per_fs" in method:
+        m["rank_fraction"] = method["rank_fraction_per_fs"] / fs
+    return m
+
+
 def _is_fitted(inputs: dict, case: dict, pt: dict) -> str | None:
     for f in inputs.get("fit", []):
         if f["case"] == case["label"] and f["published"] == pt["published"]:
@@ -80,12 +92,22 @@ def build(inputs: dict) -> dict:
                           "model": pt.get("model_label", pt["method"]["kind"]), "model_ms": ms,
                           "ratio": ms / pt["ms"], "fitted": _is_fitted(inputs, case, pt),
                           "source": pt.get("source", case.get("source", "")), "terms": res})
+    cases = {c["label"]: c for c in inputs["calibration"]}
+    not_cal = []
+    for nc in inputs.get("not_calibrated", []):
+        nc = dict(nc)
+        if nc.get("readings"):  # published points left out of the count: the model under each reading
+            nc["reading_ratios"] = [
+                {"label": rd["label"], "ratios": [_point_ms(cases[pt["label"]], {"method": _per_fs(rd["method"], cases[pt["label"]])},
+                                                            models, hw_all[cases[pt["label"]]["hardware"]], counts)[0] / pt["ms"]
+                                                  for pt in nc["cases"]]} for rd in nc["readings"]]
+        not_cal.append(nc)
     checks = [c for c in calib if not c["fitted"]]
     within = sum(0.5 <= c["ratio"] <= 2 for c in checks)
     return {"kind": "projection", "fitted": fitted, "rows": rows, "calibration": calib,
             "summary": {"unfitted": len(checks), "within_2x": within,
                         "median_ratio": sorted(c["ratio"] for c in checks)[len(checks) // 2] if checks else None},
-            "not_calibrated": inputs.get("not_calibrated", [])}
+            "not_calibrated": not_cal}
 
 
 def _fmt(ms: float) -> str:
@@ -136,7 +158,10 @@ def calibration_markdown(rec: dict) -> str:
         out.append(f"| {c['published']} (model: {c['model']}) | {c.get('source', '')} | {fitted} | {_fmt(c['model_ms'])} | "
                    f"{c['published_ms']:g} | {c['ratio']:.2f}{miss} |")
     for nc in rec.get("not_calibrated", []):
-        out.append(f"| {nc['label']}: {nc['published']} | — | not modelled: {nc['why']} | — | — | — |")
+        readings = "".join(f"; {rd['label']}: " + " / ".join(f"{r:.2f}" for r in rd["ratios"])
+                           for rd in nc.get("reading_ratios", []))
+        verb = "not counted" if readings else "not modelled"
+        out.append(f"| {nc['label']}: {nc['published']} | — | {verb}: {nc['why']}{readings} | — | — | — |")
     s = rec.get("summary") or {}
     fit = rec.get("fitted", {})
     out += ["", f"Fitted: {1e6 * fit.get('kernel_s', 0):.3g} us a kernel, {1e6 * fit.get('qr_s', 0):.3g} us a QR "

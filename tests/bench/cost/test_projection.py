@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from dobb_bench.cost import projection as PJ
+from dobb_bench.cost.projection_costs import _selected
 
 # round numbers, so every expected value below is done by hand
 HW = PJ.Hardware(bf16_flops=1e12, fp32_flops=1e11, hbm=1e11, nvlink=1e10, internode=1e9, gpus_per_node=8,
@@ -344,7 +345,127 @@ def test_calibration_reads_the_published_setups():
         if "Qwen3" in label:
             assert c["stat_sync_in_step"] is True, label
         for pt in c["points"]:
-            if label.startswith("Dobb paper") and pt["method"]["kind"] == "dobb":
+            if label.startswith("Dobb paper") and pt["method"]["kind"] in ("dobb", "dobb-g"):
                 assert pt["method"]["product_dtype"] == "fp32", (label, pt["published"])
             if label.startswith("MatrixFSDP"):
                 assert pt["method"]["ns_steps"] == 2 and pt["method"]["state_bytes"] == 2
+
+
+# ----------------------------------------------------------------------------- issue 43's audit: the added sources
+def test_gram_newton_schulz_flops_by_hand():
+    # 8 x 4: a = 4, b = 8. Two X X^T and two Q X (2 a^2 b = 256 each), 14 a x a products (2 a^3 = 128 each);
+    # SYRK halves the symmetric ones (the two X X^T and the 14): 128 + 128 + 512 + 896 = 1664
+    assert PJ.gram_ns_flops(8, 4) == pytest.approx(1664)
+    assert PJ.gram_ns_flops(4, 8) == pytest.approx(1664)
+    assert PJ.gram_ns_flops(8, 4, syrk=False) == pytest.approx(4 * 256 + 14 * 128)
+
+
+def test_dmuon_owner_plan_by_hand():
+    # q, o: 6M entries each (q squarer: more Gram NS FLOPs); k, v: 1M and 2M (under 5M: merged a layer)
+    q, o, a, b = (2500, 2400), (3000, 2000), (1000, 1000), (2000, 1000)
+    mats = [PJ.Matrix(f"h{i}.{nm}", *shape, True) for i in range(2)
+            for nm, shape in (("q", q), ("o", o), ("k", a), ("v", b))]
+    # units 6M x 4 (layer order), then the two 3M merges. q0 -> 0; o0 -> 1 (0 used in layer 0); q1 -> 0
+    # (least loaded, first); o1 -> 1; k0 + v0 -> 0 (both used in layer 0, 12M each); k1 + v1 -> 1 (12M < 15M)
+    assert PJ.dmuon_owners(mats, 2) == [0, 1, 0, 0, 0, 1, 1, 1]
+    # the busiest owner by Gram NS FLOPs sets the step: rank 0 holds q0, q1, k0, v0
+    got = PJ.project({"kind": "placement-muon", "partition": "dmuon", "ns": "gram-syrk"}, mats, 0, PJ.Layout(fs=2), HW)
+    flops = [PJ.gram_ns_flops(x.m, x.n) for x in mats]
+    assert flops[0] + flops[4] + flops[2] + flops[3] > flops[1] + flops[5] + flops[6] + flops[7]
+    assert got["matmul_ms"] == pytest.approx(_ms((flops[0] + flops[4] + flops[2] + flops[3]) / 1e12))
+
+
+def test_benchmark_loops_select_matrices_and_count_their_own_kernels():
+    mats = [PJ.Matrix("h0.q", 8, 4, True), PJ.Matrix("h0.k", 2, 4, True)]
+    hw = HW.with_(kernel_s=1e-6)
+    hp = {"kind": "gather-muon", "grad_bytes": 4, "select": {"min_entries": 16}, "kernels_per_matrix": 66,
+          "other_update": {"bytes_per_entry": 12, "kernels_per_tensor": 1}}
+    got = PJ.project(hp, mats, 10, LAY, hw, tensors=3)
+    # q (32 entries) is gathered and orthogonalized; k (8 < 16) takes the add_ with the 10 other entries
+    assert got["matmul_ms"] == pytest.approx(_ms(3200 / 1e12))
+    assert got["hbm_ms"] == pytest.approx(_ms((20 * 16 + 12 * 8 / 2 + 12 * 10 / 2) / 1e11))
+    assert got["launch_ms"] == pytest.approx(_ms((66 + 1 + 3) * 1e-6))  # q's loop, k's add_, 3 other tensors
+    # one gather of q's 32 fp32 entries over 2 ranks: half arrives, 64 B over NVLink, one latency
+    assert got["link_ms"] == pytest.approx(_ms(64 / 1e10)) and got["latency_ms"] == pytest.approx(_ms(1e-5))
+    # DDP (fs = 1): nothing to gather, every rank orthogonalizes every whole matrix
+    ddp = PJ.project({"kind": "gather-muon", "kernels_per_matrix": 46}, mats, 0, PJ.Layout(fs=1, dp=8), hw)
+    assert ddp["link_ms"] == 0 and ddp["latency_ms"] == 0
+    assert ddp["matmul_ms"] == pytest.approx(_ms((3200 + PJ._ns_flops(2, 4)) / 1e12))
+    assert ddp["launch_ms"] == pytest.approx(_ms(2 * 46 * 1e-6))
+
+
+def test_dobb_g_output_side_by_hand():
+    got = PJ.project({"kind": "dobb-g", "norm": "l2", "blocks": 2, "refresh_every": 4}, MAT, 0, LAY, HW)
+    # local 4 x 4 (rows 4 of 8); blocks min(8 / 2, 4) = 4 rows: one local block. Steady: 20 B x 16 + bf16 basis
+    # 2 x 16; products 4 rows k s = 4 * 4 * 4 * 4 = 256 (rows = the 4 columns, k = s = 4)
+    steady = (20 * 16 + 2 * 16) / 1e11 + 256 / 1e12
+    # refresh of the one local block: A Q 2 k s^2 = 128, QR (4/3) 64 fp32; EMA 4*3*16 + basis 2*2*16 = 256 B;
+    # the statistic of the whole 8-row axis (the FSDP shards sit on data-parallel ranks), 8 x 4 = 32 fp32
+    # entries, all-reduced over 2 ranks: 2 * 32 * 1/2 * 4 = 128 B, one latency
+    refresh = (128 + 256 / 3) / 1e11 + 256 / 1e11 + 128 / 1e10 + 1e-5
+    assert got["steady_ms"] == pytest.approx(_ms(steady))
+    assert got["periodic_ms"] == pytest.approx(_ms(steady + refresh))
+    assert got["amortized_ms"] == pytest.approx(_ms(steady + refresh / 4))
+
+
+def test_dobb_g_l2_sums_norms_over_tp_on_row_parallel_matrices():
+    row_parallel = [PJ.Matrix("h0.o", 4, 8, False)]
+    lay = PJ.Layout(fs=1, tp=2)
+    l2 = PJ.project({"kind": "dobb-g", "norm": "l2", "blocks": 1, "refresh_every": 9}, row_parallel, 0, lay, HW)
+    sign = PJ.project({"kind": "dobb-g", "blocks": 1, "refresh_every": 9}, row_parallel, 0, lay, HW)
+    # TP splits the input axis: the 4 local rows' norms, fp32, all-reduced over 2 ranks every step:
+    # 2 * 4 * 4 * 1/2 = 16 B over NVLink, one latency
+    assert l2["steady_ms"] - sign["steady_ms"] == pytest.approx(_ms(16 / 1e10 + 1e-5))
+    col = PJ.project({"kind": "dobb-g", "norm": "l2", "blocks": 1, "refresh_every": 9}, MAT, 0, lay, HW)
+    assert col["latency_ms"] == 0  # column-parallel: whole rows on each rank, nothing to sum
+
+
+def test_qwen2_shapes_match_published_parameter_counts(tmp_path):
+    inputs = PJ.load_inputs()
+    for name, count in (("qwen2.5-1.5b", 1_543_714_304), ("qwen2.5-7b", 7_615_616_512),
+                        ("llama3.2-3b-dmuon", 3_606_752_256)):
+        mats, other = PJ.model_matrices(inputs["models"][name])
+        assert sum(x.m * x.n for x in mats) + other == count, name
+    # 28 layers x (2 norms + q, k, v biases) + tied embedding + final norm
+    assert PJ.other_tensors(inputs["models"]["qwen2.5-1.5b"]) == 28 * 5 + 2
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "qwen2", "hidden_size": 1536, "num_hidden_layers": 28,
+                               "num_attention_heads": 12, "num_key_value_heads": 2, "intermediate_size": 8960,
+                               "vocab_size": 151936, "tie_word_embeddings": True}))
+    spec = PJ.config_spec(str(cfg), inputs)
+    assert spec["qkv_bias"] is True
+    assert sum(x.m * x.n for x in PJ.model_matrices(spec)[0]) + PJ.model_matrices(spec)[1] == 1_543_714_304
+
+
+def test_dion_on_qwen3_readings_are_shown_not_counted():
+    inputs = PJ.load_inputs()
+    rec = PJ.build(inputs)
+    entry = next(e for e in rec["not_calibrated"] if "Dion on Qwen3" in e["label"])
+    assert [r["label"] for r in entry["reading_ratios"]] == ["rank fraction 1/FS", "rank 1024/FS"]
+    case = next(c for c in inputs["calibration"] if c["label"] == entry["cases"][0]["label"])  # Qwen3-8B, FS 8
+    hw = PJ.Hardware.from_inputs(inputs["hardware"][case["hardware"]], rec["fitted"])
+    mats, other = PJ.model_matrices(inputs["models"][case["model"]])
+    tensors = PJ.other_tensors(inputs["models"][case["model"]])
+    for rd, method in zip(entry["reading_ratios"], ({"kind": "dion", "rank_fraction": 1 / 8}, {"kind": "dion", "rank": 128})):
+        ms = PJ.project(method, mats, other, PJ.Layout(8), hw, True, inputs["kernels"]["methods"], tensors)["amortized_ms"]
+        assert rd["ratios"][0] == pytest.approx(ms / 159.5)
+    assert all("Dion" not in c["published"] for c in rec["calibration"] if "Qwen3" in c["case"])
+
+
+def test_dmuon_benchmark_points_read_its_setup():
+    inputs = PJ.load_inputs()
+    dm = [c for c in inputs["calibration"] if c["label"].startswith("DMuon LLM benchmark")]
+    assert sum(len(c["points"]) for c in dm) == 14  # 4 models x AdamW, FSDP2+Muon, DMuon; DDP+Muon on two
+    for c in dm:
+        assert c["hardware"] == "a800-sxm" and "cfa7703" in c["source"]
+        assert c["layout"] == ({"fs": 1, "tp": 1, "dp": 8} if "DDP" in c["label"] else {"fs": 8, "tp": 1, "dp": 1})
+        for pt in c["points"]:
+            m = pt["method"]
+            if pt["published"] == "DMuon":
+                assert m["partition"] == "dmuon" and m["ns"] == "gram-syrk" and m["kernels_per_matrix"] == 33
+            if pt["published"] == "FSDP2+Muon":  # bench_llm.py: numel >= 1024 * 1024 and rows <= 20000
+                assert m["select"] == {"min_entries": 1048576, "max_rows": 20000} and m["grad_bytes"] == 4
+    # Qwen2.5-1.5B's k and v (256 x 1536) fall under the FSDP2+Muon baseline's size cut
+    mats, _ = PJ.model_matrices(inputs["models"]["qwen2.5-1.5b"])
+    sel = {"select": {"min_entries": 1048576, "max_rows": 20000}}
+    assert {x.name.split(".")[1] for x in mats if not _selected(x, sel)} == {"k", "v"}
