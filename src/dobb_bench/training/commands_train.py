@@ -207,7 +207,8 @@ def run_configs(args) -> tuple[ModelConfig, TrainConfig, dict]:
     return model_cfg, train_cfg, (corpus, data_args)
 
 
-def _slug(label: str) -> str:
+def run_slug(label: str) -> str:
+    """A run label as its folder under ``OUT/runs/`` names it."""
     return re.sub(r"[^A-Za-z0-9._=-]+", "_", label).strip("_") or "run"
 
 
@@ -261,7 +262,7 @@ def run_many(jobs: list[tuple[OptimizerSpec, float]], args, model_cfg, train_cfg
     several = len(jobs) > len({j[0].label for j in jobs})
     todo, finals = [], [None] * len(jobs)
     for i, (spec, lr) in enumerate(jobs):
-        run_dir = out / "runs" / _slug(f"{spec.label}" + (f"_lr{lr:.3g}" if several else ""))
+        run_dir = out / "runs" / run_slug(f"{spec.label}" + (f"_lr{lr:.3g}" if several else ""))
         expect = _settings(spec, lr, model_cfg, train_cfg)
         final = finished_with(run_dir, expect) if resume else None
         if final is not None:

@@ -301,7 +301,7 @@ def test_ns_steps_scale_the_newton_schulz_flops():
     for kind in ("owner-muon", "placement-muon", "gather-muon"):
         two = PJ.project({"kind": kind, "ns_steps": 2, "ns_bytes": 2}, MAT, 0, LAY, HW)
         assert two["matmul_ms"] == pytest.approx(_ms(1280 / 1e12)), kind
-    assert PJ._ns_flops(8, 4) == 3200 and PJ._ns_flops(8, 4, 2) == 1280
+    assert PJ.ns_flops(8, 4) == 3200 and PJ.ns_flops(8, 4, 2) == 1280
 
 
 def test_dtensor_muon_by_hand():
