@@ -25,7 +25,8 @@ from dobb_bench.errors import CliError
 from dobb_bench.specs import parse_spec
 from dobb_bench.studies.catalog import ABLATIONS, STUDIES
 from dobb_bench.studies.define import Study
-from dobb_bench.training.commands_train import add_common_args, run_configs, run_many, validate_spec
+from dobb_bench.training.commands_train import run_many, validate_spec
+from dobb_bench.training.run_args import add_common_args, run_configs
 
 
 def study(name: str) -> Study:
