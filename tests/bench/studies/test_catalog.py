@@ -234,3 +234,16 @@ def test_ablate_runs_the_declared_rows(tmp_path, monkeypatch, capsys):
     assert calls[2][:2] == ("dobb", {"blocks": 1, "qr": "cholesky"})
     assert cli_main(["ablate", "bogus"]) == 2
     assert "unknown study 'bogus'; choose from normalization, source" in capsys.readouterr().err
+
+
+def test_the_tables_read_the_rows_their_studies_declare():
+    """A table's rows from its own study's records are rows its declaration runs."""
+    from dobb_bench.studies import family_dash, family_soap, refresh_width, shard_local
+
+    def labels(st):
+        return {r.label for r in st.rows}
+    own = {label for _, label, studies, _ in shard_local.ROWS + shard_local.REFS if shard_local.STUDY in studies}
+    assert own and own <= labels(C.SHARD_LOCAL)
+    assert set(family_dash.DASH_ROWS) <= labels(C.FAMILY_DASH)
+    assert set(family_soap.ROWS) <= labels(C.FAMILY_SOAP)
+    assert refresh_width.ROW in labels(C.REFRESH_WIDTH)
