@@ -113,7 +113,8 @@ class Row(NamedTuple):
         return slug(self.label)
 
 
-# the scripts that run a row ``dobb-bench compare`` cannot (each writes OUT/runs/<label>/metrics.jsonl)
+# the scripts that ran rows outside ``dobb-bench compare`` (each writes OUT/runs/<label>/metrics.jsonl,
+# no results.jsonl): SOAP and Newton-Muon before the registry had them, the peer packages' classes
 RUNNERS = {"family-rows": "scripts/family_rows.py", "peer-soap": "scripts/peer_soap.py",
            "peer-dash": "scripts/peer_dash.py"}
 
