@@ -273,7 +273,7 @@ def model_check(device, shapes: dict, fs: int = 8, repeats: int = 5) -> list[dic
         # the model's counts: roofline.step_cost via the projection's helpers, at the stated efficiencies
         bf16 = hw.bf16_eff * hw.bf16_flops
         fp32 = hw.fp32_eff * hw.fp32_flops
-        ns_flops = PJ._ns_flops(m, n)
+        ns_flops = PJ.ns_flops(m, n)
         proj_flops = 4 * r * n * s  # one block's width s over all n columns: r x n x s twice, x 2 FLOPs
         refresh_flops = 2 * s ** 3 + (4 / 3) * s ** 3  # A Q and Householder QR of one s x s block
         quantities = [

@@ -51,14 +51,15 @@ import json
 from pathlib import Path
 
 from dobb_bench.cost.projection_model import *  # noqa: F401,F403  (public names stay importable here)
-from dobb_bench.cost.projection_model import (INPUTS, RECORD, ROOT, Hardware, Layout, Matrix, _add, _ns_flops, _v,  # noqa: F401
-                                              _zero, all_to_all_time, kernel_count, load_inputs, local_shape,
+from dobb_bench.cost.projection_model import (INPUTS, RECORD, ROOT, Hardware, Layout, Matrix, add_cost,  # noqa: F401
+                                              all_to_all_time, kernel_count, load_inputs, local_shape, ns_flops,
+                                              value_of, zero_cost,
                                               model_matrices, other_tensors, ring_time, seconds)
 from dobb_bench.cost.projection_costs import *  # noqa: F401,F403
 from dobb_bench.cost.projection_costs import COSTS, owner_plan, project  # noqa: F401
 from dobb_bench.cost.projection_record import *  # noqa: F401,F403
-from dobb_bench.cost.projection_record import (TABLES, TERM_KEYS, _fmt, build, calibration_markdown,  # noqa: F401
-                                               fit_constants, plot, projection_markdown)
+from dobb_bench.cost.projection_record import (TABLES, TERM_KEYS, build, calibration_markdown,  # noqa: F401
+                                               fit_constants, plot, projection_markdown, short_ms)
 
 # ----------------------------------------------------------------------------- the user's model
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "olmo", "olmo2", "granite")
@@ -126,7 +127,7 @@ def user_projection(spec: dict, gpus: int, tp: int, dtype: str, mfu: float, toke
         hw = hw.with_(bf16_flops=hw.fp32_flops, bf16_eff=hw.fp32_eff)
     lay = Layout(gpus // tp, tp, 1)
     params = sum(x.m * x.n for x in mats) + other
-    fwd_bwd_ms = 1e3 * 6 * params * tokens / (gpus * _v(inputs["hardware"][hardware]["bf16_flops"]) * mfu)
+    fwd_bwd_ms = 1e3 * 6 * params * tokens / (gpus * value_of(inputs["hardware"][hardware]["bf16_flops"]) * mfu)
     rows = []
     for label, method in inputs["methods"].items():
         m = dict(method, ns_bytes=4) if dtype == "fp32" and "ns_bytes" in method else method
@@ -149,9 +150,9 @@ def user_text(res: dict, args) -> str:
            "", "| method | steady ms | periodic ms | amortized ms | HBM / matmul / link / latency / launch / QR ms "
            f"| share of a training step at MFU {args.mfu:g} |", "|---|---|---|---|---|---|"]
     for r in res["rows"]:
-        per = "—" if r["periodic_ms"] is None else _fmt(r["periodic_ms"])
-        terms = " / ".join(_fmt(r[k]) for k in TERM_KEYS)
-        out.append(f"| {r['method']} | {_fmt(r['steady_ms'])} | {per} | {_fmt(r['amortized_ms'])} | {terms} | "
+        per = "—" if r["periodic_ms"] is None else short_ms(r["periodic_ms"])
+        terms = " / ".join(short_ms(r[k]) for k in TERM_KEYS)
+        out.append(f"| {r['method']} | {short_ms(r['steady_ms'])} | {per} | {short_ms(r['amortized_ms'])} | {terms} | "
                    f"{100 * r['share']:.2g}% |")
     out += ["", "Assumptions:",
             f"- per rank, per optimizer.step(); the six terms add (no overlap); Dobb amortized over T = 9 "
@@ -167,7 +168,7 @@ def user_text(res: dict, args) -> str:
             f"library's greedy owner plan (the busiest owner sets the time); Dobb's statistic all-reduce in the "
             f"refresh step; non-matrix parameters are AdamW's in every method;",
             f"- training step: forward + backward = 6 x {res['params'] / 1e9:.3g}B x {args.tokens} tokens / "
-            f"({args.gpus} GPUs x bf16 peak x MFU {args.mfu:g}) = {_fmt(res['fwd_bwd_ms'])} ms; share = step / "
+            f"({args.gpus} GPUs x bf16 peak x MFU {args.mfu:g}) = {short_ms(res['fwd_bwd_ms'])} ms; share = step / "
             f"(forward-backward + step);",
             "- the model's error on published steps: docs/results.md, table:projected-calibration."]
     return "\n".join(out) + "\n"

@@ -7,8 +7,8 @@ import math
 from dobb.baselines.dion_family.dion import dion_rank
 from dobb.collectives import plan_owners
 from dobb_bench.cost import payload as P
-from dobb_bench.cost.projection_model import (Hardware, Layout, Matrix, _add, _adamw_other, _elementwise, _locals,
-                                              _ns_flops, _zero, all_to_all_time, kernel_count, load_inputs,
+from dobb_bench.cost.projection_model import (Hardware, Layout, Matrix, add_cost, adamw_other_cost, elementwise_cost, local_shapes,
+                                              ns_flops, zero_cost, all_to_all_time, kernel_count, load_inputs,
                                               local_shape, ring_time, seconds, step_cost)
 
 
@@ -16,7 +16,7 @@ def owner_plan(mats, ranks: int) -> tuple[list[int], int]:
     """The library's owner plan (NS5 FLOPs, longest first to the least loaded rank): the matrices
     of the busiest owner (indices) and how many owners hold at least one matrix. (The plan is the
     same for any step count: every matrix's FLOPs scale by it.)"""
-    flops = [_ns_flops(x.m, x.n) for x in mats]
+    flops = [ns_flops(x.m, x.n) for x in mats]
     owner = plan_owners(flops, ranks)
     load = [0.0] * ranks
     for i, r in enumerate(owner):
@@ -72,7 +72,7 @@ def _ns(x, hp: dict) -> float:
         return gram_ns_flops(x.m, x.n)
     if hp.get("ns") not in (None, "standard"):
         raise ValueError(f"ns {hp['ns']!r}: 'standard' or 'gram-syrk'")
-    return _ns_flops(x.m, x.n, hp.get("ns_steps", 5))
+    return ns_flops(x.m, x.n, hp.get("ns_steps", 5))
 
 
 def _selected(x, hp: dict) -> bool:
@@ -96,16 +96,16 @@ def other_update(hp: dict, entries: float, tensors: int, lay, counts) -> dict:
     ``kernels_per_tensor`` (a benchmark's own loop: DMuon's baselines add the gradient, one
     ``add_``; its AdamW loop is 9 kernels a tensor)."""
     if "other_update" not in hp:
-        return _adamw_other(entries, tensors, lay, counts)
+        return adamw_other_cost(entries, tensors, lay, counts)
     o = hp["other_update"]
-    c = _zero()
+    c = zero_cost()
     c["hbm_bytes"] = o["bytes_per_entry"] * entries / (lay.fs * lay.tp)
     c["kernels"] = o["kernels_per_tensor"] * tensors
     return c
 
 
 def cost_adamw(mats, lay, hw, hp, counts) -> dict:
-    c = _elementwise("adamw", mats, lay)
+    c = elementwise_cost("adamw", mats, lay)
     c["kernels"] = counts["adamw"]["steady"]["per_matrix"] * len(mats)
     return {"steady": c}
 
@@ -114,10 +114,10 @@ def cost_owner_muon(mats, lay, hw, hp, counts) -> dict:
     """Whole matrices to owners among the ``fs x tp`` ranks (all-to-all, ``ns_bytes`` an entry),
     NS5 there, results back: ``payload``'s ``2 mn`` per matrix. The busiest owner (the library's
     plan) sets the NS5 FLOPs and the kernels: momentum on every local shard, NS5 per shape it owns."""
-    c = _elementwise("muon", mats, lay, hp)
+    c = elementwise_cost("muon", mats, lay, hp)
     G = lay.fs * lay.tp
     mine, _ = owner_plan(mats, G)
-    c["bf16_flops"] = sum(_ns_flops(mats[i].m, mats[i].n, hp.get("ns_steps", 5)) for i in mine)
+    c["bf16_flops"] = sum(ns_flops(mats[i].m, mats[i].n, hp.get("ns_steps", 5)) for i in mine)
     ck = counts["muon"]["steady"]
     owned_shapes = len({(mats[i].m, mats[i].n) for i in mine})
     c["kernels"] = ck["per_group"] + ck["per_matrix"] * len(mats) + ck["per_shape"] * max(owned_shapes - 1, 0)
@@ -134,14 +134,14 @@ def cost_gather_muon(mats, lay, hw, hp, counts) -> dict:
     ``kernels_per_matrix``: the benchmark's own per-matrix loop."""
     ns = [x for x in mats if _selected(x, hp)]
     rest = [x for x in mats if not _selected(x, hp)]
-    c = _elementwise("muon", ns, lay, hp)
+    c = elementwise_cost("muon", ns, lay, hp)
     G = lay.fs * lay.tp
     c["bf16_flops"] = sum(_ns(x, hp) for x in ns)
     c["kernels"] = _per_matrix_kernels(hp, "muon", ns, counts)
     logical = sum(P.payload_entries("muon", x.m, x.n, sharded="output", shards=G) for x in ns)
     c["link_s"], c["latency_s"] = ring_time(logical * (G - 1) / G * hp.get("grad_bytes", 4), G, 1, hw, count=len(ns))
     if rest:
-        c = _add(c, other_update(hp, sum(x.m * x.n for x in rest), len(rest), lay, counts))
+        c = add_cost(c, other_update(hp, sum(x.m * x.n for x in rest), len(rest), lay, counts))
     return {"steady": c}
 
 
@@ -153,10 +153,10 @@ def cost_dtensor_muon(mats, lay, hw, hp, counts) -> dict:
     step gathers ``X^T`` for ``A = X X^T``, ``A`` for ``A A`` and ``X`` for ``B X``: ``2 a b + a^2``
     entries in the bf16 the iteration runs in, three collectives; every rank computes ``1 / G`` of
     each product; the Frobenius norm is one all-reduce a matrix."""
-    c = _elementwise("muon", mats, lay, hp)
+    c = elementwise_cost("muon", mats, lay, hp)
     G = lay.fs * lay.tp
     steps = hp.get("ns_steps", 5)
-    c["bf16_flops"] = sum(_ns_flops(x.m, x.n, steps) for x in mats) / G
+    c["bf16_flops"] = sum(ns_flops(x.m, x.n, steps) for x in mats) / G
     c["kernels"] = kernel_count(counts, "muon", "steady", [(x.m, x.n) for x in mats])
     gathered = sum(steps * (2 * min(x.m, x.n) * max(x.m, x.n) + min(x.m, x.n) ** 2) for x in mats)
     link, lat = ring_time(gathered * (G - 1) / G * 2, G, 1, hw, count=(3 * steps + 1) * len(mats))
@@ -180,7 +180,7 @@ def cost_placement_muon(mats, lay, hw, hp, counts) -> dict:
         raise ValueError(f"partition {hp['partition']!r}: 'library' or 'dmuon'")
     else:
         mine, _ = owner_plan(mats, G)
-    c = _zero()
+    c = zero_cost()
     c["hbm_bytes"] = hp.get("state_bytes", 4) / 4 * sum(step_cost("muon", mats[i].m, mats[i].n)["bytes"] for i in mine)
     c["bf16_flops"] = sum(_ns(mats[i], hp) for i in mine)
     c["kernels"] = _per_matrix_kernels(hp, "muon", [mats[i] for i in mine], counts)
@@ -196,31 +196,31 @@ def _row_blocks(x: Matrix, lay: Layout, blocks: int) -> tuple[float, float, floa
 
 def cost_row_block_muon(mats, lay, hw, hp, counts) -> dict:
     """Row-block Muon: NS5 on each of ``blocks`` row blocks, cut at shard boundaries; no collective."""
-    c = _elementwise("muon", mats, lay)
+    c = elementwise_cost("muon", mats, lay)
     for x in mats:
         rows, k, nb = _row_blocks(x, lay, int(hp["blocks"]))
-        c["bf16_flops"] += nb * _ns_flops(rows, k)
-    c["kernels"] = kernel_count(counts, "row-block-muon", "steady", _locals(mats, lay))
+        c["bf16_flops"] += nb * ns_flops(rows, k)
+    c["kernels"] = kernel_count(counts, "row-block-muon", "steady", local_shapes(mats, lay))
     return {"steady": c}
 
 
 def cost_muonbp(mats, lay, hw, hp, counts) -> dict:
     """NS5 on this rank's shard every step; owner-compute Muon's full step every ``period``."""
-    block = _elementwise("muon", mats, lay)
-    block["bf16_flops"] = sum(_ns_flops(*local_shape(x, lay)) for x in mats)
-    block["kernels"] = kernel_count(counts, "muonbp", "steady", _locals(mats, lay))
+    block = elementwise_cost("muon", mats, lay)
+    block["bf16_flops"] = sum(ns_flops(*local_shape(x, lay)) for x in mats)
+    block["kernels"] = kernel_count(counts, "muonbp", "steady", local_shapes(mats, lay))
     full = cost_owner_muon(mats, lay, hw, hp, counts)["steady"]
     p = int(hp["period"])
-    return {"steady": block, "periodic": _add(_zero(), _add(full, block, -1.0)), "every": p}
+    return {"steady": block, "periodic": add_cost(zero_cost(), add_cost(full, block, -1.0)), "every": p}
 
 
 def cost_dion2_shard(mats, lay, hw, hp, counts) -> dict:
     """Dion2's row selection inside each shard: NS5 on the ``round(fraction r)`` heaviest local rows."""
-    c = _elementwise("muon", mats, lay)
+    c = elementwise_cost("muon", mats, lay)
     for x in mats:
         r, k = local_shape(x, lay)
-        c["bf16_flops"] += _ns_flops(max(1, round(hp["fraction"] * r)), k)
-    c["kernels"] = kernel_count(counts, "dion2", "steady", _locals(mats, lay))
+        c["bf16_flops"] += ns_flops(max(1, round(hp["fraction"] * r)), k)
+    c["kernels"] = kernel_count(counts, "dion2", "steady", local_shapes(mats, lay))
     return {"steady": c}
 
 
@@ -228,7 +228,7 @@ def cost_dion(mats, lay, hw, hp, counts) -> dict:
     """Dion (calibration only) on row shards: ``8 r_loc n r + 4 (r_loc + n) r^2`` fp32 FLOPs
     (``roofline``'s count with the local rows), ``payload``'s ``r (m + n)`` all-reduced, one QR a matrix."""
     G = lay.fs * lay.tp
-    c = _elementwise("muon", mats, lay)
+    c = elementwise_cost("muon", mats, lay)
     logical = 0.0
     for x in mats:
         r_loc, k = local_shape(x, lay)
@@ -237,7 +237,7 @@ def cost_dion(mats, lay, hw, hp, counts) -> dict:
         c["fp32_flops"] += 8 * r_loc * k * r + 4 * (r_loc + k) * r * r
         c["hbm_bytes"] += 8 * max(x.m, x.n) * r  # Q (fp32) read and written
         logical += P.payload_entries("dion", x.m, x.n, {"rank_fraction": frac}, shards=G)
-    c["kernels"] = kernel_count(counts, "dion", "steady", _locals(mats, lay))
+    c["kernels"] = kernel_count(counts, "dion", "steady", local_shapes(mats, lay))
     c["qr"] = counts["dion"]["steady"]["qr_per_matrix"] * len(mats)
     c["link_s"], c["latency_s"] = ring_time(2 * logical * (G - 1) / G * 4, G, 1, hw, count=2 * len(mats))
     return {"steady": c}
@@ -277,7 +277,7 @@ def cost_dobb(mats, lay, hw, hp, counts, stat_sync: bool = True) -> dict:
     kind = hp.get("kind", "dobb")
     both, out_only = kind == "dobb-both", kind == "dobb-g"
     label = hp.get("kernels", "dobb-both" if both else "dobb-g-l2" if out_only else "dobb-b4")
-    steady, refresh = _zero(), _zero()
+    steady, refresh = zero_cost(), zero_cost()
     stat_entries = 0.0
     l2_rows, l2_count = 0.0, 0
     for x in mats:
@@ -303,7 +303,7 @@ def cost_dobb(mats, lay, hw, hp, counts, stat_sync: bool = True) -> dict:
             if out_only and hp.get("norm") == "l2" and not x.colwise and lay.tp > 1:
                 l2_rows += r
                 l2_count += 1
-    local = _locals(mats, lay)
+    local = local_shapes(mats, lay)
     steady["kernels"] = kernel_count(counts, label, "steady", local)
     refresh["kernels"] = kernel_count(counts, label, "refresh", local) - steady["kernels"]
     if l2_count:
@@ -333,10 +333,10 @@ def project(method: dict, mats, other: int, lay: Layout, hw: Hardware, stat_sync
     counts = counts if counts is not None else load_inputs()["kernels"]["methods"]
     extra = {"stat_sync": stat_sync} if kind.startswith("dobb") else {}
     parts = COSTS[kind](mats, lay, hw, method, counts, **extra)
-    steady = _add(parts["steady"], other_update(method, other, tensors, lay, counts))
+    steady = add_cost(parts["steady"], other_update(method, other, tensors, lay, counts))
     every = parts.get("every", 1)
-    periodic = _add(steady, parts["periodic"]) if "periodic" in parts else None
-    amort = _add(steady, parts["periodic"], 1.0 / every) if periodic is not None else steady
+    periodic = add_cost(steady, parts["periodic"]) if "periodic" in parts else None
+    amort = add_cost(steady, parts["periodic"], 1.0 / every) if periodic is not None else steady
     t = seconds(amort, hw)
     out = {"steady_ms": 1e3 * seconds(steady, hw)["total_s"],
            "periodic_ms": None if periodic is None else 1e3 * seconds(periodic, hw)["total_s"],

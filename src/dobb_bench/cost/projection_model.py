@@ -20,7 +20,8 @@ def load_inputs(path: Path | str = INPUTS) -> dict:
     return json.loads(Path(path).read_text())
 
 
-def _v(x):
+def value_of(x):
+    """An input's number: the value itself, or a sourced entry's ``{"value": ..., ...}``."""
     return x["value"] if isinstance(x, dict) else x
 
 
@@ -42,9 +43,10 @@ class Hardware:
     @classmethod
     def from_inputs(cls, d: dict, fitted: dict | None = None) -> "Hardware":
         fitted = fitted or {}
-        return cls(_v(d["bf16_flops"]), _v(d["fp32_flops"]), _v(d["hbm_bytes_per_s"]), _v(d["nvlink_bytes_per_s"]),
-                   _v(d["internode_bytes_per_s"]), int(_v(d["gpus_per_node"])), _v(d["latency_intra_s"]),
-                   _v(d["latency_inter_s"]), _v(d.get("bf16_efficiency", 1.0)), _v(d.get("fp32_efficiency", 1.0)),
+        v = value_of
+        return cls(v(d["bf16_flops"]), v(d["fp32_flops"]), v(d["hbm_bytes_per_s"]), v(d["nvlink_bytes_per_s"]),
+                   v(d["internode_bytes_per_s"]), int(v(d["gpus_per_node"])), v(d["latency_intra_s"]),
+                   v(d["latency_inter_s"]), v(d.get("bf16_efficiency", 1.0)), v(d.get("fp32_efficiency", 1.0)),
                    fitted.get("kernel_s", 0.0), fitted.get("qr_s", 0.0))
 
     def with_(self, **kw) -> "Hardware":
@@ -164,11 +166,13 @@ def all_to_all_time(wire_bytes: float, size: int, stride: int, hw: Hardware, cou
 TERMS = ("hbm_bytes", "bf16_flops", "fp32_flops", "link_s", "latency_s", "kernels", "qr")
 
 
-def _zero() -> dict:
+def zero_cost() -> dict:
+    """A cost of nothing: every term of ``TERMS`` at 0."""
     return {k: 0.0 for k in TERMS}
 
 
-def _add(a: dict, b: dict, scale: float = 1.0) -> dict:
+def add_cost(a: dict, b: dict, scale: float = 1.0) -> dict:
+    """``a + scale * b``, term by term."""
     return {k: a[k] + scale * b[k] for k in a}
 
 
@@ -192,22 +196,24 @@ def kernel_count(counts: dict, label: str, part: str, mats: list) -> float:
     return c["per_group"] + c["per_matrix"] * len(mats) + c["per_shape"] * (shapes - 1)
 
 
-def _adamw_other(other: int, tensors: int, lay: Layout, counts: dict) -> dict:
-    c = _zero()
+def adamw_other_cost(other: int, tensors: int, lay: Layout, counts: dict) -> dict:
+    """AdamW's step over the ``other`` entries (``tensors`` tensors) no matrix optimizer takes."""
+    c = zero_cost()
     c["hbm_bytes"] = 28.0 * other / (lay.fs * lay.tp)  # roofline: read W, G, M, V, write W, M, V (fp32)
     c["kernels"] = counts["adamw"]["steady"]["per_matrix"] * tensors  # torch's single-tensor count (see projection)
     return c
 
 
-def _locals(mats, lay) -> list[tuple[float, float]]:
+def local_shapes(mats, lay) -> list[tuple[float, float]]:
+    """Each matrix's shape on one rank of ``lay``."""
     return [local_shape(x, lay) for x in mats]
 
 
-def _elementwise(name: str, mats, lay, hp: dict | None = None) -> dict:
+def elementwise_cost(name: str, mats, lay, hp: dict | None = None) -> dict:
     """HBM bytes of the element-wise passes: ``roofline``'s bytes an entry (28 AdamW, 20 Muon, all
     fp32) times this rank's entries; ``hp["state_bytes"]`` (2: a model whose weights, gradients and
     momentum are all bf16) scales them by ``state_bytes / 4``."""
-    c = _zero()
+    c = zero_cost()
     scale = (hp or {}).get("state_bytes", 4) / 4
     for x in mats:
         r, k = local_shape(x, lay)
@@ -215,7 +221,7 @@ def _elementwise(name: str, mats, lay, hp: dict | None = None) -> dict:
     return c
 
 
-def _ns_flops(m: float, n: float, steps: int = 5) -> float:
+def ns_flops(m: float, n: float, steps: int = 5) -> float:
     """Newton-Schulz quintic FLOPs on an ``m x n`` matrix (``roofline``'s count): ``steps (4 a^2 b + 2 a^3)``."""
     return step_cost("muon", m, n, {"ns_steps": steps})["flops"]
 

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 from dobb_bench.cost.projection_costs import project
-from dobb_bench.cost.projection_model import (RECORD, ROOT, Hardware, Layout, _v, load_inputs,
-                                              model_matrices, other_tensors)
+from dobb_bench.cost.projection_model import (RECORD, ROOT, Hardware, Layout, load_inputs, model_matrices,
+                                              other_tensors, value_of)
 
 def _point_ms(case: dict, pt: dict, models: dict, hw: Hardware, counts: dict) -> tuple[float, dict]:
     mats, other, tensors = models[case["model"]]
@@ -110,7 +110,8 @@ def build(inputs: dict) -> dict:
             "not_calibrated": not_cal}
 
 
-def _fmt(ms: float) -> str:
+def short_ms(ms: float) -> str:
+    """Milliseconds to 3 significant digits, whole from 100 up."""
     return f"{ms:.3g}" if ms < 100 else f"{ms:.0f}"
 
 
@@ -119,7 +120,7 @@ TERM_KEYS = ("hbm_ms", "matmul_ms", "link_ms", "latency_ms", "launch_ms", "qr_ms
 
 def _pct(rec: dict, key: str) -> str:
     hw = (rec.get("inputs") or load_inputs())["hardware"]["h100-sxm"]
-    return f"{100 * _v(hw.get(key, 1.0)):.0f}%"
+    return f"{100 * value_of(hw.get(key, 1.0)):.0f}%"
 
 
 def projection_markdown(rec: dict) -> str:
@@ -129,9 +130,9 @@ def projection_markdown(rec: dict) -> str:
     by = {(r["model"], r["method"], r["layout"]): r for r in rec["rows"]}
     for model in dict.fromkeys(r["model"] for r in rec["rows"]):
         for method in dict.fromkeys(r["method"] for r in rec["rows"]):
-            cells = [_fmt(by[model, method, x]["amortized_ms"]) for x in layouts]
+            cells = [short_ms(by[model, method, x]["amortized_ms"]) for x in layouts]
             r0 = by[model, method, layouts[0]]
-            terms = " / ".join(_fmt(r0[k]) for k in TERM_KEYS)
+            terms = " / ".join(short_ms(r0[k]) for k in TERM_KEYS)
             out.append(f"| {model} | {method} | " + " | ".join(cells) + f" | {terms} |")
     prov = rec.get("provenance") or {}
     fit = rec.get("fitted", {})
@@ -155,8 +156,8 @@ def calibration_markdown(rec: dict) -> str:
             out.append(f"| **{case}** | | | | | |")
         fitted = f"**fitted** ({c['fitted']})" if c.get("fitted") else "no"
         miss = "" if c.get("fitted") or 0.5 <= c["ratio"] <= 2 else " (> 2x off)"
-        out.append(f"| {c['published']} (model: {c['model']}) | {c.get('source', '')} | {fitted} | {_fmt(c['model_ms'])} | "
-                   f"{c['published_ms']:g} | {c['ratio']:.2f}{miss} |")
+        out.append(f"| {c['published']} (model: {c['model']}) | {c.get('source', '')} | {fitted} | "
+                   f"{short_ms(c['model_ms'])} | {c['published_ms']:g} | {c['ratio']:.2f}{miss} |")
     for nc in rec.get("not_calibrated", []):
         readings = "".join(f"; {rd['label']}: " + " / ".join(f"{r:.2f}" for r in rd["ratios"])
                            for rd in nc.get("reading_ratios", []))

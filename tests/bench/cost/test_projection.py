@@ -302,7 +302,7 @@ def test_ns_steps_scale_the_newton_schulz_flops():
     for kind in ("owner-muon", "placement-muon", "gather-muon"):
         two = PJ.project({"kind": kind, "ns_steps": 2, "ns_bytes": 2}, MAT, 0, LAY, HW)
         assert two["matmul_ms"] == pytest.approx(_ms(1280 / 1e12)), kind
-    assert PJ._ns_flops(8, 4) == 3200 and PJ._ns_flops(8, 4, 2) == 1280
+    assert PJ.ns_flops(8, 4) == 3200 and PJ.ns_flops(8, 4, 2) == 1280
 
 
 def test_dtensor_muon_by_hand():
@@ -390,7 +390,7 @@ def test_benchmark_loops_select_matrices_and_count_their_own_kernels():
     # DDP (fs = 1): nothing to gather, every rank orthogonalizes every whole matrix
     ddp = PJ.project({"kind": "gather-muon", "kernels_per_matrix": 46}, mats, 0, PJ.Layout(fs=1, dp=8), hw)
     assert ddp["link_ms"] == 0 and ddp["latency_ms"] == 0
-    assert ddp["matmul_ms"] == pytest.approx(_ms((3200 + PJ._ns_flops(2, 4)) / 1e12))
+    assert ddp["matmul_ms"] == pytest.approx(_ms((3200 + PJ.ns_flops(2, 4)) / 1e12))
     assert ddp["launch_ms"] == pytest.approx(_ms(2 * 46 * 1e-6))
 
 
