@@ -103,8 +103,9 @@ REFRESH_WIDTH = _fixed("refresh-width", "rw", (
     _grid("Dobb B=1 width-period", "dobb:blocks=1:refresh_width=128", (-1,)),))
 
 # issue 40's Dobb forms on the 800-step frontier: first under compare's product rule (bf16 on their
-# host), then Dobb-Muon B=4 Bo=4's lower lr and its seeds 1 and 2 with fp32 products (for the
-# frontier-20 grid); both collect into the records study dobb-forms
+# host), then Dobb-Muon B=4 Bo=4 with fp32 products: its lower lr and seeds 1 and 2 at 0.01 (for the
+# frontier-20 grid), then its seed-0 grid again in fp32 up to 0.04 (the best, 0.02, had been at
+# the grid's edge) and seeds 1 and 2 at 0.0141 and 0.02; both collect into the records study dobb-forms
 DOBB_FORMS = _fixed("dobb-forms", "forms", (
     _grid("Dobb-Muon B=1 Bo=4", "dobb-muon:blocks=1:out_blocks=4", (1, 2, 3), ()),
     _grid("Dobb-Muon B=1 Bo=4 heads", "dobb-muon:blocks=1:out_blocks=4:heads=4", (2,), ()),
@@ -113,7 +114,7 @@ DOBB_FORMS = _fixed("dobb-forms", "forms", (
     _grid("Two-sided B=1 Bo=4 P=9", "dobb:side=both:blocks=1:out_blocks=4:whole_every=9", (0,), ()),
 ), products=None)
 DOBB_FORMS_FP32 = _fixed("dobb-forms-fp32", "forms32", (
-    _grid("Dobb-Muon B=4 Bo=4", "dobb-muon:blocks=4:out_blocks=4", (1,), (2,)),), records="dobb-forms")
+    _grid("Dobb-Muon B=4 Bo=4", "dobb-muon:blocks=4:out_blocks=4", (1, 2, 3, 4, 5, 6), (2, 3, 4)),), records="dobb-forms")
 
 
 # ----------------------------------------------------------------------------- the ablations

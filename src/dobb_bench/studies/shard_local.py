@@ -73,13 +73,22 @@ def _same_setting(r: dict) -> bool:
     return r.get("steps") == 800 and m.get("width") == 128 and m.get("layers") == 2
 
 
+# rows whose records ran with more than one product dtype: the dtype the row's runs share
+# (Dobb-Muon's first seed-0 points ran bf16 products on an AVX512-BF16 host, the rest fp32)
+PRODUCTS = {"Dobb-Muon B=4 Bo=4": "torch.float32"}
+
+
 def runs_of(label: str, studies: tuple[str, ...]) -> dict[tuple[float, int], dict]:
     """``{(lr, seed): record}`` of one row; the first study listed wins a duplicate (lr, seed).
     Learning rates are grid points compared to 4 significant digits (some seed runs were started
-    at a grid point written to 6 decimals: 0.014142 for 0.0141421...)."""
+    at a grid point written to 6 decimals: 0.014142 for 0.0141421...). A row in ``PRODUCTS`` takes
+    only the records of that product dtype."""
     out: dict[tuple[float, int], dict] = {}
+    want = PRODUCTS.get(label)
     for study in studies:
         for r in R.load(study):
+            if want is not None and (r.get("hparams") or {}).get("product_dtype") != want:
+                continue
             if r["run"] == label and _same_setting(r):
                 out.setdefault((float(f"{r['lr']:.4g}"), r["seed"]), r)
     return out

@@ -42,7 +42,7 @@ def test_every_committed_record_is_a_run_its_declaration_plans():
     # the finished studies' record counts; long-horizon grows while the 20-tokens grid runs
     assert checked.pop("long-horizon") >= 101
     assert checked == {"shard-local": 59, "family-dash": 17, "family-soap": 23, "two-sided": 29,
-                       "two-sided-adam-raw": 1, "refresh-width": 3, "dobb-forms": 11}
+                       "two-sided-adam-raw": 1, "refresh-width": 3, "dobb-forms": 20}
 
 
 def _swap(study: D.Study, label: str, **kw) -> D.Study:
