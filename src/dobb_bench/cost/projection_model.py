@@ -192,9 +192,19 @@ def kernel_count(counts: dict, label: str, part: str, mats: list) -> float:
     return c["per_group"] + c["per_matrix"] * len(mats) + c["per_shape"] * (shapes - 1)
 
 
+def bytes_per_entry(counts: dict, label: str, part: str = "steady") -> float:
+    """Element-wise bytes an entry of ``label``'s ``part`` step (``dobb_bench.cost.kernels``: traced)."""
+    return counts[label][part]["bytes_per_entry"]
+
+
+def bytes_per_stat_entry(counts: dict, label: str, part: str = "steady") -> float:
+    """Element-wise bytes an entry of the statistic, basis or factor beside the weight (traced)."""
+    return counts[label][part].get("bytes_per_stat_entry", 0.0)
+
+
 def _adamw_other(other: int, tensors: int, lay: Layout, counts: dict) -> dict:
     c = _zero()
-    c["hbm_bytes"] = 28.0 * other / (lay.fs * lay.tp)  # roofline: read W, G, M, V, write W, M, V (fp32)
+    c["hbm_bytes"] = bytes_per_entry(counts, "adamw") * other / (lay.fs * lay.tp)  # traced: 8 passes, weight decay on
     c["kernels"] = counts["adamw"]["steady"]["per_matrix"] * tensors  # torch's single-tensor count (see projection)
     return c
 
@@ -203,15 +213,14 @@ def _locals(mats, lay) -> list[tuple[float, float]]:
     return [local_shape(x, lay) for x in mats]
 
 
-def _elementwise(name: str, mats, lay, hp: dict | None = None) -> dict:
-    """HBM bytes of the element-wise passes: ``roofline``'s bytes an entry (28 AdamW, 20 Muon, all
-    fp32) times this rank's entries; ``hp["state_bytes"]`` (2: a model whose weights, gradients and
-    momentum are all bf16) scales them by ``state_bytes / 4``."""
+def _elementwise(label: str, mats, lay, counts: dict, per_entry: float | None = None) -> dict:
+    """HBM bytes of the element-wise passes of ``label``'s step over this rank's entries of ``mats``:
+    the traced bytes an entry (``per_entry`` where given) times the entries."""
     c = _zero()
-    scale = (hp or {}).get("state_bytes", 4) / 4
+    b = bytes_per_entry(counts, label) if per_entry is None else per_entry
     for x in mats:
         r, k = local_shape(x, lay)
-        c["hbm_bytes"] += scale * step_cost(name, 1, 1)["bytes"] * r * k
+        c["hbm_bytes"] += b * r * k
     return c
 
 

@@ -91,7 +91,8 @@ def build(inputs: dict) -> dict:
             calib.append({"case": case["label"], "published": pt["published"], "published_ms": pt["ms"],
                           "model": pt.get("model_label", pt["method"]["kind"]), "model_ms": ms,
                           "ratio": ms / pt["ms"], "fitted": _is_fitted(inputs, case, pt),
-                          "source": pt.get("source", case.get("source", "")), "terms": res})
+                          "source": pt.get("source", case.get("source", "")), "terms": res,
+                          **({"reading": pt["reading"]} if pt.get("reading") else {})})
     cases = {c["label"]: c for c in inputs["calibration"]}
     not_cal = []
     for nc in inputs.get("not_calibrated", []):
@@ -102,12 +103,17 @@ def build(inputs: dict) -> dict:
                                                             models, hw_all[cases[pt["label"]]["hardware"]], counts)[0] / pt["ms"]
                                                   for pt in nc["cases"]]} for rd in nc["readings"]]
         not_cal.append(nc)
-    checks = [c for c in calib if not c["fitted"]]
-    within = sum(0.5 <= c["ratio"] <= 2 for c in checks)
     return {"kind": "projection", "fitted": fitted, "rows": rows, "calibration": calib,
-            "summary": {"unfitted": len(checks), "within_2x": within,
-                        "median_ratio": sorted(c["ratio"] for c in checks)[len(checks) // 2] if checks else None},
+            "summary": {**_count(c for c in calib if not c["fitted"]),
+                        "without_readings": _count(c for c in calib if not c["fitted"] and not c.get("reading"))},
             "not_calibrated": not_cal}
+
+
+def _count(checks) -> dict:
+    """Points, points within 2x and the median projected / published of ``checks``."""
+    ratios = sorted(c["ratio"] for c in checks)
+    return {"unfitted": len(ratios), "within_2x": sum(0.5 <= r <= 2 for r in ratios),
+            "median_ratio": ratios[len(ratios) // 2] if ratios else None}
 
 
 def _fmt(ms: float) -> str:
@@ -164,9 +170,12 @@ def calibration_markdown(rec: dict) -> str:
         out.append(f"| {nc['label']}: {nc['published']} | — | {verb}: {nc['why']}{readings} | — | — | — |")
     s = rec.get("summary") or {}
     fit = rec.get("fitted", {})
+    wo = s.get("without_readings") or {}
     out += ["", f"Fitted: {1e6 * fit.get('kernel_s', 0):.3g} us a kernel, {1e6 * fit.get('qr_s', 0):.3g} us a QR "
             f"factorization, each solved from the one point marked fitted. Of the {s.get('unfitted')} points not fitted, "
-            f"{s.get('within_2x')} are within 2x; median projected / published {s.get('median_ratio', 0):.2f}."]
+            f"{s.get('within_2x')} are within 2x; median projected / published {s.get('median_ratio', 0):.2f}."
+            + (f" Without the points that rest on a chosen reading (Dion on Qwen3): {wo['within_2x']} of "
+               f"{wo['unfitted']}, median {wo['median_ratio']:.2f}." if wo and wo.get("unfitted") != s.get("unfitted") else "")]
     return "\n".join(out) + "\n"
 
 
