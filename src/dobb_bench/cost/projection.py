@@ -2,9 +2,13 @@
 
 Per rank and per ``optimizer.step()``, a method's time is the sum of six terms (no overlap):
 
-- **HBM**: the element-wise bytes of the step on this rank's shard (``roofline.step_cost``'s
-  counts: AdamW 28 bytes an entry, the Muon family and Dobb 20, plus Dobb's bf16 basis) over
-  the HBM bandwidth;
+- **HBM**: the bytes of every element-wise pass of the step (each kernel reads its inputs and
+  writes its outputs in full), over the HBM bandwidth. Bytes an entry of this rank's shard, and
+  an entry of the statistics or factors beside it, come from the same trace as the kernel counts
+  (``dobb_bench.cost.kernels``, ``dobb_bench.cost.trace``): AdamW 80 (8 passes, weight decay
+  on), Muon 70 (50 around its Newton-Schulz call, on every shard; 20 in it, where it runs), Dobb
+  48 with bf16 products (plus its basis and, on a refresh, its statistic). A published benchmark's
+  own loop states its bytes, counted from its source (``loop_bytes``, ``other_update``);
 - **matmul**: the FLOPs of the products (``roofline.step_cost``: Newton-Schulz quintic
   ``steps (4 a^2 b + 2 a^3)``, Dobb's projections ``4 rows k s`` and its refresh ``2 k s^2 +
   B (4/3) s^3``) over a stated fraction of the dense peak of the dtype they run in (bf16:
@@ -16,9 +20,9 @@ Per rank and per ``optimizer.step()``, a method's time is the sum of six terms (
   peers at once);
 - **latency**: a fixed time per collective;
 - **launch**: a per-kernel cost times the kernels the step launches. The counts per matrix, per
-  group and per extra shape are the library's own, from a profiler trace
-  (``dobb_bench.cost.kernels``; in the inputs under ``kernels``); the AdamW part of every method
-  (embeddings, norms, biases) is charged torch's single-tensor count, 7 kernels a tensor (a model
+  group and per extra shape are the library's own, from a trace of its step on the path a GPU
+  step takes (``dobb_bench.cost.kernels``; in the inputs under ``kernels``); the AdamW part of every
+  method (embeddings, norms, biases) is charged torch's single-tensor count, 8 kernels a tensor (a model
   choice: on CUDA, torch defaults DTensors to its foreach path, since ``torch.distributed.tensor``
   adds DTensor to ``torch.optim``'s foreach types; the per-kernel cost is fitted on an AdamW point,
   so it carries that path's cost per tensor); a published benchmark's own loop states its counts
@@ -162,8 +166,8 @@ def user_text(res: dict, args) -> str:
             f"{100 * res['efficiency']['fp32']:.0f}%);",
             f"- {1e6 * fit.get('kernel_s', 0):.3g} us a kernel and {1e6 * fit.get('qr_s', 0):.3g} us a QR "
             f"factorization, fitted on {'; '.join(f['case'] + ': ' + f['published'] for f in inputs_fit(args))}; "
-            f"kernel counts per matrix from "
-            f"the library's own step (dobb_bench.cost.kernels), eager, no torch.compile;",
+            f"kernel counts and element-wise bytes from "
+            f"a trace of the library's own step (dobb_bench.cost.kernels), eager, no torch.compile;",
             f"- FSDP2 over {res['layout']['fs']} ranks (dim 0), TP {args.tp} inside a node; owner-compute Muon on the "
             f"library's greedy owner plan (the busiest owner sets the time); Dobb's statistic all-reduce in the "
             f"refresh step; non-matrix parameters are AdamW's in every method;",

@@ -8,8 +8,8 @@ from dobb.baselines.dion_family.dion import dion_rank
 from dobb.collectives import plan_owners
 from dobb_bench.cost import payload as P
 from dobb_bench.cost.projection_model import (Hardware, Layout, Matrix, add_cost, adamw_other_cost, elementwise_cost, local_shapes,
-                                              ns_flops, zero_cost, all_to_all_time, kernel_count, load_inputs,
-                                              local_shape, ring_time, seconds, step_cost)
+                                              ns_flops, zero_cost, all_to_all_time, bytes_per_entry, bytes_per_stat_entry,
+                                              kernel_count, load_inputs, local_shape, ring_time, seconds, step_cost)
 
 
 def owner_plan(mats, ranks: int) -> tuple[list[int], int]:
@@ -91,10 +91,11 @@ def _per_matrix_kernels(hp: dict, label: str, mats, counts) -> float:
 
 
 def other_update(hp: dict, entries: float, tensors: int, lay, counts) -> dict:
-    """The update of the parameters a method does not orthogonalize: AdamW (28 bytes an entry,
-    torch's single-tensor kernel count) unless ``hp["other_update"]`` gives ``bytes_per_entry`` and
-    ``kernels_per_tensor`` (a benchmark's own loop: DMuon's baselines add the gradient, one
-    ``add_``; its AdamW loop is 9 kernels a tensor)."""
+    """The update of the parameters a method does not orthogonalize: AdamW (its traced bytes an
+    entry, 80 with weight decay, and torch's single-tensor kernel count) unless
+    ``hp["other_update"]`` gives ``bytes_per_entry`` and ``kernels_per_tensor`` (a benchmark's own
+    loop, counted from its source: DMuon's baselines add the gradient, one ``add_``; its AdamW loop
+    is 9 kernels a tensor, 88 bytes an entry)."""
     if "other_update" not in hp:
         return adamw_other_cost(entries, tensors, lay, counts)
     o = hp["other_update"]
@@ -105,18 +106,47 @@ def other_update(hp: dict, entries: float, tensors: int, lay, counts) -> dict:
 
 
 def cost_adamw(mats, lay, hw, hp, counts) -> dict:
-    c = elementwise_cost("adamw", mats, lay)
+    c = elementwise_cost("adamw", mats, lay, counts)
     c["kernels"] = counts["adamw"]["steady"]["per_matrix"] * len(mats)
     return {"steady": c}
+
+
+def _muon_bytes(hp: dict, counts: dict) -> tuple[float, float]:
+    """(bytes an entry of the update around Newton-Schulz, bytes an entry of the Newton-Schulz
+    call) of the method's traced step: the library's Muon (``muon``) split at its
+    ``orthogonalize`` call (traced alone, ``ns``), so that the momentum and the update are charged
+    on every rank's shard and the NS call where it runs; another traced step (``hp["kernels"]``)
+    is charged whole where its NS runs."""
+    label = hp.get("kernels", "muon")
+    total = bytes_per_entry(counts, label)
+    if label != "muon":
+        return 0.0, total
+    ns = counts[label]["steady"].get("ns_bytes_per_entry", 0.0)
+    return total - ns, ns
+
+
+def _loop_bytes(hp: dict, mats, lay, whole: list, owned: list | None = None) -> float:
+    """Element-wise bytes of a benchmark's own loop (``hp["loop_bytes"]``, counted op by op from its
+    source): ``whole`` bytes an entry of every matrix the rank runs Newton-Schulz on whole,
+    ``owned`` of every matrix it owns, ``gram`` an entry of their ``a x a`` Gram matrices, ``local``
+    an entry of the rank's shard of every matrix."""
+    lb = hp["loop_bytes"]
+    mine = whole + (owned or [])
+    out = lb.get("whole", 0.0) * sum(x.m * x.n for x in whole) + lb.get("owned", 0.0) * sum(x.m * x.n for x in owned or [])
+    out += lb.get("gram", 0.0) * sum(min(x.m, x.n) ** 2 for x in mine)
+    out += lb.get("local", 0.0) * sum(r * k for r, k in local_shapes(mats, lay))
+    return out
 
 
 def cost_owner_muon(mats, lay, hw, hp, counts) -> dict:
     """Whole matrices to owners among the ``fs x tp`` ranks (all-to-all, ``ns_bytes`` an entry),
     NS5 there, results back: ``payload``'s ``2 mn`` per matrix. The busiest owner (the library's
     plan) sets the NS5 FLOPs and the kernels: momentum on every local shard, NS5 per shape it owns."""
-    c = elementwise_cost("muon", mats, lay, hp)
+    upd, ns = _muon_bytes(hp, counts)
     G = lay.fs * lay.tp
     mine, _ = owner_plan(mats, G)
+    c = elementwise_cost("muon", mats, lay, counts, upd)
+    c["hbm_bytes"] += ns * sum(mats[i].m * mats[i].n for i in mine)
     c["bf16_flops"] = sum(ns_flops(mats[i].m, mats[i].n, hp.get("ns_steps", 5)) for i in mine)
     ck = counts["muon"]["steady"]
     owned_shapes = len({(mats[i].m, mats[i].n) for i in mine})
@@ -131,10 +161,16 @@ def cost_gather_muon(mats, lay, hw, hp, counts) -> dict:
     """Every rank all-gathers every matrix (``payload``'s dense ``mn``) and runs NS5 on all of them
     (one gather a matrix; on ``fs = tp = 1``, DDP, there is nothing to gather). ``select``: the
     matrices a benchmark's Muon takes, the rest get ``other_update`` (DMuon's FSDP2+Muon baseline);
-    ``kernels_per_matrix``: the benchmark's own per-matrix loop."""
+    ``kernels_per_matrix`` and ``loop_bytes``: the benchmark's own per-matrix loop."""
     ns = [x for x in mats if _selected(x, hp)]
     rest = [x for x in mats if not _selected(x, hp)]
-    c = elementwise_cost("muon", ns, lay, hp)
+    if "loop_bytes" in hp:
+        c = zero_cost()
+        c["hbm_bytes"] = _loop_bytes(hp, ns, lay, ns)
+    else:
+        upd, per = _muon_bytes(hp, counts)
+        c = elementwise_cost("muon", ns, lay, counts, upd)
+        c["hbm_bytes"] += per * sum(x.m * x.n for x in ns)  # NS on the gathered whole matrix, every rank
     G = lay.fs * lay.tp
     c["bf16_flops"] = sum(_ns(x, hp) for x in ns)
     c["kernels"] = _per_matrix_kernels(hp, "muon", ns, counts)
@@ -152,12 +188,14 @@ def cost_dtensor_muon(mats, lay, hw, hp, counts) -> dict:
     rows and gathers its right operand whole (DTensor's ``Shard(0) @ Replicate -> Shard(0)``), so a
     step gathers ``X^T`` for ``A = X X^T``, ``A`` for ``A A`` and ``X`` for ``B X``: ``2 a b + a^2``
     entries in the bf16 the iteration runs in, three collectives; every rank computes ``1 / G`` of
-    each product; the Frobenius norm is one all-reduce a matrix."""
-    c = elementwise_cost("muon", mats, lay, hp)
+    each product; the Frobenius norm is one all-reduce a matrix. Element-wise passes on each rank's
+    shard (``hp["kernels"]``: the traced step, e.g. ``torch-muon-bf16``)."""
+    label = hp.get("kernels", "muon")
+    c = elementwise_cost(label, mats, lay, counts)
     G = lay.fs * lay.tp
     steps = hp.get("ns_steps", 5)
     c["bf16_flops"] = sum(ns_flops(x.m, x.n, steps) for x in mats) / G
-    c["kernels"] = kernel_count(counts, "muon", "steady", [(x.m, x.n) for x in mats])
+    c["kernels"] = kernel_count(counts, label, "steady", [(x.m, x.n) for x in mats])
     gathered = sum(steps * (2 * min(x.m, x.n) * max(x.m, x.n) + min(x.m, x.n) ** 2) for x in mats)
     link, lat = ring_time(gathered * (G - 1) / G * 2, G, 1, hw, count=(3 * steps + 1) * len(mats))
     c["link_s"], c["latency_s"] = link, lat
@@ -167,7 +205,9 @@ def cost_dtensor_muon(mats, lay, hw, hp, counts) -> dict:
 def cost_placement_muon(mats, lay, hw, hp, counts) -> dict:
     """Owner placement (MatrixFSDP, DMuon): whole matrices live on owners; no step collective.
     ``partition="dmuon"``: DMuon's plan (``dmuon_owners``), the busiest owner by Newton-Schulz
-    FLOPs; else the library's greedy plan. ``ns="gram-syrk"``: DMuon's Gram Newton-Schulz."""
+    FLOPs; else the library's greedy plan. ``ns="gram-syrk"``: DMuon's Gram Newton-Schulz.
+    Element-wise bytes: the traced step (``hp["kernels"]``) on the owned matrices, or the source's own
+    loop (``loop_bytes``)."""
     G = lay.fs * lay.tp
     if hp.get("partition") == "dmuon":
         owner = dmuon_owners(mats, G)
@@ -181,9 +221,13 @@ def cost_placement_muon(mats, lay, hw, hp, counts) -> dict:
     else:
         mine, _ = owner_plan(mats, G)
     c = zero_cost()
-    c["hbm_bytes"] = hp.get("state_bytes", 4) / 4 * sum(step_cost("muon", mats[i].m, mats[i].n)["bytes"] for i in mine)
+    owned = [mats[i] for i in mine]
+    if "loop_bytes" in hp:
+        c["hbm_bytes"] = _loop_bytes(hp, [], lay, [], owned)
+    else:  # the traced step on the owner's whole matrices
+        c["hbm_bytes"] = bytes_per_entry(counts, hp.get("kernels", "muon")) * sum(x.m * x.n for x in owned)
     c["bf16_flops"] = sum(_ns(mats[i], hp) for i in mine)
-    c["kernels"] = _per_matrix_kernels(hp, "muon", [mats[i] for i in mine], counts)
+    c["kernels"] = _per_matrix_kernels(hp, hp.get("kernels", "muon"), owned, counts)
     return {"steady": c}
 
 
@@ -196,7 +240,7 @@ def _row_blocks(x: Matrix, lay: Layout, blocks: int) -> tuple[float, float, floa
 
 def cost_row_block_muon(mats, lay, hw, hp, counts) -> dict:
     """Row-block Muon: NS5 on each of ``blocks`` row blocks, cut at shard boundaries; no collective."""
-    c = elementwise_cost("muon", mats, lay)
+    c = elementwise_cost("row-block-muon", mats, lay, counts)
     for x in mats:
         rows, k, nb = _row_blocks(x, lay, int(hp["blocks"]))
         c["bf16_flops"] += nb * ns_flops(rows, k)
@@ -206,7 +250,7 @@ def cost_row_block_muon(mats, lay, hw, hp, counts) -> dict:
 
 def cost_muonbp(mats, lay, hw, hp, counts) -> dict:
     """NS5 on this rank's shard every step; owner-compute Muon's full step every ``period``."""
-    block = elementwise_cost("muon", mats, lay)
+    block = elementwise_cost("muonbp", mats, lay, counts)
     block["bf16_flops"] = sum(ns_flops(*local_shape(x, lay)) for x in mats)
     block["kernels"] = kernel_count(counts, "muonbp", "steady", local_shapes(mats, lay))
     full = cost_owner_muon(mats, lay, hw, hp, counts)["steady"]
@@ -216,7 +260,7 @@ def cost_muonbp(mats, lay, hw, hp, counts) -> dict:
 
 def cost_dion2_shard(mats, lay, hw, hp, counts) -> dict:
     """Dion2's row selection inside each shard: NS5 on the ``round(fraction r)`` heaviest local rows."""
-    c = elementwise_cost("muon", mats, lay)
+    c = elementwise_cost("dion2", mats, lay, counts)
     for x in mats:
         r, k = local_shape(x, lay)
         c["bf16_flops"] += ns_flops(max(1, round(hp["fraction"] * r)), k)
@@ -226,16 +270,17 @@ def cost_dion2_shard(mats, lay, hw, hp, counts) -> dict:
 
 def cost_dion(mats, lay, hw, hp, counts) -> dict:
     """Dion (calibration only) on row shards: ``8 r_loc n r + 4 (r_loc + n) r^2`` fp32 FLOPs
-    (``roofline``'s count with the local rows), ``payload``'s ``r (m + n)`` all-reduced, one QR a matrix."""
+    (``roofline``'s count with the local rows), ``payload``'s ``r (m + n)`` all-reduced, one QR a matrix;
+    element-wise bytes traced: an entry of the local shard, and an entry of the ``max(m, n) x r`` factor."""
     G = lay.fs * lay.tp
-    c = elementwise_cost("muon", mats, lay)
+    c = elementwise_cost("dion", mats, lay, counts)
     logical = 0.0
     for x in mats:
         r_loc, k = local_shape(x, lay)
         frac = hp["rank"] / min(x.m, x.n) if "rank" in hp else hp["rank_fraction"]  # a fixed rank (r = 400)
         r = dion_rank(x.m, x.n, frac)
         c["fp32_flops"] += 8 * r_loc * k * r + 4 * (r_loc + k) * r * r
-        c["hbm_bytes"] += 8 * max(x.m, x.n) * r  # Q (fp32) read and written
+        c["hbm_bytes"] += bytes_per_stat_entry(counts, "dion") * max(x.m, x.n) * r  # the factor's passes (traced)
         logical += P.payload_entries("dion", x.m, x.n, {"rank_fraction": frac}, shards=G)
     c["kernels"] = kernel_count(counts, "dion", "steady", local_shapes(mats, lay))
     c["qr"] = counts["dion"]["steady"]["qr_per_matrix"] * len(mats)
@@ -244,7 +289,8 @@ def cost_dion(mats, lay, hw, hp, counts) -> dict:
 
 
 def _dobb_side(r: float, k: float, blocks: float, side: str) -> tuple[dict, dict]:
-    """(steady, refresh) of one Dobb side on an ``r x k`` local shard from ``roofline.step_cost``."""
+    """(steady, refresh) FLOPs of one Dobb side on an ``r x k`` local shard from ``roofline.step_cost``
+    (its bytes are the minimum; the projection charges the traced ones, ``cost_dobb``)."""
     hp = {"blocks": blocks, "side": side}
     steady = step_cost("dobb", r, k, {**hp, "refresh_every": math.inf})
     once = step_cost("dobb", r, k, {**hp, "refresh_every": 1})
@@ -270,39 +316,49 @@ def cost_dobb(mats, lay, hw, hp, counts, stat_sync: bool = True) -> dict:
     ``min(m / B, local rows)`` rows, cut at shard boundaries; a rank refreshes only its own blocks but
     reduces the statistic of the whole span (``_output_span``: ``span x s`` entries). Dobb-G-ell2 on a
     row-parallel matrix (its input axis split by TP) sums its coefficient norms over the TP ranks,
-    one all-reduce of its local rows a matrix, every step (the paper's Table 7: ``O(m)``)."""
+    one all-reduce of its local rows a matrix, every step (the paper's Table 7: ``O(m)``).
+
+    Element-wise bytes and kernels: the traced step ``hp["kernels"]`` (default the library's step
+    with the products in ``product_dtype``: ``dobb-b4``, ``dobb-g-l2``, ``dobb-both``, ``-fp32`` for
+    fp32 products): its bytes an entry of the local shard, and an entry of the local block
+    statistics and bases (input side ``k s``, output side the rank's own ``r s`` rows), steady and
+    refresh."""
     if hp.get("product_dtype", "bf16") not in ("bf16", "fp32"):
         raise ValueError(f"dobb product_dtype {hp['product_dtype']!r}: bf16 or fp32")
-    prod = "fp32_flops" if hp.get("product_dtype") == "fp32" else "bf16_flops"
+    fp32 = hp.get("product_dtype") == "fp32"
+    prod = "fp32_flops" if fp32 else "bf16_flops"
     kind = hp.get("kind", "dobb")
     both, out_only = kind == "dobb-both", kind == "dobb-g"
-    label = hp.get("kernels", "dobb-both" if both else "dobb-g-l2" if out_only else "dobb-b4")
+    label = hp.get("kernels", "dobb-both" if both else ("dobb-g-l2" if out_only else "dobb-b4") + ("-fp32" if fp32 else ""))
     steady, refresh = zero_cost(), zero_cost()
     stat_entries = 0.0
+    entries = stats = 0.0  # this rank's weight entries, and its block statistic / basis entries
     l2_rows, l2_count = 0.0, 0
     for x in mats:
         r, k = local_shape(x, lay)
         if not out_only:
             s_in = min(x.n / hp["blocks"], k)
             st, rf = _dobb_side(r, k, k / s_in, "input")
-            steady["hbm_bytes"] += st["bytes"]
+            stats += k * s_in
             steady[prod] += st["flops"]
-            refresh["hbm_bytes"] += rf["bytes"]
             refresh["fp32_flops"] += rf["flops"]
             refresh["qr"] += k / s_in
             stat_entries += P.dp_stat_entries("dobb", round(r), round(k), {"blocks": max(1, round(k / s_in))})
         if both or out_only:
             s_out = min(x.m / hp["out_blocks" if both else "blocks"], r)
             st2, rf2 = _dobb_side(r, k, r / s_out, "output")
-            steady["hbm_bytes"] += st2["bytes"] - (step_cost("muon", 1, 1)["bytes"] * r * k if both else 0)  # one momentum pass
+            stats += r * s_out
             steady[prod] += st2["flops"]
-            refresh["hbm_bytes"] += rf2["bytes"]
             refresh["fp32_flops"] += rf2["flops"]
             refresh["qr"] += r / s_out
             stat_entries += _output_span(x, lay) * s_out
             if out_only and hp.get("norm") == "l2" and not x.colwise and lay.tp > 1:
                 l2_rows += r
                 l2_count += 1
+        entries += r * k
+    steady["hbm_bytes"] = bytes_per_entry(counts, label) * entries + bytes_per_stat_entry(counts, label) * stats
+    refresh["hbm_bytes"] = ((bytes_per_entry(counts, label, "refresh") - bytes_per_entry(counts, label)) * entries
+                            + (bytes_per_stat_entry(counts, label, "refresh") - bytes_per_stat_entry(counts, label)) * stats)
     local = local_shapes(mats, lay)
     steady["kernels"] = kernel_count(counts, label, "steady", local)
     refresh["kernels"] = kernel_count(counts, label, "refresh", local) - steady["kernels"]

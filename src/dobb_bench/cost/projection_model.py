@@ -21,7 +21,6 @@ def load_inputs(path: Path | str = INPUTS) -> dict:
 
 
 def value_of(x):
-    """An input's number: the value itself, or a sourced entry's ``{"value": ..., ...}``."""
     return x["value"] if isinstance(x, dict) else x
 
 
@@ -43,10 +42,9 @@ class Hardware:
     @classmethod
     def from_inputs(cls, d: dict, fitted: dict | None = None) -> "Hardware":
         fitted = fitted or {}
-        v = value_of
-        return cls(v(d["bf16_flops"]), v(d["fp32_flops"]), v(d["hbm_bytes_per_s"]), v(d["nvlink_bytes_per_s"]),
-                   v(d["internode_bytes_per_s"]), int(v(d["gpus_per_node"])), v(d["latency_intra_s"]),
-                   v(d["latency_inter_s"]), v(d.get("bf16_efficiency", 1.0)), v(d.get("fp32_efficiency", 1.0)),
+        return cls(value_of(d["bf16_flops"]), value_of(d["fp32_flops"]), value_of(d["hbm_bytes_per_s"]), value_of(d["nvlink_bytes_per_s"]),
+                   value_of(d["internode_bytes_per_s"]), int(value_of(d["gpus_per_node"])), value_of(d["latency_intra_s"]),
+                   value_of(d["latency_inter_s"]), value_of(d.get("bf16_efficiency", 1.0)), value_of(d.get("fp32_efficiency", 1.0)),
                    fitted.get("kernel_s", 0.0), fitted.get("qr_s", 0.0))
 
     def with_(self, **kw) -> "Hardware":
@@ -167,12 +165,10 @@ TERMS = ("hbm_bytes", "bf16_flops", "fp32_flops", "link_s", "latency_s", "kernel
 
 
 def zero_cost() -> dict:
-    """A cost of nothing: every term of ``TERMS`` at 0."""
     return {k: 0.0 for k in TERMS}
 
 
 def add_cost(a: dict, b: dict, scale: float = 1.0) -> dict:
-    """``a + scale * b``, term by term."""
     return {k: a[k] + scale * b[k] for k in a}
 
 
@@ -196,28 +192,35 @@ def kernel_count(counts: dict, label: str, part: str, mats: list) -> float:
     return c["per_group"] + c["per_matrix"] * len(mats) + c["per_shape"] * (shapes - 1)
 
 
+def bytes_per_entry(counts: dict, label: str, part: str = "steady") -> float:
+    """Element-wise bytes an entry of ``label``'s ``part`` step (``dobb_bench.cost.kernels``: traced)."""
+    return counts[label][part]["bytes_per_entry"]
+
+
+def bytes_per_stat_entry(counts: dict, label: str, part: str = "steady") -> float:
+    """Element-wise bytes an entry of the statistic, basis or factor beside the weight (traced)."""
+    return counts[label][part].get("bytes_per_stat_entry", 0.0)
+
+
 def adamw_other_cost(other: int, tensors: int, lay: Layout, counts: dict) -> dict:
-    """AdamW's step over the ``other`` entries (``tensors`` tensors) no matrix optimizer takes."""
     c = zero_cost()
-    c["hbm_bytes"] = 28.0 * other / (lay.fs * lay.tp)  # roofline: read W, G, M, V, write W, M, V (fp32)
+    c["hbm_bytes"] = bytes_per_entry(counts, "adamw") * other / (lay.fs * lay.tp)  # traced: 8 passes, weight decay on
     c["kernels"] = counts["adamw"]["steady"]["per_matrix"] * tensors  # torch's single-tensor count (see projection)
     return c
 
 
 def local_shapes(mats, lay) -> list[tuple[float, float]]:
-    """Each matrix's shape on one rank of ``lay``."""
     return [local_shape(x, lay) for x in mats]
 
 
-def elementwise_cost(name: str, mats, lay, hp: dict | None = None) -> dict:
-    """HBM bytes of the element-wise passes: ``roofline``'s bytes an entry (28 AdamW, 20 Muon, all
-    fp32) times this rank's entries; ``hp["state_bytes"]`` (2: a model whose weights, gradients and
-    momentum are all bf16) scales them by ``state_bytes / 4``."""
+def elementwise_cost(label: str, mats, lay, counts: dict, per_entry: float | None = None) -> dict:
+    """HBM bytes of the element-wise passes of ``label``'s step over this rank's entries of ``mats``:
+    the traced bytes an entry (``per_entry`` where given) times the entries."""
     c = zero_cost()
-    scale = (hp or {}).get("state_bytes", 4) / 4
+    b = bytes_per_entry(counts, label) if per_entry is None else per_entry
     for x in mats:
         r, k = local_shape(x, lay)
-        c["hbm_bytes"] += scale * step_cost(name, 1, 1)["bytes"] * r * k
+        c["hbm_bytes"] += b * r * k
     return c
 
 
