@@ -65,8 +65,9 @@ def _pair_steps(monkeypatch, steps, *, mutate=None, **options):
 @pytest.mark.parametrize("options", [dict(blocks=3), dict(blocks=2, norm="l2"), dict(blocks=3, side="output", source="output_grad"),
                                      dict(blocks=1)])
 def test_cached_directions_are_the_plain_path_bitwise(monkeypatch, options):
-    """``DirectionCache`` (views and constants kept across steps) changes no number: weights after
-    steps with a changing lr, with the fused decay on and off, equal the uncached path bit for bit."""
+    """``DirectionCache`` (views and constants kept across steps, the kernels' views among them) changes no
+    number: weights after steps with a changing lr, with the fused decay on and off, equal the uncached
+    path bit for bit."""
     monkeypatch.setattr(update, "FUSE_MIN_BLOCK_WORK", 16 * 13 * 13)  # some matrices fuse the decay, some do not
 
     def lr_schedule(opt, model, t):
@@ -74,8 +75,20 @@ def test_cached_directions_are_the_plain_path_bitwise(monkeypatch, options):
 
     (cached, opt, _), (plain, _, _) = _pair_steps(monkeypatch, 5, mutate=lr_schedule, **options)
     assert len(opt._directions.entries) == 3  # the cache was used
+    # and every run's kernel took the views kept from its first step (``_kernel_views``)
+    assert all(isinstance(v, dict) and v for e in opt._directions.entries.values() for v in e.views)
     if options == dict(blocks=3):
         assert {e.fuse for e in opt._directions.entries.values()} == {True, False}
+    assert all(torch.equal(a, b) for a, b in zip(cached, plain))
+
+
+@pytest.mark.parametrize("options", [dict(blocks=1), dict(blocks=2, norm="l2")])
+def test_cached_directions_without_the_fused_decay_are_the_plain_path_bitwise(monkeypatch, options):
+    """The third kernel of ``add_directions_`` (a product and a strided add: the decay not fused, blocks
+    over ``SMALL_BLOCK`` or ell2), through its kept views: the uncached path bit for bit."""
+    monkeypatch.setattr(update, "FUSE_MIN_BLOCK_WORK", 1 << 40)
+    (cached, opt, _), (plain, _, _) = _pair_steps(monkeypatch, 4, **options)
+    assert {k for e in opt._directions.entries.values() for v in e.views for k in v} == {"plain"}
     assert all(torch.equal(a, b) for a, b in zip(cached, plain))
 
 

@@ -98,6 +98,7 @@ class Prepared(NamedTuple):
     scale: float  # update_scale(m, n, tau)
     root: float  # sign's sqrt(rows), else 1.0
     fuse: bool
+    views: tuple = ()  # per run: a dict of ``_kernel_views`` by kernel, or None (``add_directions_`` per step)
 
 
 def prepare_direction(layout: MatrixLayout, basis: Tensor, u: Tensor, w: Tensor, *, norm: str, tau: float,
@@ -109,11 +110,13 @@ def prepare_direction(layout: MatrixLayout, basis: Tensor, u: Tensor, w: Tensor,
         cols = slice(run.start, run.stop)
         items.append((F.Blocks(w=w3[:, :, cols], u=u3[:, :, cols], q=F.stack_block_view(b3, run), factor=0.0),
                       layout.l2_group))
+    dtype = F.matmul_dtype(basis.dtype, basis.device, product_dtype)
+    # views kept only where add_directions_ takes views of u (a stack of one, no conversion to dtype)
+    views = tuple({} if layout.stack_local == 1 and u.dtype == dtype else None for _ in items)
     return Prepared((w, u, basis), (w.data_ptr(), u.data_ptr(), basis.data_ptr()),
-                    (norm, tau, product_dtype, basis_dtype), tuple(items),
-                    F.matmul_dtype(basis.dtype, basis.device, product_dtype), F.update_scale(*layout.shape, tau),
+                    (norm, tau, product_dtype, basis_dtype), tuple(items), dtype, F.update_scale(*layout.shape, tau),
                     math.sqrt(layout.rows) if norm == "sign" else 1.0,
-                    decay_in_update(w, layout, lr=0.0, basis_dtype=basis_dtype, product_dtype=product_dtype))
+                    decay_in_update(w, layout, lr=0.0, basis_dtype=basis_dtype, product_dtype=product_dtype), views)
 
 
 class DirectionCache:
@@ -170,13 +173,41 @@ def fused_decays(group: dict, preps: list[Prepared] | None, params: list[Tensor]
 
 def apply_prepared(preps: list[Prepared], decays: list[float | None], *, norm: str, lr) -> None:
     """``apply_directions`` of matrices whose items are ``preps`` (``DirectionCache``; CPU, one
-    ``add_directions_`` call per run, as there), with ``decays[i]`` the ``beta`` of matrix ``i``."""
+    ``add_directions_`` call per run, as there), with ``decays[i]`` the ``beta`` of matrix ``i``. A stack of
+    one whose update is in the product dtype runs ``add_directions_``' kernel on the item's views kept
+    from the first step (``_kernel_views``): the same calls on the same views, without building them."""
     for e, beta in zip(preps, decays):
         factor = -lr * e.scale / e.root  # the same expression as apply_directions: the same rounding
-        for blocks, l2_group in e.items:
+        for (blocks, l2_group), views in zip(e.items, e.views):
             col_sq_sum = (lambda sq, g=l2_group: all_reduce_sum_(sq, g)) if l2_group is not None else None
-            F.add_directions_([F.Blocks(blocks.w, blocks.u, blocks.q, factor, beta)], norm=norm, dtype=e.dtype,
-                              col_sq_sum=col_sq_sum)
+            if views is None:
+                F.add_directions_([F.Blocks(blocks.w, blocks.u, blocks.q, factor, beta)], norm=norm, dtype=e.dtype,
+                                  col_sq_sum=col_sq_sum)
+                continue
+            small = norm == "sign" and beta is None and blocks.q.shape[-1] <= F.SMALL_BLOCK
+            kind = "small" if small else "fused" if beta is not None else "plain"
+            v = views.get(kind) or views.setdefault(kind, _kernel_views(blocks, kind))
+            q = v[1].to(e.dtype)
+            if small:  # add_directions_' small-block kernel: C^T = Q^T U^T, W^T += factor * Q C^T
+                v[2].add_(torch.bmm(q, torch.bmm(q.transpose(1, 2), v[0]).sign_()), alpha=factor)
+                continue
+            c = F.block_coefficients(v[0], q, norm, col_sq_sum)
+            if beta is not None:  # W_b <- beta W_b + factor C_b Q_b^T, one pass
+                v[2].baddbmm_(c, q.transpose(1, 2), beta=beta, alpha=factor)
+            else:
+                o = torch.bmm(c, q.transpose(1, 2))
+                v[2].add_(o.view(1, *o.shape).transpose(1, 2), alpha=factor)
+
+
+def _kernel_views(b: F.Blocks, kind: str) -> tuple:
+    """``(update, basis, weight)`` views of one run of a stack of one, exactly as ``add_directions_`` takes
+    them for its ``kind`` of kernel (``"small"``: the transposed products; ``"fused"``: the ``baddbmm``
+    into the weight; ``"plain"``: a product and a strided add); the basis view is converted per step."""
+    r, c, s = b.u.shape[1], b.q.shape[1], b.q.shape[-1]
+    if kind == "small":
+        return b.u[0].t().reshape(c, s, r), b.q[0], b.w[0].t().view(c, s, r)
+    ub, q = b.u.reshape(1, r, c, s).transpose(1, 2).reshape(c, r, s), b.q.reshape(c, s, s)
+    return ub, q, (b.w[0].view(r, c, s).transpose(0, 1) if kind == "fused" else b.w.view(1, r, c, s))
 
 
 def _oriented(t: Tensor, layout: MatrixLayout) -> Tensor:
