@@ -109,6 +109,39 @@ def test_direction_cache_follows_new_storage_settings_and_loads(monkeypatch):
     assert all(e.tensors[0] is p for p, e in zip(model.parameters(), opt._directions.entries.values()))
 
 
+def test_two_sided_sign_views_are_kept_per_matrix_and_change_no_number(monkeypatch):
+    """``side="both"`` sign keeps each matrix's ``SignViews`` across steps (``DirectionCache.signs``, by
+    plan), made again after a load and for a weight given new storage: the weights equal those of views
+    made afresh every step, bit for bit."""
+    import dobb
+
+    def mutate(opt, model, t):
+        if t == 2:
+            model[1].weight.data = model[1].weight.data.clone()
+        if t == 3:
+            opt.load_state_dict(opt.state_dict())
+
+    out = []
+    for kept in (True, False):
+        if not kept:
+            monkeypatch.setattr(update.DirectionCache, "sign_views",
+                                lambda self, plan, w, u, rows, cols: update.sign_views(w, u, rows, cols))
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(24, 40, bias=False), torch.nn.Linear(40, 40, bias=False))
+        opt = dobb.Dobb(model.parameters(), model, lr=0.02, weight_decay=0.1, refresh_every=2, side="both",
+                        blocks=2, out_blocks=1)
+        for t in range(5):
+            mutate(opt, model, t)
+            model(torch.randn(16, 24)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        out.append([p.detach().clone() for p in model.parameters()])
+        if kept:
+            views = list(opt._directions.signs.values())
+            assert len(views) == 2 and views[1].ptrs[0] == model[1].weight.data_ptr()  # the new storage
+    assert all(torch.equal(a, b) for a, b in zip(*out))
+
+
 @pytest.mark.parametrize("row_sizes,col_sizes", [([12], [20]), ([12], [5, 5, 5, 5]), ([4, 4, 4], [20]),
                                                  ([5, 4, 3], [7, 7, 6])])
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
