@@ -161,7 +161,7 @@ def agree(due: list[DueStat], params: list[torch.Tensor], step_group, check_fini
         if flags is not None and flag_slot is not None:
             flags = reduced[id(flag_slot[0])][flag_slot[1]]
         parts = ([] if flags is None else [flags]) + (counts if host is None else [])
-        flat = (torch.cat(parts).tolist() if len({t.device for t in parts}) == 1
+        flat = (torch.cat(parts).tolist() if len(parts) > 1 and len({t.device for t in parts}) == 1
                 else [v for t in parts for v in t.tolist()])
         if flags is not None:
             bad = [i for i, v in enumerate(flat[: len(flags)]) if v > 0]
