@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     several_lrs = args.lr is not None  # a grid point: its folder names the lr, as compare's grid does
     out = Path(args.out or "bench-out/family")
     # one folder per (label, lr, seed): a later seed must not overwrite a finished run
-    run_dir = out / "runs" / T._slug(args.label + (f"_lr{lr:.3g}" if several_lrs else "") + f"_s{train_cfg.seed}")
+    run_dir = out / "runs" / T.run_slug(args.label + (f"_lr{lr:.3g}" if several_lrs else "") + f"_s{train_cfg.seed}")
     meta = {"run": args.label, "optimizer": args.optimizer, "hparams": {k: str(v) for k, v in hparams.items()},
             "lr": lr, "weight_decay": train_cfg.weight_decay, "provenance": provenance(args.argv)}
     final = run_training(model_cfg, train_cfg, corpus, make_factory(args.optimizer, lr, train_cfg.weight_decay, hparams),

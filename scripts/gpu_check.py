@@ -223,7 +223,7 @@ def method_steps(device, shapes, steps: int) -> list[dict]:
     projection of the same step (one rank, no collective) with the committed inputs."""
     from dobb.factory import build_optimizer
     from dobb_bench.cost import projection as PJ
-    from dobb_bench.cost.kernels import Bank
+    from dobb_bench.cost.kernels import WEIGHT_DECAY, Bank
 
     hw, inputs = _hardware()
     counts = inputs["kernels"]["methods"]
@@ -232,7 +232,7 @@ def method_steps(device, shapes, steps: int) -> list[dict]:
     for label, name, hp, method in STEP_METHODS:
         torch.manual_seed(0)
         bank = Bank(shapes, device)
-        opt = build_optimizer(name, bank, lr=1e-3, **hp)
+        opt = build_optimizer(name, bank, lr=1e-3, weight_decay=WEIGHT_DECAY, **hp)  # the traced steps decay
         is_refresh = getattr(opt, "is_refresh_step", lambda: False)
         steady, refresh = [], []
         for i in range(steps):
@@ -273,7 +273,7 @@ def model_check(device, shapes: dict, fs: int = 8, repeats: int = 5) -> list[dic
         # the model's counts: roofline.step_cost via the projection's helpers, at the stated efficiencies
         bf16 = hw.bf16_eff * hw.bf16_flops
         fp32 = hw.fp32_eff * hw.fp32_flops
-        ns_flops = PJ._ns_flops(m, n)
+        ns_flops = PJ.ns_flops(m, n)
         proj_flops = 4 * r * n * s  # one block's width s over all n columns: r x n x s twice, x 2 FLOPs
         refresh_flops = 2 * s ** 3 + (4 / 3) * s ** 3  # A Q and Householder QR of one s x s block
         quantities = [
@@ -281,8 +281,10 @@ def model_check(device, shapes: dict, fs: int = 8, repeats: int = 5) -> list[dic
             ("Dobb projections bf16, row shard", lambda: ((u @ q) @ q.T), proj_flops / bf16),
             ("Dobb refresh fp32: A Q + QR, one block", lambda: torch.linalg.qr(a @ qb), refresh_flops / fp32 + hw.qr_s),
             ("eigh fp32, one block (first step)", lambda: torch.linalg.eigh(a), None),
-            ("element-wise pass, row shard (model: the 20 B an entry minimum)", lambda: (mo.mul_(0.95).add_(gr), w.add_(mo, alpha=-1e-3)),
-             20 * r * n / hw.hbm),
+            # three in-place passes, each reading its inputs and writing its output in full (the
+            # projection's rule, dobb_bench.cost.trace): mul_ 8, add_ 12, add_ 12 = 32 B an entry
+            ("element-wise passes, row shard (model: 32 B an entry)", lambda: (mo.mul_(0.95).add_(gr), w.add_(mo, alpha=-1e-3)),
+             32 * r * n / hw.hbm),
         ]
         for what, fn, model_s in quantities:
             rows.append({"shape": label, "m": m, "n": n, "block": s, "rows_local": r, "quantity": what,

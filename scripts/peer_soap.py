@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             "weight_decay": train_cfg.weight_decay, "provenance": provenance(args.argv)}
     final = run_training(model_cfg, replace(train_cfg, lr=lr), corpus,
                          make_factory(args.package, lr, train_cfg.weight_decay, extra),
-                         out_dir=out / "runs" / T._slug(label), meta=meta, progress=not args.no_progress,
+                         out_dir=out / "runs" / T.run_slug(label), meta=meta, progress=not args.no_progress,
                          resume=not args.no_resume, keep_checkpoint=False)
     print(f"{label}: final val loss {final.get('final_val_loss')}")
     return 0

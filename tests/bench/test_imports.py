@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
+import re
 from pathlib import Path
 
 import dobb_bench
@@ -204,6 +205,26 @@ def test_checker_finds_private_library_uses(tmp_path):
 def test_bench_uses_the_library_only_through_its_public_api():
     bad = [use for path in sorted(SRC.rglob("*.py")) for use in private_uses(path)]
     assert bad == []
+
+
+def underscore_uses(path: Path, package: str = "dobb_bench") -> list[str]:
+    """Another ``package`` module's ``_``-prefixed names that ``path`` imports or reads (issue 42:
+    a name used across modules is public): ``private_uses`` on ``package``, less the public names a
+    module leaves out of its ``__all__``."""
+    return [u for u in private_uses(path, package) if re.search(r"(?:import |\.)_[A-Za-z]\w*$", u)]
+
+
+def test_checker_finds_underscore_names_across_bench_modules(tmp_path):
+    root = _plant(tmp_path, {"m.py": "from dobb_bench.reports.tables import _nothing, final_loss\n"
+                                     "from dobb_bench.training import commands_train as T\n"
+                                     "x = T._hidden, T.run_slug\n"})
+    assert underscore_uses(root / "m.py") == ["m.py: dobb_bench.training.commands_train._hidden",
+                                              "m.py:1: from dobb_bench.reports.tables import _nothing"]
+
+
+def test_no_bench_module_or_script_reaches_for_another_modules_private_names():
+    paths = sorted(SRC.rglob("*.py")) + sorted((SRC.parents[1] / "scripts").glob("*.py"))
+    assert len(paths) > 60 and [use for path in paths for use in underscore_uses(path)] == []
 
 
 # the bench's rooms, lowest first: a room may import its own modules and those of rooms below it

@@ -135,6 +135,12 @@ def test_no_library_file_is_over_500_lines():
     assert long_files(SRC) == {}
 
 
+def test_no_bench_file_is_over_500_lines():
+    """The same bound for the benchmark package (``src/dobb_bench``), beside the library."""
+    bench = SRC.parent / "dobb_bench"
+    assert (bench / "cli.py").exists() and long_files(bench) == {}
+
+
 def test_the_length_check_finds_a_long_file(tmp_path):
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "long.py").write_text("x = 1\n" * 501)

@@ -2,9 +2,13 @@
 
 Per rank and per ``optimizer.step()``, a method's time is the sum of six terms (no overlap):
 
-- **HBM**: the element-wise bytes of the step on this rank's shard (``roofline.step_cost``'s
-  counts: AdamW 28 bytes an entry, the Muon family and Dobb 20, plus Dobb's bf16 basis) over
-  the HBM bandwidth;
+- **HBM**: the bytes of every element-wise pass of the step (each kernel reads its inputs and
+  writes its outputs in full), over the HBM bandwidth. Bytes an entry of this rank's shard, and
+  an entry of the statistics or factors beside it, come from the same trace as the kernel counts
+  (``dobb_bench.cost.kernels``, ``dobb_bench.cost.trace``): AdamW 80 (8 passes, weight decay
+  on), Muon 70 (50 around its Newton-Schulz call, on every shard; 20 in it, where it runs), Dobb
+  48 with bf16 products (plus its basis and, on a refresh, its statistic). A published benchmark's
+  own loop states its bytes, counted from its source (``loop_bytes``, ``other_update``);
 - **matmul**: the FLOPs of the products (``roofline.step_cost``: Newton-Schulz quintic
   ``steps (4 a^2 b + 2 a^3)``, Dobb's projections ``4 rows k s`` and its refresh ``2 k s^2 +
   B (4/3) s^3``) over a stated fraction of the dense peak of the dtype they run in (bf16:
@@ -16,9 +20,13 @@ Per rank and per ``optimizer.step()``, a method's time is the sum of six terms (
   peers at once);
 - **latency**: a fixed time per collective;
 - **launch**: a per-kernel cost times the kernels the step launches. The counts per matrix, per
-  group and per extra shape are the library's own, from a profiler trace
-  (``dobb_bench.cost.kernels``; in the inputs under ``kernels``); the AdamW part of every method
-  (embeddings, norms, biases) is charged torch's single-tensor path (the one DTensor parameters take);
+  group and per extra shape are the library's own, from a trace of its step on the path a GPU
+  step takes (``dobb_bench.cost.kernels``; in the inputs under ``kernels``); the AdamW part of every
+  method (embeddings, norms, biases) is charged torch's single-tensor count, 8 kernels a tensor (a model
+  choice: on CUDA, torch defaults DTensors to its foreach path, since ``torch.distributed.tensor``
+  adds DTensor to ``torch.optim``'s foreach types; the per-kernel cost is fitted on an AdamW point,
+  so it carries that path's cost per tensor); a published benchmark's own loop states its counts
+  (``kernels_per_matrix``, ``other_update``);
 - **QR**: a cost per Householder QR factorization (cuSOLVER runs each as a sequence of panel
   kernels; a batched call of ``b`` blocks is ``b`` of them): Dobb's refresh blocks, Dion's factor.
 
@@ -47,14 +55,15 @@ import json
 from pathlib import Path
 
 from dobb_bench.cost.projection_model import *  # noqa: F401,F403  (public names stay importable here)
-from dobb_bench.cost.projection_model import (INPUTS, RECORD, ROOT, Hardware, Layout, Matrix, _add, _ns_flops, _v,  # noqa: F401
-                                              _zero, all_to_all_time, kernel_count, load_inputs, local_shape,
+from dobb_bench.cost.projection_model import (INPUTS, RECORD, ROOT, Hardware, Layout, Matrix, add_cost,  # noqa: F401
+                                              all_to_all_time, kernel_count, load_inputs, local_shape, ns_flops,
+                                              value_of, zero_cost,
                                               model_matrices, other_tensors, ring_time, seconds)
 from dobb_bench.cost.projection_costs import *  # noqa: F401,F403
 from dobb_bench.cost.projection_costs import COSTS, owner_plan, project  # noqa: F401
 from dobb_bench.cost.projection_record import *  # noqa: F401,F403
-from dobb_bench.cost.projection_record import (TABLES, TERM_KEYS, _fmt, build, calibration_markdown,  # noqa: F401
-                                               fit_constants, plot, projection_markdown)
+from dobb_bench.cost.projection_record import (TABLES, TERM_KEYS, build, calibration_markdown,  # noqa: F401
+                                               fit_constants, plot, projection_markdown, short_ms)
 
 # ----------------------------------------------------------------------------- the user's model
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "olmo", "olmo2", "granite")
@@ -84,7 +93,8 @@ def config_spec(config: str, inputs: dict) -> dict:
             spec = {"kind": "llama", "width": int(cfg["hidden_size"]), "layers": int(cfg["num_hidden_layers"]),
                     "heads": heads, "kv_heads": int(cfg.get("num_key_value_heads") or heads),
                     "ffn": int(cfg["intermediate_size"]), "vocab": int(cfg["vocab_size"]),
-                    "tied": bool(cfg.get("tie_word_embeddings", False)), "qk_norm": kind == "qwen3"}
+                    "tied": bool(cfg.get("tie_word_embeddings", False)), "qk_norm": kind == "qwen3",
+                    "qkv_bias": kind == "qwen2"}  # Hugging Face's Qwen2Attention: q, k, v with biases, o without
             if cfg.get("head_dim"):
                 spec["head_dim"] = int(cfg["head_dim"])
             return spec
@@ -121,7 +131,7 @@ def user_projection(spec: dict, gpus: int, tp: int, dtype: str, mfu: float, toke
         hw = hw.with_(bf16_flops=hw.fp32_flops, bf16_eff=hw.fp32_eff)
     lay = Layout(gpus // tp, tp, 1)
     params = sum(x.m * x.n for x in mats) + other
-    fwd_bwd_ms = 1e3 * 6 * params * tokens / (gpus * _v(inputs["hardware"][hardware]["bf16_flops"]) * mfu)
+    fwd_bwd_ms = 1e3 * 6 * params * tokens / (gpus * value_of(inputs["hardware"][hardware]["bf16_flops"]) * mfu)
     rows = []
     for label, method in inputs["methods"].items():
         m = dict(method, ns_bytes=4) if dtype == "fp32" and "ns_bytes" in method else method
@@ -144,9 +154,9 @@ def user_text(res: dict, args) -> str:
            "", "| method | steady ms | periodic ms | amortized ms | HBM / matmul / link / latency / launch / QR ms "
            f"| share of a training step at MFU {args.mfu:g} |", "|---|---|---|---|---|---|"]
     for r in res["rows"]:
-        per = "—" if r["periodic_ms"] is None else _fmt(r["periodic_ms"])
-        terms = " / ".join(_fmt(r[k]) for k in TERM_KEYS)
-        out.append(f"| {r['method']} | {_fmt(r['steady_ms'])} | {per} | {_fmt(r['amortized_ms'])} | {terms} | "
+        per = "—" if r["periodic_ms"] is None else short_ms(r["periodic_ms"])
+        terms = " / ".join(short_ms(r[k]) for k in TERM_KEYS)
+        out.append(f"| {r['method']} | {short_ms(r['steady_ms'])} | {per} | {short_ms(r['amortized_ms'])} | {terms} | "
                    f"{100 * r['share']:.2g}% |")
     out += ["", "Assumptions:",
             f"- per rank, per optimizer.step(); the six terms add (no overlap); Dobb amortized over T = 9 "
@@ -156,13 +166,13 @@ def user_text(res: dict, args) -> str:
             f"{100 * res['efficiency']['fp32']:.0f}%);",
             f"- {1e6 * fit.get('kernel_s', 0):.3g} us a kernel and {1e6 * fit.get('qr_s', 0):.3g} us a QR "
             f"factorization, fitted on {'; '.join(f['case'] + ': ' + f['published'] for f in inputs_fit(args))}; "
-            f"kernel counts per matrix from "
-            f"the library's own step (dobb_bench.cost.kernels), eager, no torch.compile;",
+            f"kernel counts and element-wise bytes from "
+            f"a trace of the library's own step (dobb_bench.cost.kernels), eager, no torch.compile;",
             f"- FSDP2 over {res['layout']['fs']} ranks (dim 0), TP {args.tp} inside a node; owner-compute Muon on the "
             f"library's greedy owner plan (the busiest owner sets the time); Dobb's statistic all-reduce in the "
             f"refresh step; non-matrix parameters are AdamW's in every method;",
             f"- training step: forward + backward = 6 x {res['params'] / 1e9:.3g}B x {args.tokens} tokens / "
-            f"({args.gpus} GPUs x bf16 peak x MFU {args.mfu:g}) = {_fmt(res['fwd_bwd_ms'])} ms; share = step / "
+            f"({args.gpus} GPUs x bf16 peak x MFU {args.mfu:g}) = {short_ms(res['fwd_bwd_ms'])} ms; share = step / "
             f"(forward-backward + step);",
             "- the model's error on published steps: docs/results.md, table:projected-calibration."]
     return "\n".join(out) + "\n"

@@ -20,7 +20,7 @@ def load_inputs(path: Path | str = INPUTS) -> dict:
     return json.loads(Path(path).read_text())
 
 
-def _v(x):
+def value_of(x):
     return x["value"] if isinstance(x, dict) else x
 
 
@@ -42,9 +42,9 @@ class Hardware:
     @classmethod
     def from_inputs(cls, d: dict, fitted: dict | None = None) -> "Hardware":
         fitted = fitted or {}
-        return cls(_v(d["bf16_flops"]), _v(d["fp32_flops"]), _v(d["hbm_bytes_per_s"]), _v(d["nvlink_bytes_per_s"]),
-                   _v(d["internode_bytes_per_s"]), int(_v(d["gpus_per_node"])), _v(d["latency_intra_s"]),
-                   _v(d["latency_inter_s"]), _v(d.get("bf16_efficiency", 1.0)), _v(d.get("fp32_efficiency", 1.0)),
+        return cls(value_of(d["bf16_flops"]), value_of(d["fp32_flops"]), value_of(d["hbm_bytes_per_s"]), value_of(d["nvlink_bytes_per_s"]),
+                   value_of(d["internode_bytes_per_s"]), int(value_of(d["gpus_per_node"])), value_of(d["latency_intra_s"]),
+                   value_of(d["latency_inter_s"]), value_of(d.get("bf16_efficiency", 1.0)), value_of(d.get("fp32_efficiency", 1.0)),
                    fitted.get("kernel_s", 0.0), fitted.get("qr_s", 0.0))
 
     def with_(self, **kw) -> "Hardware":
@@ -104,6 +104,7 @@ def model_matrices(spec: dict) -> tuple[list[Matrix], int]:
         mats = [Matrix(f"h{i}.{nm}", m, n, c) for i in range(L) for nm, m, n, c in layer]
         other = spec["vocab"] * d * (1 if spec.get("tied") else 2) + d * (2 * L + 1)  # embeddings, RMSNorms
         other += 2 * hd * L * bool(spec.get("qk_norm"))  # Qwen3's per-head q and k RMSNorms
+        other += (q + 2 * kv) * L * bool(spec.get("qkv_bias"))  # Qwen2's q, k and v biases
         return mats, other
     raise ValueError(f"unknown model kind {spec['kind']!r} (gpt2, llama or layers)")
 
@@ -116,7 +117,8 @@ def other_tensors(spec: dict) -> int:
         biases = 4 if spec.get("fused_qkv") else 6  # one c_attn bias for the fused q, k, v
         return (biases + 4) * (preset(spec["preset"]).layers if "preset" in spec else spec["layers"]) + 4  # biases + 2 LayerNorms a layer; wte, wpe, ln_f
     L = spec["layers"]
-    return (2 + 2 * bool(spec.get("qk_norm"))) * L + (2 if spec.get("tied") else 3)  # norms; embeddings, head, final norm
+    per_layer = 2 + 2 * bool(spec.get("qk_norm")) + 3 * bool(spec.get("qkv_bias"))  # norms (q, k norms), q, k, v biases
+    return per_layer * L + (2 if spec.get("tied") else 3)  # embeddings, head, final norm
 
 
 def local_shape(x: Matrix, lay: Layout) -> tuple[float, float]:
@@ -162,11 +164,11 @@ def all_to_all_time(wire_bytes: float, size: int, stride: int, hw: Hardware, cou
 TERMS = ("hbm_bytes", "bf16_flops", "fp32_flops", "link_s", "latency_s", "kernels", "qr")
 
 
-def _zero() -> dict:
+def zero_cost() -> dict:
     return {k: 0.0 for k in TERMS}
 
 
-def _add(a: dict, b: dict, scale: float = 1.0) -> dict:
+def add_cost(a: dict, b: dict, scale: float = 1.0) -> dict:
     return {k: a[k] + scale * b[k] for k in a}
 
 
@@ -190,30 +192,39 @@ def kernel_count(counts: dict, label: str, part: str, mats: list) -> float:
     return c["per_group"] + c["per_matrix"] * len(mats) + c["per_shape"] * (shapes - 1)
 
 
-def _adamw_other(other: int, tensors: int, lay: Layout, counts: dict) -> dict:
-    c = _zero()
-    c["hbm_bytes"] = 28.0 * other / (lay.fs * lay.tp)  # roofline: read W, G, M, V, write W, M, V (fp32)
-    c["kernels"] = counts["adamw"]["steady"]["per_matrix"] * tensors  # torch's single-tensor path
+def bytes_per_entry(counts: dict, label: str, part: str = "steady") -> float:
+    """Element-wise bytes an entry of ``label``'s ``part`` step (``dobb_bench.cost.kernels``: traced)."""
+    return counts[label][part]["bytes_per_entry"]
+
+
+def bytes_per_stat_entry(counts: dict, label: str, part: str = "steady") -> float:
+    """Element-wise bytes an entry of the statistic, basis or factor beside the weight (traced)."""
+    return counts[label][part].get("bytes_per_stat_entry", 0.0)
+
+
+def adamw_other_cost(other: int, tensors: int, lay: Layout, counts: dict) -> dict:
+    c = zero_cost()
+    c["hbm_bytes"] = bytes_per_entry(counts, "adamw") * other / (lay.fs * lay.tp)  # traced: 8 passes, weight decay on
+    c["kernels"] = counts["adamw"]["steady"]["per_matrix"] * tensors  # torch's single-tensor count (see projection)
     return c
 
 
-def _locals(mats, lay) -> list[tuple[float, float]]:
+def local_shapes(mats, lay) -> list[tuple[float, float]]:
     return [local_shape(x, lay) for x in mats]
 
 
-def _elementwise(name: str, mats, lay, hp: dict | None = None) -> dict:
-    """HBM bytes of the element-wise passes: ``roofline``'s bytes an entry (28 AdamW, 20 Muon, all
-    fp32) times this rank's entries; ``hp["state_bytes"]`` (2: a model whose weights, gradients and
-    momentum are all bf16) scales them by ``state_bytes / 4``."""
-    c = _zero()
-    scale = (hp or {}).get("state_bytes", 4) / 4
+def elementwise_cost(label: str, mats, lay, counts: dict, per_entry: float | None = None) -> dict:
+    """HBM bytes of the element-wise passes of ``label``'s step over this rank's entries of ``mats``:
+    the traced bytes an entry (``per_entry`` where given) times the entries."""
+    c = zero_cost()
+    b = bytes_per_entry(counts, label) if per_entry is None else per_entry
     for x in mats:
         r, k = local_shape(x, lay)
-        c["hbm_bytes"] += scale * step_cost(name, 1, 1)["bytes"] * r * k
+        c["hbm_bytes"] += b * r * k
     return c
 
 
-def _ns_flops(m: float, n: float, steps: int = 5) -> float:
+def ns_flops(m: float, n: float, steps: int = 5) -> float:
     """Newton-Schulz quintic FLOPs on an ``m x n`` matrix (``roofline``'s count): ``steps (4 a^2 b + 2 a^3)``."""
     return step_cost("muon", m, n, {"ns_steps": steps})["flops"]
 

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from dobb_bench.cost.projection_costs import project
-from dobb_bench.cost.projection_model import (RECORD, ROOT, Hardware, Layout, _v, load_inputs,
+from dobb_bench.cost.projection_model import (RECORD, ROOT, Hardware, Layout, value_of, load_inputs,
                                               model_matrices, other_tensors)
 
 def _point_ms(case: dict, pt: dict, models: dict, hw: Hardware, counts: dict) -> tuple[float, dict]:
@@ -50,6 +50,18 @@ def fit_constants(inputs: dict) -> dict:
     return {**fixed, **{f["constant"]: 1e-3 * v for f, v in zip(fits, sol)}}
 
 
+def _per_fs(method: dict, case: dict) -> dict:
+    """A method whose rank is stated per FSDP degree (``rank_per_fs``, ``rank_fraction_per_fs``: the
+    value over the case's ``fs``), as one reading of the paper's Dion on Qwen3."""
+    m = {k: v for k, v in method.items() if not k.endswith("_per_fs")}
+    fs = case["layout"]["fs"]
+    if "rank_per_fs" in method:
+        m["rank"] = method["rank_per_fs"] / fs
+    if "rank_fraction_per_fs" in method:
+        m["rank_fraction"] = method["rank_fraction_per_fs"] / fs
+    return m
+
+
 def _is_fitted(inputs: dict, case: dict, pt: dict) -> str | None:
     for f in inputs.get("fit", []):
         if f["case"] == case["label"] and f["published"] == pt["published"]:
@@ -79,16 +91,32 @@ def build(inputs: dict) -> dict:
             calib.append({"case": case["label"], "published": pt["published"], "published_ms": pt["ms"],
                           "model": pt.get("model_label", pt["method"]["kind"]), "model_ms": ms,
                           "ratio": ms / pt["ms"], "fitted": _is_fitted(inputs, case, pt),
-                          "source": pt.get("source", case.get("source", "")), "terms": res})
-    checks = [c for c in calib if not c["fitted"]]
-    within = sum(0.5 <= c["ratio"] <= 2 for c in checks)
+                          "source": pt.get("source", case.get("source", "")), "terms": res,
+                          **({"reading": pt["reading"]} if pt.get("reading") else {})})
+    cases = {c["label"]: c for c in inputs["calibration"]}
+    not_cal = []
+    for nc in inputs.get("not_calibrated", []):
+        nc = dict(nc)
+        if nc.get("readings"):  # published points left out of the count: the model under each reading
+            nc["reading_ratios"] = [
+                {"label": rd["label"], "ratios": [_point_ms(cases[pt["label"]], {"method": _per_fs(rd["method"], cases[pt["label"]])},
+                                                            models, hw_all[cases[pt["label"]]["hardware"]], counts)[0] / pt["ms"]
+                                                  for pt in nc["cases"]]} for rd in nc["readings"]]
+        not_cal.append(nc)
     return {"kind": "projection", "fitted": fitted, "rows": rows, "calibration": calib,
-            "summary": {"unfitted": len(checks), "within_2x": within,
-                        "median_ratio": sorted(c["ratio"] for c in checks)[len(checks) // 2] if checks else None},
-            "not_calibrated": inputs.get("not_calibrated", [])}
+            "summary": {**_count(c for c in calib if not c["fitted"]),
+                        "without_readings": _count(c for c in calib if not c["fitted"] and not c.get("reading"))},
+            "not_calibrated": not_cal}
 
 
-def _fmt(ms: float) -> str:
+def _count(checks) -> dict:
+    """Points, points within 2x and the median projected / published of ``checks``."""
+    ratios = sorted(c["ratio"] for c in checks)
+    return {"unfitted": len(ratios), "within_2x": sum(0.5 <= r <= 2 for r in ratios),
+            "median_ratio": ratios[len(ratios) // 2] if ratios else None}
+
+
+def short_ms(ms: float) -> str:
     return f"{ms:.3g}" if ms < 100 else f"{ms:.0f}"
 
 
@@ -97,7 +125,7 @@ TERM_KEYS = ("hbm_ms", "matmul_ms", "link_ms", "latency_ms", "launch_ms", "qr_ms
 
 def _pct(rec: dict, key: str) -> str:
     hw = (rec.get("inputs") or load_inputs())["hardware"]["h100-sxm"]
-    return f"{100 * _v(hw.get(key, 1.0)):.0f}%"
+    return f"{100 * value_of(hw.get(key, 1.0)):.0f}%"
 
 
 def projection_markdown(rec: dict) -> str:
@@ -107,9 +135,9 @@ def projection_markdown(rec: dict) -> str:
     by = {(r["model"], r["method"], r["layout"]): r for r in rec["rows"]}
     for model in dict.fromkeys(r["model"] for r in rec["rows"]):
         for method in dict.fromkeys(r["method"] for r in rec["rows"]):
-            cells = [_fmt(by[model, method, x]["amortized_ms"]) for x in layouts]
+            cells = [short_ms(by[model, method, x]["amortized_ms"]) for x in layouts]
             r0 = by[model, method, layouts[0]]
-            terms = " / ".join(_fmt(r0[k]) for k in TERM_KEYS)
+            terms = " / ".join(short_ms(r0[k]) for k in TERM_KEYS)
             out.append(f"| {model} | {method} | " + " | ".join(cells) + f" | {terms} |")
     prov = rec.get("provenance") or {}
     fit = rec.get("fitted", {})
@@ -133,15 +161,21 @@ def calibration_markdown(rec: dict) -> str:
             out.append(f"| **{case}** | | | | | |")
         fitted = f"**fitted** ({c['fitted']})" if c.get("fitted") else "no"
         miss = "" if c.get("fitted") or 0.5 <= c["ratio"] <= 2 else " (> 2x off)"
-        out.append(f"| {c['published']} (model: {c['model']}) | {c.get('source', '')} | {fitted} | {_fmt(c['model_ms'])} | "
+        out.append(f"| {c['published']} (model: {c['model']}) | {c.get('source', '')} | {fitted} | {short_ms(c['model_ms'])} | "
                    f"{c['published_ms']:g} | {c['ratio']:.2f}{miss} |")
     for nc in rec.get("not_calibrated", []):
-        out.append(f"| {nc['label']}: {nc['published']} | — | not modelled: {nc['why']} | — | — | — |")
+        readings = "".join(f"; {rd['label']}: " + " / ".join(f"{r:.2f}" for r in rd["ratios"])
+                           for rd in nc.get("reading_ratios", []))
+        verb = "not counted" if readings else "not modelled"
+        out.append(f"| {nc['label']}: {nc['published']} | — | {verb}: {nc['why']}{readings} | — | — | — |")
     s = rec.get("summary") or {}
     fit = rec.get("fitted", {})
+    wo = s.get("without_readings") or {}
     out += ["", f"Fitted: {1e6 * fit.get('kernel_s', 0):.3g} us a kernel, {1e6 * fit.get('qr_s', 0):.3g} us a QR "
             f"factorization, each solved from the one point marked fitted. Of the {s.get('unfitted')} points not fitted, "
-            f"{s.get('within_2x')} are within 2x; median projected / published {s.get('median_ratio', 0):.2f}."]
+            f"{s.get('within_2x')} are within 2x; median projected / published {s.get('median_ratio', 0):.2f}."
+            + (f" Without the points that rest on a chosen reading (Dion on Qwen3): {wo['within_2x']} of "
+               f"{wo['unfitted']}, median {wo['median_ratio']:.2f}." if wo and wo.get("unfitted") != s.get("unfitted") else "")]
     return "\n".join(out) + "\n"
 
 

@@ -47,7 +47,7 @@ LOSS_COLUMNS = ("final val loss: median", "median", "final val loss", "loss at b
 _LR_WORD = re.compile(r"\blr\b", re.I)
 _HEADING = re.compile(r"^#{1,6}[ \t]", re.M)
 _FENCE = re.compile(r"^[ \t]*(```|~~~).*?^[ \t]*\1[^\n]*", re.S | re.M)
-_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z*\"(\[])")
+SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z*\"(\[])")
 _NUMBER = re.compile(r"-?\d+\.\d+")
 _ITEM = r"[ \t]*(?:[-*+]|\d+[.)])[ \t]+"
 # a paragraph or list item: non-blank lines, each further one not starting a new list item
@@ -115,7 +115,7 @@ def _sentences(prose: str, start: int):
     """(offset, sentence) of each sentence of a stretch of prose (paragraphs cut at blank lines)."""
     for para in _PARAGRAPH.finditer(prose):
         pos = para.start()
-        for piece in _SENTENCE_END.split(para.group(0)):
+        for piece in SENTENCE_END.split(para.group(0)):
             off = prose.index(piece, pos)
             pos = off + len(piece)
             if piece.strip():

@@ -49,8 +49,8 @@ import re
 from pathlib import Path
 
 from dobb_bench.reports import records as R
-from dobb_bench.reports.best_row import _SENTENCE_END, names, parse_table
-from dobb_bench.reports.figure_check import _FENCE, _blank, _blocks
+from dobb_bench.reports.best_row import SENTENCE_END, names, parse_table
+from dobb_bench.reports.figure_check import FENCE, blank_out, text_blocks
 
 SCOPES = (
     (re.compile(r"\bwidth 256\b|\b3,?200 steps\b", re.I),
@@ -331,9 +331,9 @@ def _check_sentence(sentence: str, levels: list[str], tables: dict[str, str]) ->
 
 def check_text(text: str, tables: dict[str, str]) -> list[tuple[int, str, str]]:
     """(line, sentence, problem) for every claim in ``text`` that its tables contradict."""
-    body = _FENCE.sub(_blank, R.TABLE.sub(_blank, text))
+    body = FENCE.sub(blank_out, R.TABLE.sub(blank_out, text))
     lines = body.split("\n")
-    blocks = _blocks(lines)
+    blocks = text_blocks(lines)
     full = ["\n".join(b["lines"]) for b in blocks]
     flat = [re.sub(r"\s+", " ", x) for x in full]  # a setting's words may cross a line break
     out = []
@@ -349,7 +349,7 @@ def check_text(text: str, tables: dict[str, str]) -> list[tuple[int, str, str]]:
             levels.append(flat[p])
             stack += list(reversed(blocks[p]["parents"]))
         pos, running = 0, []  # running: the last sentence of this block that named one setting
-        for piece in _SENTENCE_END.split(full[j]):
+        for piece in SENTENCE_END.split(full[j]):
             start = full[j].index(piece, pos)
             pos = start + len(piece)
             sentence = re.sub(r"\s+", " ", piece).strip()

@@ -63,14 +63,14 @@ MARK = re.compile(r"not\s+measured\s+here|issue\s+#?\d+(?:'|’)s\s+figures?|not
 _PATH = re.compile(r"[\w.{},*/-]*(?:results/[\w.{},*/-]+|[\w{},*-]+\.(?:jsonl?|md|txt|csv))")
 _STUDY_WORD = re.compile(r"^(?:stud(?:y|ies)|records?|--study)$", re.I)
 _TABLE = re.compile(r"<!-- table:[\w.-]+ -->\n.*?<!-- /table -->", re.S)
-_FENCE = re.compile(r"^[ \t]*(```|~~~).*?^[ \t]*\1[^\n]*", re.S | re.M)
+FENCE = re.compile(r"^[ \t]*(```|~~~).*?^[ \t]*\1[^\n]*", re.S | re.M)
 _INLINE = re.compile(r"(`+)(?!`).+?(?<!`)\1", re.S)
 _LIST = re.compile(r"^([ \t]*)(?:[-*+]|\d+[.)])[ \t]+")
 _HEADING = re.compile(r"^(#{1,6})[ \t]")
 _CAPTION = re.compile(r"^\(?Records?\b")
 
 
-def _blank(m: re.Match) -> str:
+def blank_out(m: re.Match) -> str:
     """Same line count, no content: keeps line numbers right after a region is skipped."""
     return re.sub(r"[^\n]", " ", m.group(0))
 
@@ -128,7 +128,7 @@ def _braces(p: str) -> list[str]:
     return [x for alt in m.group(1).split(",") for x in _braces(p[:m.start()] + alt + p[m.end():])]
 
 
-def _blocks(lines: list[str]) -> list[dict]:
+def text_blocks(lines: list[str]) -> list[dict]:
     """Headings, paragraphs, list items, tables: {first, lines, kind, parents (indices of blocks it inherits from)}."""
     blocks: list[dict] = []
     headings: list[tuple[int, int]] = []  # (level, block) of the headings above
@@ -187,9 +187,9 @@ def unsourced(text: str, root: Path = ROOT, here: Path | None = None) -> list[tu
     ``root``: the checkout whose docs/results/ holds the records; ``here``: the file's folder
     (relative record paths resolve against it too)."""
     here = root / "docs" if here is None else here
-    body = _FENCE.sub(_blank, _TABLE.sub(_blank, text))
+    body = FENCE.sub(blank_out, _TABLE.sub(blank_out, text))
     lines = _indented_code(body.split("\n"))
-    blocks = _blocks(lines)
+    blocks = text_blocks(lines)
     original = text.split("\n")
     memo: dict[int, bool] = {}
 
@@ -202,7 +202,7 @@ def unsourced(text: str, root: Path = ROOT, here: Path | None = None) -> list[tu
 
     out = []
     for j, b in enumerate(blocks):
-        prose = _INLINE.sub(_blank, "\n".join(b["lines"]))  # inline code spans may cross a line break
+        prose = _INLINE.sub(blank_out, "\n".join(b["lines"]))  # inline code spans may cross a line break
         found = sorted({b["first"] + prose.count("\n", 0, m.start()) for m in figures(prose)})
         if found and not sourced(j):
             out += [(i + 1, original[i].strip()) for i in found]

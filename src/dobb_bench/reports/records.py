@@ -60,7 +60,7 @@ def _r(v, digits: int = 5):
     return None if v is None or not math.isfinite(v) else round(v, digits)
 
 
-def _key(rec: dict) -> str:
+def record_key(rec: dict) -> str:
     """What makes two records the same run: a rerun replaces its record; a run under the same label
     with other hyperparameters (bf16 products, say) is another run and is kept beside it."""
     t = rec.get("train") or {}
@@ -127,8 +127,8 @@ def collect(out_dir, study: str, records_dir: Path | None = None, runs: list[str
         check_record(r, f"{out_dir} run {r.get('run')!r}")
     path = Path(records_dir) / f"{study}.jsonl"
     old = load(study, records_dir) if path.exists() else []
-    merged = {_key(r): r for r in old}
-    merged.update({_key(r): r for r in new})
+    merged = {record_key(r): r for r in old}
+    merged.update({record_key(r): r for r in new})
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in merged.values()))
     return new

@@ -353,6 +353,3 @@ def _cost(k: str, rows: dict[str, dict], pay: dict[str, float | None]) -> str:
     if pay.get(k) is not None:
         bits.append(f"FSDP payload {pay[k]:.3f} of Muon's")
     return ", ".join(bits)
-
-# the old private names, for dobb_bench.studies.main_job until it imports the public ones
-_pyplot = pyplot

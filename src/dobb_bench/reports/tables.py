@@ -193,9 +193,3 @@ def study_tables(name, fn, where=None):
 
 
 SHARED_LR = 5e-3 * 2 ** -0.5  # AdamW's best point of its own grid (table lr-grid)
-
-# the old private names, for dobb_bench.studies.main_job until it imports the public ones
-_loss = final_loss
-_group = group_by
-_muon = muon_ref
-_study = study_tables

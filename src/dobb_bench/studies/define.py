@@ -1,20 +1,26 @@
 """One way to define a study: its rows, lrs, seeds, steps, model and eval windows, run in parts.
 
-A ``Study`` declares what to run; a ``RunsFolder`` holds what has run (one ``--out`` folder per
-run, ``{runs}/{kind}-{slug}-j{j}-s{seed}``, so a finished run is skipped and a killed one resumes
-from its checkpoint, ``dobb-bench compare --checkpoint-every``); ``Driver`` runs the next run the
-rule asks for on each of a few workers and re-evaluates every finished run on the common windows
-(``scripts/reeval_windows.py``) before the rule looks at it again; ``collect`` adds the finished
-runs to the study's records (``dobb_bench.reports.records.collect``).
+A ``Study`` declares what to run: its rows (label, optimizer spec, what runs it, a reference value
+beside it), its ``Setting`` (model, steps, evals, product dtype), its seeds and lrs, the rule that
+plans its runs and the records study they are collected into; ``dobb_bench.studies.catalog`` holds
+every declared study. A ``RunsFolder`` (``runs_folder``) holds what has run (one ``--out`` folder
+per run, ``{runs}/{kind}-{slug}-j{j}-s{seed}``, so a finished run is skipped and a killed one
+resumes from its checkpoint, ``dobb-bench compare --checkpoint-every``); ``Driver`` runs the next
+run the rule asks for on each of a few workers and re-evaluates every finished run on the common
+windows (``scripts/reeval_windows.py``) before the rule looks at it again; ``collect`` adds the
+finished runs to the study's records (``dobb_bench.reports.records.collect``).
 
-The bracket-and-seed rule, written once here (``next_run``):
+The bracket-and-seed rule (``Study.rule == "bracket"``), written once here (``stages``):
 
-1. each row at its centre lr at seed 0, then its lrs either side (``Study.near``);
+1. each row at its centre lr at seed 0, then its lrs either side (``Study.lrs``);
 2. while a row's best seed-0 lr sits at an edge of its finished lrs, the next lr out;
 3. once bracketed: seed 1 at the best lr, and at each neighbour worse than the best by less than
    two standard errors of the window noise (paired over the common windows' groups), since one
    seed cannot tell those apart; the row's lr is then chosen on the mean of seeds 0 and 1;
 4. the remaining seeds at the chosen lr.
+
+A ``"fixed"`` study has no bracketing: each row at its declared seed-0 lrs, its later seeds at its
+declared ``seeded`` lrs (an ablation at one lr; a grid that was run by hand, declared as it ran).
 
 A best lr is judged on the common windows when every finished lr of the row has been
 re-evaluated there (a 64-window eval moves the differences between lrs by about 0.01 nats), else
@@ -23,7 +29,6 @@ on the logged losses. ``paired_gap`` and ``beyond_noise`` are the paired t-test 
 from __future__ import annotations
 
 import glob
-import json
 import math
 import os
 import subprocess
@@ -35,6 +40,7 @@ from pathlib import Path
 from typing import Callable, Iterable, NamedTuple
 
 from dobb_bench.reports.tables import paired
+from dobb_bench.studies.runs_folder import RunsFolder, slug
 
 # ----------------------------------------------------------------------------- the paired t-test
 # two-sided 95% quantiles of Student's t by degrees of freedom (a paired t-test on a few seeds)
@@ -92,6 +98,10 @@ class Row(NamedTuple):
     spec: str
     j: int
     centre: int | None = None  # where its lrs start when not ``j - Study.shift`` (say why at the row)
+    lrs: tuple[int, ...] | None = None  # the grid indices it runs at seed 0, when not the study's
+    seeded: tuple[int, ...] | None = None  # a fixed study: where its later seeds run (default ``lrs``)
+    runner: str = "compare"  # what runs it: ``dobb-bench compare`` or a script of ``RUNNERS``
+    paper: float | None = None  # a reference value shown beside it (the paper's loss), not a setting
 
     @property
     def around(self) -> int:
@@ -100,7 +110,38 @@ class Row(NamedTuple):
 
     @property
     def slug(self) -> str:
-        return self.label.replace(" ", "").replace("=", "").replace("-", "")
+        return slug(self.label)
+
+
+# the scripts that ran rows outside ``dobb-bench compare`` (each writes OUT/runs/<label>/metrics.jsonl,
+# no results.jsonl): SOAP and Newton-Muon before the registry had them, the peer packages' classes
+RUNNERS = {"family-rows": "scripts/family_rows.py", "peer-soap": "scripts/peer_soap.py",
+           "peer-dash": "scripts/peer_dash.py"}
+
+
+def spec_parts(spec: str) -> tuple[str, str]:
+    """A spec's optimizer name and its ``key=value:...`` text; a peer package's class is named
+    ``peer:PACKAGE.CLASS`` (as its records name it)."""
+    name, _, rest = spec.partition(":")
+    if name == "peer":
+        cls, _, rest = rest.partition(":")
+        name = f"peer:{cls}"
+    return name, rest
+
+
+def runner_args(row: Row) -> list[str]:
+    """How a script of ``RUNNERS`` is told the row (``compare`` takes ``--optimizers SPEC@LABEL``)."""
+    name, hp = spec_parts(row.spec)
+    if row.runner == "compare":
+        return ["--optimizers", f"{row.spec}@{row.label}"]
+    if row.runner == "family-rows":
+        return ["--optimizer", name] + (["--hparams", hp] if hp else []) + ["--label", row.label]
+    if row.runner == "peer-soap":
+        return ["--package", name[len("peer:"):].split(".")[0]] + (["--hparams", hp] if hp else []) + ["--label", row.label]
+    if row.runner == "peer-dash":
+        size = dict(x.split("=", 1) for x in hp.split(":") if x).get("block_size", "128")
+        return ["--block-size", size, "--label", row.label]
+    raise ValueError(f"row {row.label!r}: no runner {row.runner!r} (compare or one of {', '.join(RUNNERS)})")
 
 
 @dataclass(frozen=True)
@@ -112,25 +153,38 @@ class Setting:
     width: int | None = None  # None: compare's default (128)
     layers: int = 2
     context: int = 64
-    checkpoint_every: int = 500
+    checkpoint_every: int | None = 500  # None: no checkpoints (the 800-step studies ran without)
+    # fp32 products on every host: the studies' runs had them (their hosts had no native bf16, or
+    # the flag), and compare's default rule would give bf16 where a host has it; None: the rule
+    product_dtype: str | None = "float32"
+    extra: tuple[str, ...] = ()  # further flags of compare's (and the scripts'): ("--micro-batches", "2")
 
-    def args(self) -> list[str]:
-        """``dobb-bench compare`` less seed, lr, --out and --optimizers."""
-        out = ["dobb-bench", "compare", "--jobs", "1", "--layers", str(self.layers), "--context", str(self.context),
-               "--no-progress", "--checkpoint-every", str(self.checkpoint_every)]
+    def flags(self) -> list[str]:
+        """The flags ``dobb-bench compare`` shares with the scripts of ``RUNNERS``."""
+        out = ["--layers", str(self.layers), "--context", str(self.context), "--no-progress"]
+        if self.checkpoint_every is not None:
+            out += ["--checkpoint-every", str(self.checkpoint_every)]
         if self.width is not None:
             out += ["--width", str(self.width)]
-        # fp32 products on every host: the study's first runs had them (their host had no native
-        # bf16), and compare's default rule would give bf16 where a host has it
-        return out + ["--steps", str(self.steps), "--eval-every", str(self.eval_every), "--product-dtype", "float32"]
+        return out + ["--steps", str(self.steps), "--eval-every", str(self.eval_every), *self.extra]
+
+    def args(self, runner: str = "compare") -> list[str]:
+        """The command less seed, lr, --out and the row: ``dobb-bench compare`` or a script of ``RUNNERS``."""
+        if runner != "compare":
+            return [sys.executable, RUNNERS[runner]] + self.flags()
+        dtype = ["--product-dtype", self.product_dtype] if self.product_dtype else []
+        return ["dobb-bench", "compare", "--jobs", "1"] + self.flags() + dtype
 
 
 @dataclass(frozen=True)
 class Study:
     """A study: rows at a setting, the seeds each row ends with, the lrs it starts from and the
     records study its runs are collected into. ``lrs``: grid offsets from each row's centre run at
-    seed 0 first (the centre first, then the others in order), or grid lrs (values) to run for every row.
-    ``windows``: the common windows every finished run is re-evaluated on (``scripts/reeval_windows.py``)."""
+    seed 0 first (the centre first, then the others in order), or grid lrs (values) to run for every
+    row (a row's own ``lrs`` replace them). ``rule``: ``"bracket"`` (the bracket-and-seed rule) or
+    ``"fixed"`` (no bracketing: the declared lrs and seeds). ``windows``: the common windows every
+    finished run is re-evaluated on (``scripts/reeval_windows.py``), None for none. ``title`` and
+    ``reference`` (a row label): how a table of the study heads itself and what it subtracts."""
     name: str
     setting: Setting
     rows: tuple[Row, ...]
@@ -139,16 +193,28 @@ class Study:
     lrs: tuple = (0, -1, 1)
     span: int = 6  # a row's finished lrs are looked for within ``row.around -+ span``
     records: str = "long-horizon"
-    windows: tuple[int, int] = REEVAL_WINDOWS  # --windows, --window-seed of the re-evaluation
+    windows: tuple[int, int] | None = REEVAL_WINDOWS  # --windows, --window-seed of the re-evaluation
+    rule: str = "bracket"
+    title: str = ""
+    reference: str | None = None
 
     def centre(self, row: Row) -> int:
         return row.j - self.shift if row.centre is None else row.centre
 
     def first_lrs(self, row: Row) -> list[int]:
         """The grid indices a row runs at seed 0 before the rule looks at it."""
+        if row.lrs is not None:
+            return list(row.lrs)
         if all(isinstance(x, int) for x in self.lrs):
             return [self.centre(row) + d for d in self.lrs]
         return [grid_index(float(x)) for x in self.lrs]
+
+    def planned(self, row: Row) -> list[tuple[int, int]]:
+        """A fixed study's runs of a row, ``(j, seed)``: seed 0 at its lrs, the later seeds at its
+        ``seeded`` lrs (its lrs when not given)."""
+        seeded = self.first_lrs(row) if row.seeded is None else list(row.seeded)
+        return ([(j, 0) for j in self.first_lrs(row)] if 0 in self.seeds else []) + [
+            (j, sd) for sd in self.seeds if sd != 0 for j in seeded]
 
     def row(self, label: str) -> Row:
         return next(r for r in self.rows if r.label == label)
@@ -156,80 +222,6 @@ class Study:
 
 Task = tuple  # (kind, row, j, seed)
 REPO = str(Path(__file__).resolve().parents[3])
-
-
-# ----------------------------------------------------------------------------- what has run
-class RunsFolder:
-    """The runs of one or more studies under ``root``: each run its own ``--out``; the common-window
-    losses from the re-evaluation records ``reeval`` (lines with ``run_dir``, ``common_val_loss``
-    and ``common_groups``). Read at every call: other workers write while the rule reads."""
-
-    def __init__(self, root: str, reeval: Iterable[str] = ()):
-        self.root = str(root)
-        self.reeval = list(reeval)
-        self._cache: dict = {}
-
-    @classmethod
-    def of(cls, runs: str, repo: str) -> "RunsFolder":
-        """``runs`` with its re-evaluation records: ``repo``'s committed one and the folder's scratch
-        (where ``Driver.reeval`` writes)."""
-        return cls(runs, [f"{repo}/docs/results/checks/reeval-windows/reeval.jsonl", f"{runs}/reeval-scratch.jsonl"])
-
-    def out_dir(self, kind: str, label: str, j: int, seed: int) -> str:
-        slug = Row(label, "", 0).slug
-        return f"{self.root}/{kind}-{slug}-j{j}-s{seed}"
-
-    def loss(self, kind: str, label: str, j: int, seed: int) -> float | None:
-        """The logged final loss of a finished run (inf when it diverged), None when not finished. A
-        run whose folder is gone (an earlier session's) counts as finished when a re-evaluation record
-        holds it: the grid resumes from what is committed."""
-        for f in glob.glob(self.out_dir(kind, label, j, seed) + "/results.jsonl"):
-            for line in open(f):
-                r = json.loads(line)
-                if "final_val_loss" in r:
-                    return float("inf") if r.get("diverged") else r["final_val_loss"]
-        r = self._reeval(kind, label, j, seed)
-        return None if r is None else r.get("logged_val_loss")
-
-    def _reeval(self, kind, label, j, seed) -> dict | None:
-        """The first re-evaluation record of the run (files in order, lines in order)."""
-        name = os.path.basename(self.out_dir(kind, label, j, seed))
-        for f in self.reeval:
-            r = self._index(f).get(name)
-            if r is not None:
-                return r
-        return None
-
-    def _index(self, path: str) -> dict:
-        """``{run_dir: first record}`` of one re-evaluation file, re-read when the file changes."""
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            return {}
-        key = (st.st_mtime_ns, st.st_size)
-        got = self._cache.get(path)
-        if got is None or got[0] != key:
-            index: dict = {}
-            with open(path) as fh:
-                for line in fh:
-                    if line.strip():
-                        r = json.loads(line)
-                        # the studies pin fp32 products (``Setting.args``): a run made with bf16
-                        # products is another row, not a finished run of this one
-                        if "bfloat16" not in json.dumps(r.get("hparams", {})):
-                            index.setdefault(r.get("run_dir"), r)
-            got = self._cache[path] = (key, index)
-        return got[1]
-
-    def common(self, kind: str, label: str, j: int, seed: int) -> float | None:
-        """A finished run's loss on the common windows, if re-evaluated."""
-        r = self._reeval(kind, label, j, seed)
-        return None if r is None else r["common_val_loss"]
-
-    def groups(self, kind: str, label: str, j: int, seed: int) -> list[float] | None:
-        """A re-evaluated run's loss per window group (the pairing of a gap's standard error)."""
-        r = self._reeval(kind, label, j, seed)
-        return None if r is None else r.get("common_groups")
 
 
 # ----------------------------------------------------------------------------- the rule
@@ -299,8 +291,14 @@ def stages(study: Study, runs: RunsFolder, rows: Iterable[Row] | None = None) ->
     rows = list(study.rows if rows is None else rows)
     kind, span = study.setting.kind, study.span
     later = [sd for sd in study.seeds if sd != 0]
-    first = [[(kind, r, study.first_lrs(r)[0], 0) for r in rows],
-             [(kind, r, j, 0) for k in range(1, len(study.lrs)) for r in rows for j in [study.first_lrs(r)[k]]]]
+    if study.rule == "fixed":  # no bracketing: seed 0 row by row, then each later seed row by row
+        plan = {r.label: study.planned(r) for r in rows}
+        return [[(kind, r, j, sd) for sd in [0] + later for r in rows for j, s in plan[r.label] if s == sd]]
+    if study.rule != "bracket":
+        raise ValueError(f"study {study.name!r}: no rule {study.rule!r} (bracket or fixed)")
+    n = max((len(study.first_lrs(r)) for r in rows), default=0)
+    first = [[(kind, r, j, 0) for r in rows for j in study.first_lrs(r)[:1]],
+             [(kind, r, j, 0) for k in range(1, n) for r in rows for j in study.first_lrs(r)[k:k + 1]]]
     out = [(kind, r, e, 0) for r in rows if (e := edge(runs, kind, r, 0, span)) is not None]
     close: list[Task] = []
     if later:
@@ -344,16 +342,16 @@ class Driver:
     started: dict = field(default_factory=dict)  # kind -> runs started
     lock: threading.Lock = field(default_factory=threading.Lock)
     wait_s: float = 30.0
-    windows: tuple[int, int] = REEVAL_WINDOWS  # the re-evaluation's --windows, --window-seed
+    windows: tuple[int, int] | None = REEVAL_WINDOWS  # the re-evaluation's --windows, --window-seed; None: none
 
     def env(self, worktree: str | None = None) -> dict:
         return dict(os.environ, PYTHONPATH=f"{worktree or self.worktree}/src", OMP_NUM_THREADS="1")
 
     def command(self, task: Task) -> list[str]:
         kind, row, j, seed = task
-        return self.settings[kind].args() + ["--seed", str(seed), "--lr", repr(grid_lr(j)),
-                                              "--out", self.runs.out_dir(kind, row.label, j, seed),
-                                              "--optimizers", f"{row.spec}@{row.label}"]
+        return self.settings[kind].args(row.runner) + ["--seed", str(seed), "--lr", repr(grid_lr(j)),
+                                                       "--out", self.runs.out_dir(kind, row.label, j, seed)
+                                                       ] + runner_args(row)
 
     def pending(self, tasks: Iterable[Task]) -> Task | None:
         """The first task neither finished nor started: marked started (call under the lock)."""
@@ -388,7 +386,7 @@ class Driver:
 
     def reeval(self, d: str) -> None:
         """Re-evaluates a finished run on the common windows (``scripts/reeval_windows.py``)."""
-        if os.path.exists(d + "/results.jsonl"):
+        if self.windows is not None and os.path.exists(d + "/results.jsonl"):
             re_wt = self.reeval_worktree or self.worktree
             args = [sys.executable, "scripts/reeval_windows.py", d, "--out", f"{self.runs.root}/reeval-scratch.jsonl"]
             if tuple(self.windows) != REEVAL_WINDOWS:  # the script's defaults: the command of every run so far
@@ -457,9 +455,12 @@ def collect(study: Study, runs: RunsFolder, records_dir=None) -> list[dict]:
     new = []
     kind = study.setting.kind
     for r in study.rows:
-        for j in range(r.around - study.span, r.around + study.span + 1):
-            for seed in study.seeds:
-                d = runs.out_dir(kind, r.label, j, seed)
-                if runs.loss(kind, r.label, j, seed) is not None and glob.glob(d + "/runs/*/metrics.jsonl"):
-                    new += R.collect(d, study.records, records_dir, runs=[r.label])
+        if study.rule == "fixed":
+            tasks = study.planned(r)
+        else:
+            tasks = [(j, sd) for j in range(r.around - study.span, r.around + study.span + 1) for sd in study.seeds]
+        for j, seed in tasks:
+            d = runs.out_dir(kind, r.label, j, seed)
+            if runs.loss(kind, r.label, j, seed) is not None and glob.glob(d + "/runs/*/metrics.jsonl"):
+                new += R.collect(d, study.records, records_dir, runs=[r.label])
     return new

@@ -92,7 +92,7 @@ LAYOUTS = (("output", "FSDP: output axis (rows) sharded over 4 ranks"),
 
 def plot_study(study: str, out_dir=None) -> list[str]:
     """Mean validation curves and loss vs payload (one panel per layout) for a study's records."""
-    recs = main_job._headline()[1] if study == "headline" else [] if study == "operating-point" else R.load(study)
+    recs = main_job.headline()[1] if study == "headline" else [] if study == "operating-point" else R.load(study)
     out_dir = R.RECORDS.parent if out_dir is None else out_dir
     if study == "block-width":
         return [main_job.plot_block_width(recs, out_dir)]

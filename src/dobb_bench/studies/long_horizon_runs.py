@@ -60,7 +60,10 @@ SETTINGS = {s.kind: s for s in (TWENTY_TOKENS, WIDTH_256)}
 STUDIES = {
     "long-horizon": Study("long-horizon", TWENTY_TOKENS, LH),
     "width-256": Study("width-256", WIDTH_256, W256),
-    "frontier-20": Study("frontier-20", TWENTY_TOKENS, FR, shift=SHIFT),
+    # span 8: MuonBP P=10's best moved from its 800-step centre (j6) down to j0, and its bracket
+    # below needs j-1, which the default span of 6 would not see (the driver ran it, then read it
+    # as missing)
+    "frontier-20": Study("frontier-20", TWENTY_TOKENS, FR, shift=SHIFT, span=8),
 }
 
 

@@ -5,23 +5,23 @@ stagger, Nesterov, Muon variants, bf16 products): their docs tables, regenerated
 from __future__ import annotations
 
 from dobb_bench.reports import records as R
-from dobb_bench.reports.report import _pyplot, block_widths, gap_closure
+from dobb_bench.reports.report import block_widths, gap_closure, pyplot
 from dobb_bench.studies import family_soap
-from dobb_bench.reports.tables import (MUON_REFS, SHARED_LR, _group, _loss, _muon, _study, fmt_ms, lr_grid_table,
-                                       noise, seeds_table, setting_line, stats)
+from dobb_bench.reports.tables import (MUON_REFS, SHARED_LR, final_loss, fmt_ms, group_by, lr_grid_table, muon_ref,
+                                       noise, seeds_table, setting_line, stats, study_tables)
 
 def horizon_table(recs: list[dict]) -> str:
     steps = sorted({r["steps"] for r in recs})
-    by = _group(recs, lambda r: r["run"])
+    by = group_by(recs, lambda r: r["run"])
     first = [k for k in ("AdamW",) + MUON_REFS if k in by]
     by = {k: by[k] for k in first + [k for k in by if k not in first]}
-    st = {(k, s): stats([_loss(r) for r in v if r["steps"] == s]) for k, v in by.items() for s in steps}
+    st = {(k, s): stats([final_loss(r) for r in v if r["steps"] == s]) for k, v in by.items() for s in steps}
     rows = ["| optimizer | " + " | ".join(f"{s} steps" for s in steps) + " |", "|---|" + "---|" * len(steps)]
     for label in by:
         cells = []
         for s in steps:
             m, sd, n = st[(label, s)]
-            a, mu = st.get(("AdamW", s)), _muon(st, s)
+            a, mu = st.get(("AdamW", s)), muon_ref(st, s)
             gc = gap_closure(m, a[0], mu[0]) if n and a and mu and a[2] and mu[2] else None
             cells.append("" if not n else fmt_ms(m, sd, n) + ("" if gc is None or label in ("AdamW",) + MUON_REFS
                                                                else f" ({100 * gc:.0f}%)"))
@@ -35,11 +35,11 @@ PAPER_PENALTY = {192: 0.18, 48: 0.23, 12: 0.50}  # block penalty / AdamW-Muon ga
 def width_points(recs: list[dict]) -> dict[int, list[tuple[int, int, float | None, float, float | None, int]]]:
     """Per model width: (B, narrowest block width, penalty / gap, Dobb mean, std, seeds) per Dobb row."""
     out = {}
-    by_w = _group(recs, lambda r: r["model"]["width"])
+    by_w = group_by(recs, lambda r: r["model"]["width"])
     for width in sorted(by_w):
-        g = _group(by_w[width], lambda r: r["run"])
-        ref = {k: stats([_loss(r) for r in v]) for k, v in g.items()}
-        a, mu, one = ref.get("AdamW"), _muon(ref), ref.get("Dobb B=1")
+        g = group_by(by_w[width], lambda r: r["run"])
+        ref = {k: stats([final_loss(r) for r in v]) for k, v in g.items()}
+        a, mu, one = ref.get("AdamW"), muon_ref(ref), ref.get("Dobb B=1")
         rows = []
         for k in (k for k in g if g[k][0]["optimizer"] == "dobb"):
             m, s, n = ref[k]
@@ -54,11 +54,11 @@ def width_table(recs: list[dict]) -> str:
     """Block penalty (Dobb B - Dobb B=1) over the AdamW-Muon gap, per model width and block width."""
     rows = ["| model width | B | block width (attn+MLP-in / MLP-out) | seeds | Dobb loss | penalty / gap |",
             "|---|---|---|---|---|---|"]
-    by_w = _group(recs, lambda r: r["model"]["width"])
+    by_w = group_by(recs, lambda r: r["model"]["width"])
     for width in sorted(by_w):
-        g = _group(by_w[width], lambda r: r["run"])
-        ref = {k: stats([_loss(r) for r in v]) for k, v in g.items()}
-        a, mu, one = ref.get("AdamW"), _muon(ref), ref.get("Dobb B=1")
+        g = group_by(by_w[width], lambda r: r["run"])
+        ref = {k: stats([final_loss(r) for r in v]) for k, v in g.items()}
+        a, mu, one = ref.get("AdamW"), muon_ref(ref), ref.get("Dobb B=1")
         dobb = sorted((k for k in g if g[k][0]["optimizer"] == "dobb"),
                       key=lambda k: int(g[k][0]["hparams"].get("blocks", 1)))
         for k in dobb:
@@ -95,19 +95,19 @@ def _variant_records() -> list[dict]:
 def variants_table(recs: list[dict], ref: str = "Muon-fp32") -> str:
     """Seed-0 loss per lr, the best seed-0 lr, every seed there, and the difference from ``ref`` at
     its own best lr (beyond noise: over 2 std of the noisier row, 0.1 nats for a one-seed row)."""
-    by = _group(recs, lambda r: r["run"])
+    by = group_by(recs, lambda r: r["run"])
     labels = [k for k in VARIANT_ORDER if k in by] + [k for k in by if k not in VARIANT_ORDER]
     lrs = sorted({round(r["lr"], 12) for r in recs if r["seed"] == 0})
     best, at_best = {}, {}
     for label in labels:
-        s0 = {lr: _loss(r) for r in by[label] if r["seed"] == 0 for lr in [round(r["lr"], 12)]}
+        s0 = {lr: final_loss(r) for r in by[label] if r["seed"] == 0 for lr in [round(r["lr"], 12)]}
         done = {lr: v for lr, v in s0.items() if v is not None}
         best[label] = min(done, key=done.get) if done else None
-        at_best[label] = stats([_loss(r) for r in by[label] if round(r["lr"], 12) == best[label]])
+        at_best[label] = stats([final_loss(r) for r in by[label] if round(r["lr"], 12) == best[label]])
     rows = ["| optimizer | " + " | ".join(f"lr {x:.3g}" for x in lrs) + f" | best lr | seeds | loss at best | vs {ref} |",
             "|---|" + "---|" * (len(lrs) + 4)]
     for label in labels:
-        s0 = {round(r["lr"], 12): _loss(r) for r in by[label] if r["seed"] == 0}
+        s0 = {round(r["lr"], 12): final_loss(r) for r in by[label] if r["seed"] == 0}
         cells = [("diverged" if s0[lr] is None else (f"**{s0[lr]:.3f}**" if lr == best[label] else f"{s0[lr]:.3f}"))
                  if lr in s0 else "" for lr in lrs]
         m, sd, n = at_best[label]
@@ -130,7 +130,7 @@ STAGGER_ORDER = [f"Dobb B={b}{s}" for b in (1, 4, 16) for s in ("", " stagger=Tr
 NESTEROV_ORDER = ["Muon-fp32", "Muon-fp32-nesterov", "Dobb B=4", "Dobb B=4 nesterov=True"]
 
 
-def _headline():
+def headline():
     """Headline rows; AdamW's seed-0 run at the shared lr is the lr grid's (same setting)."""
     recs = R.load("headline") + [r for r in R.load("lr-grid") if abs(r["lr"] - SHARED_LR) < 1e-12]
     recs += family_soap.headline_rows()  # SOAP and Newton-Muon, 3 seeds at the shared lr
@@ -153,8 +153,8 @@ def bf16_table(recs: list[dict]) -> str:
     rows = ["| blocks | fp32 products | bf16 products | bf16 - fp32 per seed | mean difference |",
             "|---|---|---|---|---|"]
     for b in BF16_BLOCKS:
-        f32 = {r["seed"]: _loss(r) for r in recs if r["run"] == f"Dobb B={b}"}
-        b16 = {r["seed"]: _loss(r) for r in recs if r["run"] == f"Dobb B={b} bf16"}
+        f32 = {r["seed"]: final_loss(r) for r in recs if r["run"] == f"Dobb B={b}"}
+        b16 = {r["seed"]: final_loss(r) for r in recs if r["run"] == f"Dobb B={b} bf16"}
         if not b16:
             continue
         sf, sb = stats(list(f32.values())), stats(list(b16.values()))
@@ -168,18 +168,18 @@ def bf16_table(recs: list[dict]) -> str:
 
 
 TABLES = {
-    "headline": lambda: _headline(),
-    "lr-grid": _study("lr-grid", lr_grid_table),
-    "block-width": _study("block-width", width_table),
-    "horizon": _study("horizon", horizon_table),
-    "corpus2": _study("corpus2", lambda recs: seeds_table(recs, ["AdamW", "Muon-fp32", "Dobb B=1", "Dobb B=4",
+    "headline": lambda: headline(),
+    "lr-grid": study_tables("lr-grid", lr_grid_table),
+    "block-width": study_tables("block-width", width_table),
+    "horizon": study_tables("horizon", horizon_table),
+    "corpus2": study_tables("corpus2", lambda recs: seeds_table(recs, ["AdamW", "Muon-fp32", "Dobb B=1", "Dobb B=4",
                                                                   "Dobb B=16", "Dion rho=1/16"])),
-    "main-job": _study("main-job", seeds_table),
-    "muon-fp32": _study("muon-fp32", seeds_table),
-    "own-lr": _study("own-lr", lambda recs: lr_grid_table(recs, ["AdamW", "Muon-fp32", "NorMuon-fp32", "Dobb B=1",
+    "main-job": study_tables("main-job", seeds_table),
+    "muon-fp32": study_tables("muon-fp32", seeds_table),
+    "own-lr": study_tables("own-lr", lambda recs: lr_grid_table(recs, ["AdamW", "Muon-fp32", "NorMuon-fp32", "Dobb B=1",
                                                                   "Dobb B=4", "Dobb B=16", "Block Muon B=16"], grid_seed=0)),
-    "stagger": _study("stagger", lambda recs: seeds_table(recs, STAGGER_ORDER)),
-    "nesterov": _study("nesterov", lambda recs: seeds_table(recs, NESTEROV_ORDER)),
+    "stagger": study_tables("stagger", lambda recs: seeds_table(recs, STAGGER_ORDER)),
+    "nesterov": study_tables("nesterov", lambda recs: seeds_table(recs, NESTEROV_ORDER)),
     "muon-variants": lambda: (variants_table(recs := _variant_records()), recs),
     "bf16-products": lambda: (bf16_table(recs := _bf16_records()), recs),
 }
@@ -187,7 +187,7 @@ TABLES = {
 
 def plot_block_width(recs: list[dict], out_dir) -> str:
     """Penalty / gap against the narrowest block width (log scale), per model width, paper beside."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for width, rows in width_points(recs).items():
         pts = [(bw, pen) for _, bw, pen, *_ in rows if pen is not None]

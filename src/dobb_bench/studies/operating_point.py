@@ -119,7 +119,7 @@ def loss_records(studies=LOSS_STUDIES, adamw_seeds=GAP_ADAMW_SEEDS) -> list[dict
             continue
         for r in recs:
             if _setting_ok(r) and (adamw_seeds is None or r["run"] != "AdamW" or r["seed"] in adamw_seeds):
-                seen.setdefault(R._key(r), r)
+                seen.setdefault(R.record_key(r), r)
     return list(seen.values())
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from dobb_bench.cost.payload import derived_state_bytes, dp_stat_entries, payload_entries
 from dobb_bench.reports import records as R
-from dobb_bench.reports.tables import _loss, noise, setting_line, stats
+from dobb_bench.reports.tables import final_loss, noise, setting_line, stats
 from dobb_bench.specs import parse_spec
 from dobb_bench.studies.define import best_of, paired_gap  # the rule's pieces, written once
 
@@ -73,13 +73,22 @@ def _same_setting(r: dict) -> bool:
     return r.get("steps") == 800 and m.get("width") == 128 and m.get("layers") == 2
 
 
+# rows whose records ran with more than one product dtype: the dtype the row's runs share
+# (Dobb-Muon's first seed-0 points ran bf16 products on an AVX512-BF16 host, the rest fp32)
+PRODUCTS = {"Dobb-Muon B=4 Bo=4": "torch.float32"}
+
+
 def runs_of(label: str, studies: tuple[str, ...]) -> dict[tuple[float, int], dict]:
     """``{(lr, seed): record}`` of one row; the first study listed wins a duplicate (lr, seed).
     Learning rates are grid points compared to 4 significant digits (some seed runs were started
-    at a grid point written to 6 decimals: 0.014142 for 0.0141421...)."""
+    at a grid point written to 6 decimals: 0.014142 for 0.0141421...). A row in ``PRODUCTS`` takes
+    only the records of that product dtype."""
     out: dict[tuple[float, int], dict] = {}
+    want = PRODUCTS.get(label)
     for study in studies:
         for r in R.load(study):
+            if want is not None and (r.get("hparams") or {}).get("product_dtype") != want:
+                continue
             if r["run"] == label and _same_setting(r):
                 out.setdefault((float(f"{r['lr']:.4g}"), r["seed"]), r)
     return out
@@ -87,7 +96,7 @@ def runs_of(label: str, studies: tuple[str, ...]) -> dict[tuple[float, int], dic
 
 def best_lr(runs: dict[tuple[float, int], dict]) -> tuple[float | None, bool, list[float]]:
     """The seed-0 best lr, whether a worse lr lies on each side of it, and the seed-0 grid."""
-    grid = [(lr, _loss(r)) for (lr, s), r in runs.items() if s == 0 and _loss(r) is not None]
+    grid = [(lr, final_loss(r)) for (lr, s), r in runs.items() if s == 0 and final_loss(r) is not None]
     return (*best_of(grid), sorted(lr for lr, _ in grid))
 
 
@@ -155,7 +164,7 @@ def frontier() -> tuple[str, list[dict]]:
     results = {}
     ref_runs = runs_of(REFS[0][1], REFS[0][2])
     ref_lr = best_lr(ref_runs)[0]
-    ref = [_loss(ref_runs[(ref_lr, s)]) if (ref_lr, s) in ref_runs else None for s in (0, 1, 2)]
+    ref = [final_loss(ref_runs[(ref_lr, s)]) if (ref_lr, s) in ref_runs else None for s in (0, 1, 2)]
     for group, rows in (("zero step communication", ROWS), ("reference: communicates every step", REFS)):
         lines.append(f"| *{group}* | | | | | | | | |")
         for name, label, studies, spec in rows:
@@ -165,7 +174,7 @@ def frontier() -> tuple[str, list[dict]]:
                 lines.append(f"| {name} | {communication(spec)[1]} | not measured | | | | | | |")
                 continue
             at = {s: r for (x, s), r in runs.items() if lr is not None and x == lr}
-            vals = [_loss(at[s]) if s in at else None for s in (0, 1, 2)]
+            vals = [final_loss(at[s]) if s in at else None for s in (0, 1, 2)]
             m, sd, n = stats([v for v in vals if v is not None])
             results[name] = (m, sd, n)
             used += list(at.values()) + [r for (x, s), r in runs.items() if s == 0]
@@ -205,7 +214,7 @@ def _raw_note(rows) -> str:
         lr = best_lr(runs)[0]
         raw = {s: r["raw_curve"][-1][1] for (x, s), r in runs.items() if x == lr and r.get("raw_curve")}
         if raw:
-            avg = {s: _loss(runs[(lr, s)]) for s in raw}
+            avg = {s: final_loss(runs[(lr, s)]) for s in raw}
             out.append(f"{name} at lr {lr:.3g}, raw weights against its iterate average: "
                        + ", ".join(f"seed {s}: {raw[s]:.3f} against {avg[s]:.3f}" for s in sorted(raw)))
     return ("\n" + "; ".join(out) + ".\n") if out else ""

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dobb_bench.reports import records as R
 from dobb_bench.reports.report import gap_closure
 from dobb_bench.reports.tables import SHARED_LR, group_by, final_loss, muon_ref, fmt_ms, lr_grid_table, noise, setting_line, stats
-from dobb_bench.studies.main_job import _headline
+from dobb_bench.studies.main_job import headline
 
 REFS = ("AdamW", "Muon", "Muon-fp32", "NorMuon-fp32", "SOAP", "Dobb B=1", "Dobb B=4")
 STUDY = "two-sided"
@@ -27,7 +27,7 @@ def _shared(r) -> bool:
 def records() -> list[dict]:
     """The study's runs at the shared lr and the reference rows, one record per (label, seed)."""
     out = {}
-    for r in _headline()[1] + R.load("muon-fp32") + R.load("family-soap"):
+    for r in headline()[1] + R.load("muon-fp32") + R.load("family-soap"):
         if r["run"] in REFS and _shared(r):
             out[(r["run"], r["seed"])] = r
     for r in R.load(STUDY):

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from dobb_bench.cost import projection as PJ
+from dobb_bench.cost.projection_costs import _selected
 
 # round numbers, so every expected value below is done by hand
 HW = PJ.Hardware(bf16_flops=1e12, fp32_flops=1e11, hbm=1e11, nvlink=1e10, internode=1e9, gpus_per_node=8,
@@ -17,33 +18,54 @@ MAT = [PJ.Matrix("h0.q", 8, 4, True)]  # 8 x 4, column-parallel
 LAY = PJ.Layout(fs=2)  # rank-local shard: 4 x 4 = 16 entries
 
 
+def _k(pm=0, pg=0, ps=0, b=0.0, bs=0.0, **kw):
+    """A hand-made trace entry: kernels per matrix / group / extra shape, bytes an entry, an entry of the statistic."""
+    return {"per_matrix": pm, "per_group": pg, "per_shape": ps, "bytes_per_entry": b, "bytes_per_stat_entry": bs, **kw}
+
+
+# hand-made traced counts, round numbers near the committed ones (those are traced and checked in
+# tests/bench/cost/test_kernels.py), so that every expected value below is done by hand
+HAND = {
+    "adamw": {"steady": _k(8, b=80)},
+    "muon": {"steady": _k(1, 24, 19, b=70, ns_bytes_per_entry=20)},  # 50 around Newton-Schulz, 20 in it
+    "row-block-muon": {"steady": _k(b=70)}, "muonbp": {"steady": _k(b=70)}, "dion2": {"steady": _k(b=95)},
+    "dion": {"steady": _k(b=48, bs=36, qr_per_matrix=1)},
+    "dobb-b4": {"steady": _k(b=48, bs=4), "refresh": _k(b=48, bs=48)},
+    "dobb-b4-fp32": {"steady": _k(b=52, bs=10), "refresh": _k(b=52, bs=54)},
+    "dobb-both": {"steady": _k(b=72, bs=4), "refresh": _k(b=72, bs=48)},
+    "dobb-g-l2": {"steady": _k(b=76, bs=4), "refresh": _k(b=76, bs=48)},
+    "torch-muon-bf16": {"steady": _k(b=28)},
+}
+
+
 def _ms(seconds):
     return 1e3 * seconds
 
 
-def test_adamw_is_28_bytes_an_entry_over_hbm():
-    got = PJ.project({"kind": "adamw"}, MAT, 10, LAY, HW)
-    # 16 local matrix entries + 10 / 2 other entries, 28 bytes each, over 1e11 B/s
-    assert got["amortized_ms"] == pytest.approx(_ms(28 * (16 + 5) / 1e11))
+def test_adamw_bytes_an_entry_over_hbm():
+    got = PJ.project({"kind": "adamw"}, MAT, 10, LAY, HW, counts=HAND)
+    # 16 local matrix entries + 10 / 2 other entries, 80 bytes each (the traced 8 passes), over 1e11 B/s
+    assert got["amortized_ms"] == pytest.approx(_ms(80 * (16 + 5) / 1e11))
     assert got["matmul_ms"] == 0 and got["link_ms"] == 0 and got["latency_ms"] == 0
 
 
 def test_owner_muon_terms_by_hand():
-    got = PJ.project({"kind": "owner-muon", "ns_bytes": 2}, MAT, 0, LAY, HW)
-    assert got["hbm_ms"] == pytest.approx(_ms(20 * 16 / 1e11))
+    got = PJ.project({"kind": "owner-muon", "ns_bytes": 2}, MAT, 0, LAY, HW, counts=HAND)
+    # momentum and update on the 16 local entries (70 - 20 = 50 B), Newton-Schulz's 20 B on the owned whole 32
+    assert got["hbm_ms"] == pytest.approx(_ms((50 * 16 + 20 * 32) / 1e11))
     # NS5 on 8 x 4: a = 4, b = 8: 5 (4 a^2 b + 2 a^3) = 5 (512 + 128) = 3200; one matrix: the owner does all of it
     assert got["matmul_ms"] == pytest.approx(_ms(3200 / 1e12))
     # payload 2 m n = 64 entries; per rank 64 / 2 of it, half leaves the rank, 2 bytes: 32 B over NVLink
     assert got["link_ms"] == pytest.approx(_ms(32 / 1e10))
     assert got["latency_ms"] == pytest.approx(_ms(2 * 1e-5))  # there and back, one megabatch
-    assert got["amortized_ms"] == pytest.approx(_ms(3.2e-9 + 3.2e-9 + 3.2e-9 + 2e-5))
+    assert got["amortized_ms"] == pytest.approx(_ms(1.44e-8 + 3.2e-9 + 3.2e-9 + 2e-5))
 
 
 def test_muonbp_amortizes_the_owner_full_step():
-    block = PJ.project({"kind": "muonbp", "period": 5, "ns_bytes": 2}, MAT, 0, LAY, HW)
-    # block step: NS5 on the local 4 x 4: 5 (4 * 64 + 2 * 64) = 1920 FLOPs
-    assert block["steady_ms"] == pytest.approx(_ms(20 * 16 / 1e11 + 1920 / 1e12))
-    owner = PJ.project({"kind": "owner-muon", "ns_bytes": 2}, MAT, 0, LAY, HW)
+    block = PJ.project({"kind": "muonbp", "period": 5, "ns_bytes": 2}, MAT, 0, LAY, HW, counts=HAND)
+    # block step: NS5 on the local 4 x 4: 5 (4 * 64 + 2 * 64) = 1920 FLOPs; 70 B an entry
+    assert block["steady_ms"] == pytest.approx(_ms(70 * 16 / 1e11 + 1920 / 1e12))
+    owner = PJ.project({"kind": "owner-muon", "ns_bytes": 2}, MAT, 0, LAY, HW, counts=HAND)
     assert block["periodic_ms"] == pytest.approx(owner["amortized_ms"])
     assert block["amortized_ms"] == pytest.approx((4 * block["steady_ms"] + owner["amortized_ms"]) / 5)
 
@@ -56,16 +78,16 @@ def test_dion2_per_shard_orthogonalizes_a_quarter_of_the_local_rows():
 
 
 def test_dobb_steady_refresh_and_statistic_by_hand():
-    got = PJ.project({"kind": "dobb", "blocks": 2, "refresh_every": 4}, MAT, 0, LAY, HW)
-    # local 4 x 4, blocks of s = 4 / 2 = 2 over the 4 columns
-    steady = (20 * 16 + 2 * 8) / 1e11 + 4 * 4 * 4 * 2 / 1e12  # bytes + bf16 basis; 4 rows k s
-    # refresh: A Q 2 k s^2 = 32, QR 2 x (4/3) 8 = 21.33 fp32 FLOPs; EMA 4*3*8 + basis 2*2*8 = 128 B;
+    got = PJ.project({"kind": "dobb", "blocks": 2, "refresh_every": 4}, MAT, 0, LAY, HW, counts=HAND)
+    # local 4 x 4, blocks of s = 4 / 2 = 2 over the 4 columns: statistic and basis k s = 8 entries
+    steady = (48 * 16 + 4 * 8) / 1e11 + 4 * 4 * 4 * 2 / 1e12  # traced bytes: 48 an entry, 4 a basis entry; 4 rows k s
+    # refresh: A Q 2 k s^2 = 32, QR 2 x (4/3) 8 = 21.33 fp32 FLOPs; (48 - 4) B more a statistic entry = 352 B;
     # statistic all-reduce of sum s^2 = 8 fp32 entries over fs x dp = 2 ranks: 2 * 8 * 1/2 * 4 = 32 B
-    refresh = (32 + 64 / 3) / 1e11 + 128 / 1e11 + 32 / 1e10 + 1e-5
+    refresh = (32 + 64 / 3) / 1e11 + 352 / 1e11 + 32 / 1e10 + 1e-5
     assert got["steady_ms"] == pytest.approx(_ms(steady))
     assert got["periodic_ms"] == pytest.approx(_ms(steady + refresh))
     assert got["amortized_ms"] == pytest.approx(_ms(steady + refresh / 4))
-    no_sync = PJ.project({"kind": "dobb", "blocks": 2, "refresh_every": 4}, MAT, 0, LAY, HW, stat_sync=False)
+    no_sync = PJ.project({"kind": "dobb", "blocks": 2, "refresh_every": 4}, MAT, 0, LAY, HW, stat_sync=False, counts=HAND)
     assert no_sync["periodic_ms"] == pytest.approx(_ms(steady + refresh - 32 / 1e10 - 1e-5))
 
 
@@ -79,11 +101,12 @@ def test_dobb_blocks_are_cut_at_tp_shard_boundaries():
 
 
 def test_two_sided_adds_the_output_side():
-    one = PJ.project({"kind": "dobb", "blocks": 1, "refresh_every": 9}, MAT, 0, LAY, HW, stat_sync=False)
+    one = PJ.project({"kind": "dobb", "blocks": 1, "refresh_every": 9}, MAT, 0, LAY, HW, stat_sync=False, counts=HAND)
     both = PJ.project({"kind": "dobb-both", "blocks": 1, "out_blocks": 4, "refresh_every": 9}, MAT, 0, LAY, HW,
-                      stat_sync=False)
-    # output blocks: min(8 / 4, 4 local rows) = 2: 4 k r s_out = 4 * 4 * 4 * 2 = 128 bf16 FLOPs, basis 2 * 4 * 2 B
-    assert both["steady_ms"] - one["steady_ms"] == pytest.approx(_ms(128 / 1e12 + 16 / 1e11))
+                      stat_sync=False, counts=HAND)
+    # output blocks: min(8 / 4, 4 local rows) = 2: 4 k r s_out = 4 * 4 * 4 * 2 = 128 bf16 FLOPs. Bytes: one-sided
+    # 48 x 16 + 4 x (4 x 4); two-sided (its own trace) 72 x 16 + 4 x (16 + 4 x 2): 416 B more
+    assert both["steady_ms"] - one["steady_ms"] == pytest.approx(_ms(128 / 1e12 + 416 / 1e11))
 
 
 def test_collective_rules():
@@ -170,16 +193,15 @@ def test_gpu_check_model_check_cpu(tmp_path):
     dobb_row = next(s for s in rec["steps"] if s["method"] == "Dobb B=1")
     assert dobb_row["steady_ms"] > 0 and dobb_row["refresh_ms"] > 0 and dobb_row["model_refresh_ms"] > dobb_row["model_steady_ms"]
     adamw = next(s for s in rec["steps"] if s["method"].startswith("AdamW"))
-    assert adamw["model_kernels"] == 7 * len(rec["step_shapes"])  # single-tensor AdamW: 7 kernels a matrix
+    assert adamw["model_kernels"] == 8 * len(rec["step_shapes"])  # single-tensor AdamW, weight decay on: 8 a matrix
     assert rec["provenance"]["git_rev"]
 
 
 # ----------------------------------------------------------------------------- the launch, QR and owner terms
-COUNTS = {  # hand-made kernel counts (per matrix, per group, per extra shape)
-    "adamw": {"steady": {"per_matrix": 7, "per_group": 0, "per_shape": 0}},
-    "muon": {"steady": {"per_matrix": 1, "per_group": 20, "per_shape": 10}},
-    "dobb-b4": {"steady": {"per_matrix": 5, "per_group": 6, "per_shape": 0},
-                "refresh": {"per_matrix": 8, "per_group": 10, "per_shape": 0}},
+COUNTS = {  # hand-made kernel counts (per matrix, per group, per extra shape) and HAND's bytes
+    "adamw": {"steady": _k(7, b=80)},
+    "muon": {"steady": _k(1, 20, 10, b=70, ns_bytes_per_entry=20)},
+    "dobb-b4": {"steady": _k(5, 6, b=48, bs=4), "refresh": _k(8, 10, b=48, bs=48)},
 }
 HWK = PJ.Hardware(bf16_flops=1e12, fp32_flops=1e11, hbm=1e11, nvlink=1e10, internode=1e9, gpus_per_node=8,
                   lat_intra=1e-5, lat_inter=2e-5, bf16_eff=0.5, fp32_eff=0.25, kernel_s=1e-6, qr_s=3e-6)
@@ -189,7 +211,7 @@ def test_adamw_launch_term_counts_every_tensor():
     got = PJ.project({"kind": "adamw"}, MAT, 10, LAY, HWK, counts=COUNTS, tensors=2)
     # 7 kernels a tensor: 1 matrix + 2 other tensors = 21 kernels at 1 us
     assert got["launch_ms"] == pytest.approx(_ms(21e-6))
-    assert got["amortized_ms"] == pytest.approx(_ms(28 * (16 + 5) / 1e11 + 21e-6))
+    assert got["amortized_ms"] == pytest.approx(_ms(80 * (16 + 5) / 1e11 + 21e-6))
 
 
 def test_efficiency_divides_the_peak():
@@ -203,8 +225,8 @@ def test_dobb_refresh_charges_one_qr_a_block():
     got = PJ.project({"kind": "dobb", "blocks": 2, "refresh_every": 4}, MAT, 0, LAY, HWK, stat_sync=False, counts=COUNTS)
     # local 4 x 4, blocks of 2: 2 QR factorizations in the refresh step, 3 us each; refresh kernels
     # (10 + 8) - (6 + 5) = 7 more than the steady step's 11
-    steady = (20 * 16 + 2 * 8) / 1e11 + 4 * 4 * 4 * 2 / 0.5e12 + 11e-6
-    refresh = (32 + 64 / 3) / 0.25e11 + 128 / 1e11 + 7e-6 + 2 * 3e-6
+    steady = (48 * 16 + 4 * 8) / 1e11 + 4 * 4 * 4 * 2 / 0.5e12 + 11e-6
+    refresh = (32 + 64 / 3) / 0.25e11 + 352 / 1e11 + 7e-6 + 2 * 3e-6
     assert got["steady_ms"] == pytest.approx(_ms(steady))
     assert got["periodic_ms"] == pytest.approx(_ms(steady + refresh))
     assert got["qr"] == pytest.approx(2 / 4)  # amortized: 2 factorizations every 4 steps
@@ -252,8 +274,8 @@ def test_user_config_adamw_and_share_by_hand(tmp_path):
     # embedding 10 x 8 + 3 RMSNorms of 8 = 104 entries in 4 tensors (2 norms, embedding, final norm)
     assert res["params"] == 744 and res["matrices"] == 7 and res["other_tensors"] == 4
     adamw = next(r for r in res["rows"] if r["method"] == "AdamW")
-    # HBM: 28 B x 744 / 2 ranks over 1e11 B/s; launch: 7 kernels x 11 tensors x 1 us
-    assert adamw["amortized_ms"] == pytest.approx(_ms(28 * 372 / 1e11 + 77e-6))
+    # HBM: 80 B x 744 / 2 ranks over 1e11 B/s; launch: 7 kernels x 11 tensors x 1 us
+    assert adamw["amortized_ms"] == pytest.approx(_ms(80 * 372 / 1e11 + 77e-6))
     # forward + backward: 6 x 744 x 1000 / (2 x 1e12 x 0.5) s
     assert res["fwd_bwd_ms"] == pytest.approx(_ms(6 * 744 * 1000 / 1e12))
     assert adamw["share"] == pytest.approx(adamw["amortized_ms"] / (adamw["amortized_ms"] + res["fwd_bwd_ms"]))
@@ -301,14 +323,15 @@ def test_ns_steps_scale_the_newton_schulz_flops():
     for kind in ("owner-muon", "placement-muon", "gather-muon"):
         two = PJ.project({"kind": kind, "ns_steps": 2, "ns_bytes": 2}, MAT, 0, LAY, HW)
         assert two["matmul_ms"] == pytest.approx(_ms(1280 / 1e12)), kind
-    assert PJ._ns_flops(8, 4) == 3200 and PJ._ns_flops(8, 4, 2) == 1280
+    assert PJ.ns_flops(8, 4) == 3200 and PJ.ns_flops(8, 4, 2) == 1280
 
 
 def test_dtensor_muon_by_hand():
-    got = PJ.project({"kind": "dtensor-muon", "ns_steps": 2, "state_bytes": 2}, MAT, 0, LAY, HW)
-    # 1280 NS FLOPs shared by the 2 ranks; element-wise 20 B x 16 entries at half the bytes (bf16)
+    got = PJ.project({"kind": "dtensor-muon", "ns_steps": 2, "kernels": "torch-muon-bf16"}, MAT, 0, LAY, HW,
+                     counts=HAND)
+    # 1280 NS FLOPs shared by the 2 ranks; element-wise: torch.optim.Muon's bf16 passes, 28 B x 16 local entries
     assert got["matmul_ms"] == pytest.approx(_ms(640 / 1e12))
-    assert got["hbm_ms"] == pytest.approx(_ms(10 * 16 / 1e11))
+    assert got["hbm_ms"] == pytest.approx(_ms(28 * 16 / 1e11))
     # a step gathers X^T (32), A (16), X (32) = 80 entries; 2 steps = 160; half arrives from the
     # other rank, 2 bytes: 160 B over NVLink; 3 gathers a step + one norm all-reduce = 7 latencies
     assert got["link_ms"] == pytest.approx(_ms(160 / 1e10))
@@ -316,12 +339,16 @@ def test_dtensor_muon_by_hand():
 
 
 def test_dobb_products_in_fp32_move_to_the_fp32_peak():
-    bf16 = PJ.project({"kind": "dobb", "blocks": 2, "refresh_every": 4}, MAT, 0, LAY, HW, stat_sync=False)
-    fp32 = PJ.project({"kind": "dobb", "blocks": 2, "refresh_every": 4, "product_dtype": "fp32"}, MAT, 0, LAY, HW,
-                      stat_sync=False)
+    same = {"kind": "dobb", "blocks": 2, "refresh_every": 4, "kernels": "dobb-b4"}  # one trace: FLOPs alone differ
+    bf16 = PJ.project(same, MAT, 0, LAY, HW, stat_sync=False, counts=HAND)
+    fp32 = PJ.project({**same, "product_dtype": "fp32"}, MAT, 0, LAY, HW, stat_sync=False, counts=HAND)
     # the steady products 4 rows k s = 4 * 4 * 4 * 2 = 128 FLOPs: 1e12 -> 1e11 FLOP/s
     assert fp32["steady_ms"] - bf16["steady_ms"] == pytest.approx(_ms(128 / 1e11 - 128 / 1e12))
     assert fp32["periodic_ms"] - fp32["steady_ms"] == pytest.approx(bf16["periodic_ms"] - bf16["steady_ms"])
+    # by default fp32 products take the fp32 trace: (52 - 48) B x 16 entries + (10 - 4) B x 8 basis entries more
+    traced = PJ.project({"kind": "dobb", "blocks": 2, "refresh_every": 4, "product_dtype": "fp32"}, MAT, 0, LAY, HW,
+                        stat_sync=False, counts=HAND)
+    assert traced["steady_ms"] - fp32["steady_ms"] == pytest.approx(_ms((4 * 16 + 6 * 8) / 1e11))
     with pytest.raises(ValueError, match="product_dtype"):
         PJ.project({"kind": "dobb", "blocks": 2, "refresh_every": 4, "product_dtype": "fp8"}, MAT, 0, LAY, HW)
 
@@ -344,7 +371,152 @@ def test_calibration_reads_the_published_setups():
         if "Qwen3" in label:
             assert c["stat_sync_in_step"] is True, label
         for pt in c["points"]:
-            if label.startswith("Dobb paper") and pt["method"]["kind"] == "dobb":
+            if label.startswith("Dobb paper") and pt["method"]["kind"] in ("dobb", "dobb-g"):
                 assert pt["method"]["product_dtype"] == "fp32", (label, pt["published"])
-            if label.startswith("MatrixFSDP"):
-                assert pt["method"]["ns_steps"] == 2 and pt["method"]["state_bytes"] == 2
+                assert pt["method"]["kernels"].endswith("-fp32"), (label, pt["published"])  # its trace multiplies in fp32
+            if label.startswith("MatrixFSDP"):  # both rows step the matrices with torch.optim.Muon on a bf16 model
+                assert pt["method"]["ns_steps"] == 2 and pt["method"]["kernels"] == "torch-muon-bf16"
+
+
+# ----------------------------------------------------------------------------- issue 43's audit: the added sources
+def test_gram_newton_schulz_flops_by_hand():
+    # 8 x 4: a = 4, b = 8. Two X X^T and two Q X (2 a^2 b = 256 each), 14 a x a products (2 a^3 = 128 each);
+    # SYRK halves the symmetric ones (the two X X^T and the 14): 128 + 128 + 512 + 896 = 1664
+    assert PJ.gram_ns_flops(8, 4) == pytest.approx(1664)
+    assert PJ.gram_ns_flops(4, 8) == pytest.approx(1664)
+    assert PJ.gram_ns_flops(8, 4, syrk=False) == pytest.approx(4 * 256 + 14 * 128)
+
+
+def test_dmuon_owner_plan_by_hand():
+    # q, o: 6M entries each (q squarer: more Gram NS FLOPs); k, v: 1M and 2M (under 5M: merged a layer)
+    q, o, a, b = (2500, 2400), (3000, 2000), (1000, 1000), (2000, 1000)
+    mats = [PJ.Matrix(f"h{i}.{nm}", *shape, True) for i in range(2)
+            for nm, shape in (("q", q), ("o", o), ("k", a), ("v", b))]
+    # units 6M x 4 (layer order), then the two 3M merges. q0 -> 0; o0 -> 1 (0 used in layer 0); q1 -> 0
+    # (least loaded, first); o1 -> 1; k0 + v0 -> 0 (both used in layer 0, 12M each); k1 + v1 -> 1 (12M < 15M)
+    assert PJ.dmuon_owners(mats, 2) == [0, 1, 0, 0, 0, 1, 1, 1]
+    # the busiest owner by Gram NS FLOPs sets the step: rank 0 holds q0, q1, k0, v0
+    got = PJ.project({"kind": "placement-muon", "partition": "dmuon", "ns": "gram-syrk"}, mats, 0, PJ.Layout(fs=2), HW)
+    flops = [PJ.gram_ns_flops(x.m, x.n) for x in mats]
+    assert flops[0] + flops[4] + flops[2] + flops[3] > flops[1] + flops[5] + flops[6] + flops[7]
+    assert got["matmul_ms"] == pytest.approx(_ms((flops[0] + flops[4] + flops[2] + flops[3]) / 1e12))
+
+
+def test_benchmark_loops_select_matrices_and_count_their_own_kernels():
+    mats = [PJ.Matrix("h0.q", 8, 4, True), PJ.Matrix("h0.k", 2, 4, True)]
+    hw = HW.with_(kernel_s=1e-6)
+    hp = {"kind": "gather-muon", "grad_bytes": 4, "select": {"min_entries": 16}, "kernels_per_matrix": 66,
+          "loop_bytes": {"whole": 100, "gram": 70, "local": 18},
+          "other_update": {"bytes_per_entry": 12, "kernels_per_tensor": 1}}
+    got = PJ.project(hp, mats, 10, LAY, hw, tensors=3)
+    # q (32 entries) is gathered and orthogonalized; k (8 < 16) takes the add_ with the 10 other entries.
+    # The loop's bytes: 100 a whole entry of q (32), 70 a Gram entry (4 x 4), 18 a local entry (16)
+    assert got["matmul_ms"] == pytest.approx(_ms(3200 / 1e12))
+    assert got["hbm_ms"] == pytest.approx(_ms((100 * 32 + 70 * 16 + 18 * 16 + 12 * 8 / 2 + 12 * 10 / 2) / 1e11))
+    assert got["launch_ms"] == pytest.approx(_ms((66 + 1 + 3) * 1e-6))  # q's loop, k's add_, 3 other tensors
+    # one gather of q's 32 fp32 entries over 2 ranks: half arrives, 64 B over NVLink, one latency
+    assert got["link_ms"] == pytest.approx(_ms(64 / 1e10)) and got["latency_ms"] == pytest.approx(_ms(1e-5))
+    # DDP (fs = 1): nothing to gather, every rank orthogonalizes every whole matrix
+    ddp = PJ.project({"kind": "gather-muon", "kernels_per_matrix": 46}, mats, 0, PJ.Layout(fs=1, dp=8), hw)
+    assert ddp["link_ms"] == 0 and ddp["latency_ms"] == 0
+    assert ddp["matmul_ms"] == pytest.approx(_ms((3200 + PJ.ns_flops(2, 4)) / 1e12))
+    assert ddp["launch_ms"] == pytest.approx(_ms(2 * 46 * 1e-6))
+
+
+def test_dobb_g_output_side_by_hand():
+    got = PJ.project({"kind": "dobb-g", "norm": "l2", "blocks": 2, "refresh_every": 4}, MAT, 0, LAY, HW, counts=HAND)
+    # local 4 x 4 (rows 4 of 8); blocks min(8 / 2, 4) = 4 rows: one local block, its statistic 4 x 4 = 16 entries.
+    # Steady: 76 B x 16 + 4 B x 16 (traced); products 4 rows k s = 4 * 4 * 4 * 4 = 256 (rows = the 4 columns, k = s = 4)
+    steady = (76 * 16 + 4 * 16) / 1e11 + 256 / 1e12
+    # refresh of the one local block: A Q 2 k s^2 = 128, QR (4/3) 64 fp32; (48 - 4) B x 16 = 704 B more;
+    # the statistic of the whole 8-row axis (the FSDP shards sit on data-parallel ranks), 8 x 4 = 32 fp32
+    # entries, all-reduced over 2 ranks: 2 * 32 * 1/2 * 4 = 128 B, one latency
+    refresh = (128 + 256 / 3) / 1e11 + 704 / 1e11 + 128 / 1e10 + 1e-5
+    assert got["steady_ms"] == pytest.approx(_ms(steady))
+    assert got["periodic_ms"] == pytest.approx(_ms(steady + refresh))
+    assert got["amortized_ms"] == pytest.approx(_ms(steady + refresh / 4))
+
+
+def test_dobb_g_l2_sums_norms_over_tp_on_row_parallel_matrices():
+    row_parallel = [PJ.Matrix("h0.o", 4, 8, False)]
+    lay = PJ.Layout(fs=1, tp=2)
+    l2 = PJ.project({"kind": "dobb-g", "norm": "l2", "blocks": 1, "refresh_every": 9}, row_parallel, 0, lay, HW)
+    sign = PJ.project({"kind": "dobb-g", "blocks": 1, "refresh_every": 9}, row_parallel, 0, lay, HW)
+    # TP splits the input axis: the 4 local rows' norms, fp32, all-reduced over 2 ranks every step:
+    # 2 * 4 * 4 * 1/2 = 16 B over NVLink, one latency
+    assert l2["steady_ms"] - sign["steady_ms"] == pytest.approx(_ms(16 / 1e10 + 1e-5))
+    col = PJ.project({"kind": "dobb-g", "norm": "l2", "blocks": 1, "refresh_every": 9}, MAT, 0, lay, HW)
+    assert col["latency_ms"] == 0  # column-parallel: whole rows on each rank, nothing to sum
+
+
+def test_qwen2_shapes_match_published_parameter_counts(tmp_path):
+    inputs = PJ.load_inputs()
+    for name, count in (("qwen2.5-1.5b", 1_543_714_304), ("qwen2.5-7b", 7_615_616_512),
+                        ("llama3.2-3b-dmuon", 3_606_752_256)):
+        mats, other = PJ.model_matrices(inputs["models"][name])
+        assert sum(x.m * x.n for x in mats) + other == count, name
+    # 28 layers x (2 norms + q, k, v biases) + tied embedding + final norm
+    assert PJ.other_tensors(inputs["models"]["qwen2.5-1.5b"]) == 28 * 5 + 2
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "qwen2", "hidden_size": 1536, "num_hidden_layers": 28,
+                               "num_attention_heads": 12, "num_key_value_heads": 2, "intermediate_size": 8960,
+                               "vocab_size": 151936, "tie_word_embeddings": True}))
+    spec = PJ.config_spec(str(cfg), inputs)
+    assert spec["qkv_bias"] is True
+    assert sum(x.m * x.n for x in PJ.model_matrices(spec)[0]) + PJ.model_matrices(spec)[1] == 1_543_714_304
+
+
+def test_dion_on_qwen3_counts_one_reading_and_shows_the_other():
+    inputs = PJ.load_inputs()
+    rec = PJ.build(inputs)
+    dion = [c for c in rec["calibration"] if "Qwen3" in c["case"] and c["published"].startswith("Dion")]
+    # counted: the rank fraction 1/FS, one point a table row (Qwen3-8B FS 8, 16; Qwen3-32B FS 32, 64 x TP 2)
+    assert [c["published_ms"] for c in dion] == [159.5, 146.1, 1307.7, 1287.5]
+    assert all(c["reading"] == "rank fraction 1/FS" and not c["fitted"] for c in dion)
+    points = {c["label"]: c for c in inputs["calibration"]}
+    fs = [points[c["case"]]["layout"]["fs"] for c in dion]
+    assert fs == [8, 16, 32, 64] and [next(p for p in points[c["case"]]["points"] if p["published"] == c["published"])
+                                      ["method"]["rank_fraction"] for c in dion] == [1 / f for f in fs]
+    # the other reading, a rank of 1024/FS, beside the table, not counted
+    entry = next(e for e in rec["not_calibrated"] if "Dion on Qwen3" in e["label"])
+    assert [r["label"] for r in entry["reading_ratios"]] == ["rank 1024/FS"]
+    case = points[entry["cases"][0]["label"]]  # Qwen3-8B, FS 8
+    hw = PJ.Hardware.from_inputs(inputs["hardware"][case["hardware"]], rec["fitted"])
+    mats, other = PJ.model_matrices(inputs["models"][case["model"]])
+    tensors = PJ.other_tensors(inputs["models"][case["model"]])
+    ms = PJ.project({"kind": "dion", "rank": 128}, mats, other, PJ.Layout(8), hw, True, inputs["kernels"]["methods"],
+                    tensors)["amortized_ms"]
+    assert entry["reading_ratios"][0]["ratios"][0] == pytest.approx(ms / 159.5)
+    # the summary counts them; without them, the 55 points that rest on no chosen reading
+    s = rec["summary"]
+    assert s["unfitted"] == s["without_readings"]["unfitted"] + 4 == len(rec["calibration"]) - 2
+    assert s["within_2x"] - s["without_readings"]["within_2x"] == sum(0.5 <= c["ratio"] <= 2 for c in dion)
+
+
+def test_benchmark_loop_bytes_of_the_owner_step_by_hand():
+    # DMuon's owner step: 60 B an owned entry and 8 a Gram entry (its loop, counted from its source); its
+    # AdamW loop 88 B an entry. Two 8 x 4 matrices on 2 ranks: each rank owns one (32 entries, a = 4)
+    mats = [PJ.Matrix("h0.q", 8, 4, True), PJ.Matrix("h1.q", 8, 4, True)]
+    hp = {"kind": "placement-muon", "loop_bytes": {"owned": 60, "gram": 8}, "kernels_per_matrix": 33,
+          "other_update": {"bytes_per_entry": 88, "kernels_per_tensor": 9}}
+    got = PJ.project(hp, mats, 10, LAY, HW)
+    assert got["hbm_ms"] == pytest.approx(_ms((60 * 32 + 8 * 16 + 88 * 10 / 2) / 1e11))
+
+
+def test_dmuon_benchmark_points_read_its_setup():
+    inputs = PJ.load_inputs()
+    dm = [c for c in inputs["calibration"] if c["label"].startswith("DMuon LLM benchmark")]
+    assert sum(len(c["points"]) for c in dm) == 14  # 4 models x AdamW, FSDP2+Muon, DMuon; DDP+Muon on two
+    for c in dm:
+        assert c["hardware"] == "a800-sxm" and "cfa7703" in c["source"]
+        assert c["layout"] == ({"fs": 1, "tp": 1, "dp": 8} if "DDP" in c["label"] else {"fs": 8, "tp": 1, "dp": 1})
+        for pt in c["points"]:
+            m = pt["method"]
+            if pt["published"] == "DMuon":
+                assert m["partition"] == "dmuon" and m["ns"] == "gram-syrk" and m["kernels_per_matrix"] == 33
+            if pt["published"] == "FSDP2+Muon":  # bench_llm.py: numel >= 1024 * 1024 and rows <= 20000
+                assert m["select"] == {"min_entries": 1048576, "max_rows": 20000} and m["grad_bytes"] == 4
+    # Qwen2.5-1.5B's k and v (256 x 1536) fall under the FSDP2+Muon baseline's size cut
+    mats, _ = PJ.model_matrices(inputs["models"]["qwen2.5-1.5b"])
+    sel = {"select": {"min_entries": 1048576, "max_rows": 20000}}
+    assert {x.name.split(".")[1] for x in mats if not _selected(x, sel)} == {"k", "v"}

@@ -239,7 +239,7 @@ def test_driver_close_mode_order(tmp_path):
     """`close`: a second seed at each bracketed 20-tokens row's best lr, taking turns with the third
     width-256 lr of the rows that have fewer than three; then the outward steps, AdamW's last."""
     fin = {}
-    for label, _, j0, _ in H.LH:
+    for label, _, j0, *_ in H.LH:
         for j, v in ((j0 - 1, 1.31), (j0, 1.30), (j0 + 1, 1.32)):  # every 20-tokens row bracketed at j0 ...
             fin[("lh", label, j, 0)] = (v, v)
     fin[("lh", "Two-sided B=1 Bo=4", 0 - 1, 0)] = (1.29, 1.29)  # ... but this one, best at its lower edge
