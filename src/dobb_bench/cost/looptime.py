@@ -83,6 +83,16 @@ def classify_profile(events, wall_us: float) -> dict:
     return {"matmul_qr": mat / tot, "elementwise": elem / tot, "overhead": over / tot, "wall_ms": wall_us / 1e3}
 
 
+def recompile_limit_for(n_compiled: int, cycle_len: int) -> int:
+    """The Dynamo recompile limit that lets ``n_compiled`` optimizers each compile a graph per refresh
+    pattern: the first step and each step of a staggered cycle, with room to spare. Past the limit
+    the later patterns run eagerly behind failed guard checks, slower than eager
+    (docs/integrations.md). Every optimizer's ``opt.step`` is the same code object (torch's step
+    wrapper), so their graphs share one cache and one limit: the limit is per code, not per
+    optimizer, and a second optimizer's graphs count on top of the first's."""
+    return (cycle_len + 4) * max(n_compiled, 1)
+
+
 def run_looptime(optimizers: list[str], *, preset: str = "small-cpu", vocab: int = 4096, batch: int = 16,
                  seq_len: int = 128, layers: int | None = None, cycles: int = 5, cycle_len: int = 9,
                  warmup: int | None = None, lr: float = 3.54e-3, weight_decay: float = 0.1, seed: int = 0,
@@ -104,10 +114,9 @@ def run_looptime(optimizers: list[str], *, preset: str = "small-cpu", vocab: int
         raise ValueError(f"--compile needs --warmup > --cycle-len ({cycle_len}): every graph of the cycle, and "
                          f"the first step's, must compile before the timing starts, got --warmup {warmup}")
     if compile_backend is not None:
-        # Dynamo compiles one graph per refresh pattern: the first step and each step of a staggered
-        # cycle. Past its recompile limit (8) the later patterns ran eagerly behind eight failed guard
-        # checks, slower than eager; the limit covers the cycle here (docs/integrations.md)
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, cycle_len + 4)
+        n_compiled = sum(o not in ADAMW_REFERENCES for o in optimizers)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                                   recompile_limit_for(n_compiled, cycle_len))
     entries = []
     for text in optimizers:
         for compiled in (False, True) if compile_backend and text not in ADAMW_REFERENCES else (False,):

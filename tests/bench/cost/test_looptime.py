@@ -75,6 +75,15 @@ def test_compiled_rows_time_the_compiled_step_beside_the_eager_one(monkeypatch):
                        warmup=3, compile_backend="aot_eager", log=lambda *a: None)
 
 
+def test_the_recompile_limit_covers_every_compiled_optimizer():
+    """Two compiled Dobb optimizers' graphs share one cache (the same wrapped ``step`` code): the
+    limit covers both cycles, where one cycle's worth ran the second optimizer's later patterns
+    eagerly."""
+    assert L.recompile_limit_for(1, 9) == 13
+    assert L.recompile_limit_for(2, 9) == 26
+    assert L.recompile_limit_for(0, 9) == 13
+
+
 def test_products_floor_column():
     """The floor column is the matmul/QR share of a row's amortized time over AdamW's amortized time
     (6 ms x 0.5 / 2 ms = 1.5x); rows without a profile show a dash."""
