@@ -349,6 +349,8 @@ class MatrixOptimizer(Copies, torch.optim.Optimizer):
         """Arguments of ``torch.optim.adamw.adamw`` for an ``"adamw"`` group, gathered by
         ``torch.optim.AdamW``'s own ``_init_group``: its checks (sparse gradients refused with its
         ``RuntimeError``) and its ``has_complex`` flag (complex parameters stepped as real pairs).
+        Traced by ``torch.compile``, the same lists and checks are gathered here (Dynamo disables
+        ``_init_group``: calling it broke the compiled step in two).
 
         The group's ``fused``/``foreach`` are honoured as ``torch.optim.AdamW`` honours them. With
         both ``None`` (the default) the group takes torch's fastest kernel: the fused one where
@@ -371,9 +373,16 @@ class MatrixOptimizer(Copies, torch.optim.Optimizer):
                      differentiable=False, fused=fused)
         # params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps
         lists: tuple[list, ...] = ([], [], [], [], [], [])
-        for p in with_grad:
-            self._init_adamw_state(p, fused=fused)
-        has_complex = adamw_init_group(self, dict(group, **flags), *lists)
+        states = [self._init_adamw_state(p, fused=fused) for p in with_grad]
+        if capturable:  # traced: Dynamo disables torch's _init_group (a graph break), so its lists are
+            # gathered here, from the state it would read (created above), with its check
+            if any(p.grad.is_sparse for p in with_grad):
+                raise RuntimeError("Adam does not support sparse gradients, please consider SparseAdam instead")
+            lists = (with_grad, [p.grad for p in with_grad], [s["exp_avg"] for s in states],
+                     [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states])
+            has_complex = any(torch.is_complex(p) for p in with_grad)
+        else:
+            has_complex = adamw_init_group(self, dict(group, **flags), *lists)
         beta1, beta2 = group["adamw_betas"]
         return list(lists), dict(flags, has_complex=has_complex, beta1=beta1, beta2=beta2, lr=lr,
                                  weight_decay=group["weight_decay"], eps=group["adamw_eps"])

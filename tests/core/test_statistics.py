@@ -117,24 +117,30 @@ def test_expert_stack_statistics_are_per_expert_means():
         torch.testing.assert_close(red.mean[e], _dense_mean(rows[e], [3, 3]), atol=1e-13, rtol=0)
 
 
-def test_a_nonfinite_gradient_is_reported_before_any_statistic():
+@pytest.mark.parametrize("foreach", [False, True], ids=["sums (CPU)", "max-norms (accelerators)"])
+def test_a_nonfinite_gradient_is_reported_before_any_statistic(foreach):
+    """Both reductions of the check (per-gradient sums on a CPU, one grouped max-norm elsewhere, forced
+    here on a CPU) give the same flags."""
     (w1, l1), (w2, _) = _matrix(), _matrix()
     w2.grad[1, 2] = float("nan")
     due = [DueStat(w1, 0, l1, _pending(torch.randn(3, 6, dtype=F64), [3, 3]), F64, False)]
     out = agree(due, [w1, w2], None, check_finite=True)
     assert out.nonfinite == (1, 1) and out.stats == ({}, {})
     assert agree(due, [w1, w2], None, check_finite=False).nonfinite is None
-    assert local_nonfinite([w1, w2]).tolist() == [0.0, 1.0]
+    assert local_nonfinite([w1, w2], foreach).tolist() == [0.0, 1.0]
     w2.grad[1, 2], w1.grad[0, 0] = float("inf"), float("-inf")
-    assert local_nonfinite([w1, w2]).tolist() == [1.0, 1.0]
+    assert local_nonfinite([w1, w2], foreach).tolist() == [1.0, 1.0]
     w1.grad = None
-    assert local_nonfinite([w1, w2]).tolist() == [0.0, 1.0]  # a parameter without a gradient is finite
+    assert local_nonfinite([w1, w2], foreach).tolist() == [0.0, 1.0]  # a parameter without a gradient is finite
     # fp16 gradients whose sum exceeds fp16's range (65504) are finite: the sum is taken in fp32
     w3 = torch.nn.Parameter(torch.zeros(4, 6, dtype=torch.float16))
     w3.grad = torch.full_like(w3, 60000.0)
-    assert local_nonfinite([w1, w3]).tolist() == [0.0, 0.0]
+    assert local_nonfinite([w1, w3], foreach).tolist() == [0.0, 0.0]
+    w4 = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))  # mixed dtypes, an infinity in bf16
+    w4.grad = torch.tensor([1.0, float("-inf"), 2.0], dtype=torch.bfloat16)
+    assert local_nonfinite([w3, w4, w2], foreach).tolist() == [0.0, 1.0, 1.0]
     w1.grad = w2.grad = None
-    assert local_nonfinite([w1, w2]).tolist() == [0.0, 0.0]  # no gradient here: still takes part
+    assert local_nonfinite([w1, w2], foreach).tolist() == [0.0, 0.0]  # no gradient here: still takes part
 
 
 @pytest.fixture
@@ -159,6 +165,27 @@ def test_with_a_group_and_every_matrix_seen_keep_or_update_stays_on_the_device(o
     # a first statistic is read on the host (its count decides the exact eigh and the schedule)
     first = agree([DueStat(w, 0, lay, None, F64, True)], [w], None, check_finite=False).stats[0][w]
     assert first.seen == [False] and first.keep is None
+
+
+def test_with_check_finite_the_flags_and_the_counts_are_one_host_read(one_rank_group):
+    """check_finite reads the flags on the host (the raise is a host decision); the counts of a refresh
+    come in the same read, one ``tolist`` where there were two, the same statistic."""
+    from _hostsync import HostReads
+
+    w, lay = _matrix()
+    lay.stat_group = one_rank_group
+    rows = torch.randn(7, 6, dtype=F64)
+    due = [DueStat(w, 0, lay, _pending(rows, [3, 3]), F64, False)]
+    with HostReads() as spy:
+        out = agree(due, [w], one_rank_group, check_finite=True)
+    assert spy.hits == ["tolist"] and out.nonfinite is None
+    stat = out.stats[0][w]
+    assert stat.seen == [True] and stat.keep is None  # exact captures: counted on the host
+    torch.testing.assert_close(stat.mean[0], _dense_mean(rows, [3, 3]), atol=1e-13, rtol=0)
+    w.grad[0, 1] = float("nan")
+    with HostReads() as spy:
+        assert agree(due, [w], one_rank_group, check_finite=True).nonfinite == (0, 1)
+    assert spy.hits == ["tolist"]
 
 
 # ---------------------------------------------------------- the statistic fold

@@ -65,8 +65,9 @@ def _pair_steps(monkeypatch, steps, *, mutate=None, **options):
 @pytest.mark.parametrize("options", [dict(blocks=3), dict(blocks=2, norm="l2"), dict(blocks=3, side="output", source="output_grad"),
                                      dict(blocks=1)])
 def test_cached_directions_are_the_plain_path_bitwise(monkeypatch, options):
-    """``DirectionCache`` (views and constants kept across steps) changes no number: weights after
-    steps with a changing lr, with the fused decay on and off, equal the uncached path bit for bit."""
+    """``DirectionCache`` (views and constants kept across steps, the kernels' views among them) changes no
+    number: weights after steps with a changing lr, with the fused decay on and off, equal the uncached
+    path bit for bit."""
     monkeypatch.setattr(update, "FUSE_MIN_BLOCK_WORK", 16 * 13 * 13)  # some matrices fuse the decay, some do not
 
     def lr_schedule(opt, model, t):
@@ -74,8 +75,20 @@ def test_cached_directions_are_the_plain_path_bitwise(monkeypatch, options):
 
     (cached, opt, _), (plain, _, _) = _pair_steps(monkeypatch, 5, mutate=lr_schedule, **options)
     assert len(opt._directions.entries) == 3  # the cache was used
+    # and every run's kernel took the views kept from its first step (``_kernel_views``)
+    assert all(isinstance(v, dict) and v for e in opt._directions.entries.values() for v in e.views)
     if options == dict(blocks=3):
         assert {e.fuse for e in opt._directions.entries.values()} == {True, False}
+    assert all(torch.equal(a, b) for a, b in zip(cached, plain))
+
+
+@pytest.mark.parametrize("options", [dict(blocks=1), dict(blocks=2, norm="l2")])
+def test_cached_directions_without_the_fused_decay_are_the_plain_path_bitwise(monkeypatch, options):
+    """The third kernel of ``add_directions_`` (a product and a strided add: the decay not fused, blocks
+    over ``SMALL_BLOCK`` or ell2), through its kept views: the uncached path bit for bit."""
+    monkeypatch.setattr(update, "FUSE_MIN_BLOCK_WORK", 1 << 40)
+    (cached, opt, _), (plain, _, _) = _pair_steps(monkeypatch, 4, **options)
+    assert {k for e in opt._directions.entries.values() for v in e.views for k in v} == {"plain"}
     assert all(torch.equal(a, b) for a, b in zip(cached, plain))
 
 
@@ -94,6 +107,39 @@ def test_direction_cache_follows_new_storage_settings_and_loads(monkeypatch):
     (cached, opt, model), (plain, _, _) = _pair_steps(monkeypatch, 6, mutate=mutate, blocks=2)
     assert all(torch.equal(a, b) for a, b in zip(cached, plain))
     assert all(e.tensors[0] is p for p, e in zip(model.parameters(), opt._directions.entries.values()))
+
+
+def test_two_sided_sign_views_are_kept_per_matrix_and_change_no_number(monkeypatch):
+    """``side="both"`` sign keeps each matrix's ``SignViews`` across steps (``DirectionCache.signs``, by
+    plan), made again after a load and for a weight given new storage: the weights equal those of views
+    made afresh every step, bit for bit."""
+    import dobb
+
+    def mutate(opt, model, t):
+        if t == 2:
+            model[1].weight.data = model[1].weight.data.clone()
+        if t == 3:
+            opt.load_state_dict(opt.state_dict())
+
+    out = []
+    for kept in (True, False):
+        if not kept:
+            monkeypatch.setattr(update.DirectionCache, "sign_views",
+                                lambda self, plan, w, u, rows, cols: update.sign_views(w, u, rows, cols))
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(24, 40, bias=False), torch.nn.Linear(40, 40, bias=False))
+        opt = dobb.Dobb(model.parameters(), model, lr=0.02, weight_decay=0.1, refresh_every=2, side="both",
+                        blocks=2, out_blocks=1)
+        for t in range(5):
+            mutate(opt, model, t)
+            model(torch.randn(16, 24)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        out.append([p.detach().clone() for p in model.parameters()])
+        if kept:
+            views = list(opt._directions.signs.values())
+            assert len(views) == 2 and views[1].ptrs[0] == model[1].weight.data_ptr()  # the new storage
+    assert all(torch.equal(a, b) for a, b in zip(*out))
 
 
 @pytest.mark.parametrize("row_sizes,col_sizes", [([12], [20]), ([12], [5, 5, 5, 5]), ([4, 4, 4], [20]),

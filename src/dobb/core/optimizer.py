@@ -453,7 +453,8 @@ class Dobb(MatrixOptimizer):
         if two_sided:
             apply_two_sided([TwoSided(plan, s, ut, gt, pt) for plan, s, ut, gt, pt in zip(plans, states, u, grads, params)],
                             norm=group["norm"], lr=lr, tau=group["tau"], basis_dtype=group["basis_dtype"],
-                            product_dtype=group["product_dtype"], momentum=mu, beta2=group["beta2"], eps=group["eps"])
+                            product_dtype=group["product_dtype"], momentum=mu, beta2=group["beta2"], eps=group["eps"],
+                            cache=self._directions)
         elif group["norm"] == "muon":
             apply_preconditioned_muon(
                 [TwoSided(plan, s, ut, gt, pt) for plan, s, ut, gt, pt in zip(plans, states, u, grads, params)],

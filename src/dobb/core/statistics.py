@@ -7,7 +7,9 @@ In the step's order (``core.optimizer.Dobb._prepare_step`` says what is due, the
    zero with zero weight where a layer did not run on this rank), each as one ``layout.ReducedStat``,
    and the finiteness flags of all gradients, folded into a statistic reduction over the same ranks
    when there is one. A non-finite gradient is reported before any statistic is used, so raising on
-   it leaves every weight and state untouched on every rank.
+   it leaves every weight and state untouched on every rank. The flags, and the row counts where the
+   host must see them, come back in one host read (``agree`` says why it cannot go); with
+   ``check_finite=False`` and every due matrix holding a statistic, none.
 2. **The statistic** of one side of one stack (a 2-D matrix is a stack of one, see ``layout``):
    the agreed capture, or with ``source="grad_gram"`` the gradient's block Gram (``gram_statistic``).
    ``fold_side`` applies the rules once for every matrix: a matrix of the captured span counts a
@@ -139,26 +141,38 @@ def agree(due: list[DueStat], params: list[torch.Tensor], step_group, check_fini
             shared = buckets[("finite",)] = SumBucket(step_group, flags.dtype, flags.device)
         flag_slot = (shared, shared.add(flags))
     reduced = {id(b): b.reduce("finite" if k == ("finite",) else "stat") for k, b in buckets.items()}
-    if flags is not None:
-        if flag_slot is not None:
-            flags = reduced[id(flag_slot[0])][flag_slot[1]]
-        bad = [i for i, v in enumerate(flags.tolist()) if v > 0]
-        if bad:
-            return Agreement(nonfinite=(bad[0], int(flags[bad[0]].item())))
     counts = [reduced[id(b)][c] for _, b, _, c, _ in slots]
     if all(b.group is None for _, b, _, _, _ in slots):
         # no statistic group (one process): the totals are this rank's row counts, known on the
         # host, so a step with check_finite=False reads no tensor value
-        totals = [n for *_, n in slots]
+        host = [n for *_, n in slots]
     elif check_finite or any(d.unseen for d, *_ in slots):
-        # host read: a first statistic needs it (schedule, exact eigh); with the flag read, exact captures
-        flat = torch.cat(counts).tolist() if counts else []
-        ends = [0, *itertools.accumulate(c.numel() for c in counts)]
-        totals = [flat[a:z] for a, z in zip(ends, ends[1:])]
+        host = None  # read with the flags: a first statistic needs them (schedule, exact eigh); with the
+        # flags read anyway, exact captures (a capture counts only where some rank saw a row)
     else:  # every due matrix has a statistic: keep-or-update is decided on the device
-        totals = [None] * len(slots)
+        host = [None] * len(slots)
+    if flags is not None or host is None:
+        # The one host read of a step. Raising on a non-finite gradient (check_finite) is a decision
+        # on the host by nature, before any state changes, so its flags are read every step; the row
+        # counts ride on the same read. They cannot stay on the device where a statistic is new (its
+        # first capture picks the copy and the exact eigh, and with split_refresh the owners and sizes
+        # of the basis broadcasts, which every rank must issue alike) or where the counts decide
+        # whether a capture counts (state). check_finite=False and no new statistic: no read at all.
+        if flags is not None and flag_slot is not None:
+            flags = reduced[id(flag_slot[0])][flag_slot[1]]
+        parts = ([] if flags is None else [flags]) + (counts if host is None else [])
+        flat = (torch.cat(parts).tolist() if len(parts) > 1 and len({t.device for t in parts}) == 1
+                else [v for t in parts for v in t.tolist()])
+        if flags is not None:
+            bad = [i for i, v in enumerate(flat[: len(flags)]) if v > 0]
+            if bad:
+                return Agreement(nonfinite=(bad[0], int(flat[bad[0]])))
+            flat = flat[len(flags):]
+        if host is None:
+            ends = [0, *itertools.accumulate(c.numel() for c in counts)]
+            host = [flat[a:z] for a, z in zip(ends, ends[1:])]
     out = Agreement()
-    for (d, b, i, _, _), total, count in zip(slots, totals, counts):
+    for (d, b, i, _, _), total, count in zip(slots, host, counts):
         sums = reduced[id(b)][i]
         out.stats[d.side][d.param] = (d.layout.mean_on_device(sums, count) if total is None
                                       else d.layout.mean(sums, total))
@@ -168,8 +182,9 @@ def agree(due: list[DueStat], params: list[torch.Tensor], step_group, check_fini
 _NARROW = (torch.float16, torch.bfloat16)  # summed in fp32: a sum in their own dtype overflows early
 
 
-def local_nonfinite(params: list[torch.Tensor]) -> torch.Tensor | None:
-    """1.0 for every parameter whose local gradient holds NaN/Inf, else 0.0 (no host sync).
+def local_nonfinite(params: list[torch.Tensor], foreach: bool | None = None) -> torch.Tensor | None:
+    """1.0 for every parameter whose local gradient holds NaN/Inf, else 0.0 (no host sync). ``foreach``:
+    the accelerators' grouped reduction (default: on every device but a CPU).
 
     All zeros when this rank holds no gradient at all: the flags still take part in the step's
     collective, so a rank whose layers all went unused issues the same reductions as the others."""
@@ -178,13 +193,19 @@ def local_nonfinite(params: list[torch.Tensor]) -> torch.Tensor | None:
         return None
     if not with_grad:
         return torch.zeros(len(params), dtype=torch.float32, device=to_local(params[0]).device)
-    # A sum is finite iff every entry is (NaN and opposite infinities give NaN), barring an overflow of
-    # the sum itself: in fp32 at least, that needs an entry whose square (a norm's) would overflow
-    # first. One read of each gradient, the cheapest reduction there is (a norm also squares, and
-    # torch._foreach_norm is a loop over the tensors on a CPU anyway).
-    sums = torch.stack([g.sum(dtype=torch.float32 if g.dtype in _NARROW else None)
-                        for g in (to_local(params[i].grad) for i in with_grad)])
-    # 0 * x is 0 for a finite x and NaN for NaN or an infinity: 1.0 where the sum is not finite
+    grads = [to_local(params[i].grad) for i in with_grad]
+    if not (grads[0].device.type != "cpu" if foreach is None else foreach):
+        # A sum is finite iff every entry is (NaN and opposite infinities give NaN), barring an overflow
+        # of the sum itself: in fp32 at least, that needs an entry whose square (a norm's) would
+        # overflow first. One read of each gradient, the cheapest reduction there is on a CPU, where
+        # torch._foreach_norm is a loop over the tensors (and its max-norm is not vectorised).
+        sums = torch.stack([g.sum(dtype=torch.float32 if g.dtype in _NARROW else None) for g in grads])
+    else:
+        # accelerators: the max-norm of every gradient in one multi-tensor kernel per dtype (a kernel per
+        # gradient is a launch per matrix). Non-finite iff some entry is (torch propagates NaN through it,
+        # as clip_grad_norm_ relies on); the sum's overflow, far past any real gradient, is not reported.
+        sums = torch.stack(torch._foreach_norm(grads, float("inf")))
+    # 0 * x is 0 for a finite x and NaN for NaN or an infinity: 1.0 where the reduction is not finite
     bad = sums.mul(0.0).ne_(0.0)
     bad = bad if bad.dtype == torch.float32 else bad.to(torch.float32)
     if len(with_grad) == len(params):

@@ -98,6 +98,7 @@ class Prepared(NamedTuple):
     scale: float  # update_scale(m, n, tau)
     root: float  # sign's sqrt(rows), else 1.0
     fuse: bool
+    views: tuple = ()  # per run: a dict of ``_kernel_views`` by kernel, or None (``add_directions_`` per step)
 
 
 def prepare_direction(layout: MatrixLayout, basis: Tensor, u: Tensor, w: Tensor, *, norm: str, tau: float,
@@ -109,11 +110,13 @@ def prepare_direction(layout: MatrixLayout, basis: Tensor, u: Tensor, w: Tensor,
         cols = slice(run.start, run.stop)
         items.append((F.Blocks(w=w3[:, :, cols], u=u3[:, :, cols], q=F.stack_block_view(b3, run), factor=0.0),
                       layout.l2_group))
+    dtype = F.matmul_dtype(basis.dtype, basis.device, product_dtype)
+    # views kept only where add_directions_ takes views of u (a stack of one, no conversion to dtype)
+    views = tuple({} if layout.stack_local == 1 and u.dtype == dtype else None for _ in items)
     return Prepared((w, u, basis), (w.data_ptr(), u.data_ptr(), basis.data_ptr()),
-                    (norm, tau, product_dtype, basis_dtype), tuple(items),
-                    F.matmul_dtype(basis.dtype, basis.device, product_dtype), F.update_scale(*layout.shape, tau),
+                    (norm, tau, product_dtype, basis_dtype), tuple(items), dtype, F.update_scale(*layout.shape, tau),
                     math.sqrt(layout.rows) if norm == "sign" else 1.0,
-                    decay_in_update(w, layout, lr=0.0, basis_dtype=basis_dtype, product_dtype=product_dtype))
+                    decay_in_update(w, layout, lr=0.0, basis_dtype=basis_dtype, product_dtype=product_dtype), views)
 
 
 class DirectionCache:
@@ -125,6 +128,17 @@ class DirectionCache:
 
     def __init__(self):
         self.entries: dict[Tensor, Prepared] = {}  # by parameter
+        self.signs: dict[Any, SignViews] = {}  # by plan (side="both", sign: ``two_sided_sign_``)
+
+    def sign_views(self, plan, w: Tensor, u: Tensor, rows: BlockBasis, cols: BlockBasis) -> SignViews:
+        """``plan``'s ``SignViews``, made again unless ``w``, ``u`` and both bases are the tensors (and
+        storage) they were made of."""
+        e = self.signs.get(plan)
+        tensors = (w, u, rows.basis, cols.basis)
+        if (e is None or any(a is not b for a, b in zip(e.tensors, tensors))
+                or e.ptrs != tuple(t.data_ptr() for t in tensors)):
+            e = self.signs[plan] = sign_views(w, u, rows, cols)
+        return e
 
     def get(self, param: Tensor, layout: MatrixLayout, basis: Tensor, u: Tensor, w: Tensor, settings: tuple) -> Prepared:
         """``param``'s entry (the parameter: one entry per matrix whatever its local tensors), prepared
@@ -170,13 +184,41 @@ def fused_decays(group: dict, preps: list[Prepared] | None, params: list[Tensor]
 
 def apply_prepared(preps: list[Prepared], decays: list[float | None], *, norm: str, lr) -> None:
     """``apply_directions`` of matrices whose items are ``preps`` (``DirectionCache``; CPU, one
-    ``add_directions_`` call per run, as there), with ``decays[i]`` the ``beta`` of matrix ``i``."""
+    ``add_directions_`` call per run, as there), with ``decays[i]`` the ``beta`` of matrix ``i``. A stack of
+    one whose update is in the product dtype runs ``add_directions_``' kernel on the item's views kept
+    from the first step (``_kernel_views``): the same calls on the same views, without building them."""
     for e, beta in zip(preps, decays):
         factor = -lr * e.scale / e.root  # the same expression as apply_directions: the same rounding
-        for blocks, l2_group in e.items:
+        for (blocks, l2_group), views in zip(e.items, e.views):
             col_sq_sum = (lambda sq, g=l2_group: all_reduce_sum_(sq, g)) if l2_group is not None else None
-            F.add_directions_([F.Blocks(blocks.w, blocks.u, blocks.q, factor, beta)], norm=norm, dtype=e.dtype,
-                              col_sq_sum=col_sq_sum)
+            if views is None:
+                F.add_directions_([F.Blocks(blocks.w, blocks.u, blocks.q, factor, beta)], norm=norm, dtype=e.dtype,
+                                  col_sq_sum=col_sq_sum)
+                continue
+            small = norm == "sign" and beta is None and blocks.q.shape[-1] <= F.SMALL_BLOCK
+            kind = "small" if small else "fused" if beta is not None else "plain"
+            v = views.get(kind) or views.setdefault(kind, _kernel_views(blocks, kind))
+            q = v[1].to(e.dtype)
+            if small:  # add_directions_' small-block kernel: C^T = Q^T U^T, W^T += factor * Q C^T
+                v[2].add_(torch.bmm(q, torch.bmm(q.transpose(1, 2), v[0]).sign_()), alpha=factor)
+                continue
+            c = F.block_coefficients(v[0], q, norm, col_sq_sum)
+            if beta is not None:  # W_b <- beta W_b + factor C_b Q_b^T, one pass
+                v[2].baddbmm_(c, q.transpose(1, 2), beta=beta, alpha=factor)
+            else:
+                o = torch.bmm(c, q.transpose(1, 2))
+                v[2].add_(o.view(1, *o.shape).transpose(1, 2), alpha=factor)
+
+
+def _kernel_views(b: F.Blocks, kind: str) -> tuple:
+    """``(update, basis, weight)`` views of one run of a stack of one, exactly as ``add_directions_`` takes
+    them for its ``kind`` of kernel (``"small"``: the transposed products; ``"fused"``: the ``baddbmm``
+    into the weight; ``"plain"``: a product and a strided add); the basis view is converted per step."""
+    r, c, s = b.u.shape[1], b.q.shape[1], b.q.shape[-1]
+    if kind == "small":
+        return b.u[0].t().reshape(c, s, r), b.q[0], b.w[0].t().view(c, s, r)
+    ub, q = b.u.reshape(1, r, c, s).transpose(1, 2).reshape(c, r, s), b.q.reshape(c, s, s)
+    return ub, q, (b.w[0].view(r, c, s).transpose(0, 1) if kind == "fused" else b.w.view(1, r, c, s))
 
 
 def _oriented(t: Tensor, layout: MatrixLayout) -> Tensor:
@@ -218,10 +260,11 @@ def apply_directions(mats: list[OneSided], *, norm: str, lr, tau: float, product
 
 
 def apply_two_sided(mats: list[TwoSided], *, norm: str, lr, tau: float, basis_dtype: torch.dtype, product_dtype,
-                    momentum: float, beta2: float, eps: float) -> None:
+                    momentum: float, beta2: float, eps: float, cache: DirectionCache | None = None) -> None:
     """``side="both"``: ``W += factor * Q_rows D Q_cols^T`` (``functional.two_sided_update_``) for
     every matrix of every stack of ``mats`` (an expert stack: each expert with its own bases and
-    ``second_moment``)."""
+    ``second_moment``). Sign on a 2-D matrix runs ``two_sided_sign_``, its views kept in ``cache``
+    (keyed by plan) across steps."""
     eager = not torch.compiler.is_compiling()
     for plan, state, ut, gt, pt in mats:
         lin = plan.layout
@@ -231,8 +274,9 @@ def apply_two_sided(mats: list[TwoSided], *, norm: str, lr, tau: float, basis_dt
         factor = -lr * F.update_scale(*lin.shape, tau) / math.sqrt(lin.rows)
         if norm == "sign" and eager and pt.dim() == 2 and ut.dtype == dtype and ut.is_contiguous():
             # a 2-D matrix: its local tensors are the stack's only member (no stack views to take)
-            two_sided_sign_(pt, ut, *(BlockBasis(side.layout.local(state[side.basis]), side.layout.local_sizes)
-                                      for side in sides), factor=factor, dtype=dtype)
+            bases = [BlockBasis(side.layout.local(state[side.basis]), side.layout.local_sizes) for side in sides]
+            views = sign_views(pt, ut, *bases) if cache is None else cache.sign_views(plan, pt, ut, *bases)
+            _sign_step(views, pt, ut, factor=factor, dtype=dtype)
             continue
         bases = [side.layout.stacked(state[side.basis]) for side in sides]
         v = lin.stacked(state["second_moment"]) if norm == "adam" else None
@@ -248,36 +292,47 @@ def apply_two_sided(mats: list[TwoSided], *, norm: str, lr, tau: float, basis_dt
                               beta2=beta2, eps=eps)
 
 
-def _converted(basis: BlockBasis, dtype: torch.dtype) -> list[tuple]:
-    """``(run, Q)`` per run of equal blocks of one axis, the blocks ``(count, s, s)`` in ``dtype``."""
-    return [(run, F.block_view(basis.basis, run).to(dtype)) for run in F.block_runs(basis.sizes)]
+class SignViews(NamedTuple):
+    """``two_sided_sign_``'s views of one matrix (``DirectionCache.sign_views``): per axis its runs with
+    the bases' block views (``(count, s, s)``, in the basis dtype), and ``u``'s views for the first
+    product (``_axis``)."""
+
+    tensors: tuple  # (w, u, rows basis, cols basis): the tensors the views are of
+    ptrs: tuple
+    rows: tuple  # ((run, block view), ...)
+    cols: tuple
+    ux: tuple
 
 
-def _whole(qs: list[tuple], length: int) -> bool:
-    """Whether ``qs`` is one block over the whole axis (``blocks=1``, ``out_blocks=1``)."""
-    return len(qs) == 1 and qs[0][0].count == 1 and qs[0][0].size == length
+def sign_views(w: Tensor, u: Tensor, rows: BlockBasis, cols: BlockBasis) -> SignViews:
+    runs = [tuple((run, F.block_view(b.basis, run)) for run in F.block_runs(b.sizes)) for b in (rows, cols)]
+    tensors = (w, u, rows.basis, cols.basis)
+    return SignViews(tensors, tuple(t.data_ptr() for t in tensors), *runs, _axis(u, [run for run, _ in runs[1]]))
+
+
+def _axis(x: Tensor, runs: list) -> tuple:
+    """``(count, rows, s)`` views of a 2-D ``x`` per run of its last axis, as ``functional.blockwise``
+    takes them (``x[:, run].unflatten(-1, (count, s)).transpose(0, 1)``; a run over the whole axis
+    without the slice, which is ``x`` itself)."""
+    if len(runs) == 1 and runs[0].start == 0 and runs[0].stop == x.shape[1]:
+        return (x.view(x.shape[0], runs[0].count, runs[0].size).transpose(0, 1),)
+    return tuple(x[:, run.start : run.stop].view(x.shape[0], run.count, run.size).transpose(0, 1) for run in runs)
 
 
 # ``torch.matmul`` of two 3-D tensors with the same batch is ``bmm`` of the same tensors (its expand and
 # reshape are views of the same sizes and strides): called directly, the products are the same calls
 # without five view dispatches each (tests/core/test_update.py checks the bits against functional).
-def _blockwise(x: Tensor, qs: list[tuple], transpose: bool = False, out: Tensor | None = None) -> Tensor:
-    """``functional.blockwise`` of a 2-D ``x`` with the bases converted beforehand (``_converted``): the
-    same products of the same views, written into ``out`` (default ``empty_like(x)``)."""
-    out = torch.empty_like(x) if out is None else out
-    for run, q in qs:
-        q = q.transpose(-1, -2) if transpose else q
-        xs = x[:, run.start : run.stop].unflatten(-1, (run.count, run.size)).transpose(0, 1)
-        out[:, run.start : run.stop].unflatten(-1, (run.count, run.size)).transpose(0, 1).copy_(torch.bmm(xs, q))
+def _products(xs: tuple, qs: list[tuple], out: Tensor, transpose: bool = False) -> Tensor:
+    """``functional.blockwise``'s products of the run views ``xs`` (``_axis``) with the converted bases
+    ``qs`` (``(run, Q)`` per run, ``Q^T`` with ``transpose``), copied into ``out``'s runs; returns ``out``."""
+    for x, o, (_, q) in zip(xs, _axis(out, [run for run, _ in qs]), qs):
+        o.copy_(torch.bmm(x, q.transpose(-1, -2) if transpose else q))
     return out
 
 
-def _whole_product(x: Tensor, qs: list[tuple], transpose: bool = False) -> Tensor:
-    """The one product of ``_blockwise`` over a whole axis (``_whole``) of a 2-D ``x``, as ``bmm``
-    returns it: ``(1, r, k)``, contiguous."""
-    run, q = qs[0]
-    q = q.transpose(-1, -2) if transpose else q
-    return torch.bmm(x.unflatten(-1, (1, run.size)).transpose(0, 1), q)
+def _whole(qs: list[tuple], length: int) -> bool:
+    """Whether ``qs`` is one block over the whole axis (``blocks=1``, ``out_blocks=1``)."""
+    return len(qs) == 1 and qs[0][0].count == 1 and qs[0][0].size == length
 
 
 def two_sided_sign_(w: Tensor, u: Tensor, rows: BlockBasis, cols: BlockBasis, *, factor: float,
@@ -286,25 +341,34 @@ def two_sided_sign_(w: Tensor, u: Tensor, rows: BlockBasis, cols: BlockBasis, *,
     bit: the same products of the same views, each basis converted to ``dtype`` once (not once per
     product), and where an axis is one block (``blocks=1`` / ``out_blocks=1``) no copy of a product into a
     buffer of the same layout. The row side's products come back transposed (``(k, r)``), so the
-    rotation's sign is written straight into the ``(r, k)`` coefficients (one pass for a copy and a
-    sign) and the reconstruction is scaled in its own layout and added through its transpose.
+    rotation's sign is taken in that layout and transposed into the ``(r, k)`` coefficients (a sign is
+    exact: the same values) and the reconstruction is scaled in its own layout and added through its
+    transpose.
 
     ``w``, ``u``: ``(r, k)`` oriented (rows axis, cols axis); ``factor`` carries sign's ``1/sqrt(m)``."""
+    _sign_step(sign_views(w, u, rows, cols), w, u, factor=factor, dtype=dtype)
+
+
+def _sign_step(views: SignViews, w: Tensor, u: Tensor, *, factor: float, dtype: torch.dtype) -> None:
     r, k = u.shape
-    qr, qc = _converted(rows, dtype), _converted(cols, dtype)
+    qr, qc = ([(run, q.to(dtype)) for run, q in side] for side in (views.rows, views.cols))
+    rr, cr = [run for run, _ in qr], [run for run, _ in qc]
     # C = Q_rows^T U Q_cols, then sign
-    y = _whole_product(u, qc).view(r, k) if _whole(qc, k) else _blockwise(u, qc)
-    d = torch.empty_like(y)
-    if _whole(qr, r):
-        torch.sign(_whole_product(y.transpose(0, 1), qr).view(k, r).transpose(0, 1), out=d)
+    y = torch.bmm(views.ux[0], qc[0][1]).view(r, k) if _whole(qc, k) else _products(views.ux, qc, torch.empty_like(u))
+    if _whole(qr, r):  # the sign in the product's layout, then one blocked transpose (faster than a strided sign)
+        d = torch.bmm(_axis(y.t(), rr)[0], qr[0][1]).view(k, r).sign_().t().contiguous()
     else:
-        _blockwise(y.transpose(0, 1), qr, out=d.transpose(0, 1)).transpose(0, 1).sign_()
+        d = torch.empty_like(y)
+        _products(_axis(y.t(), rr), qr, d.t()).t().sign_()
     # O = Q_rows D Q_cols^T; W += factor * O
-    z = _whole_product(d, qc, transpose=True).view(r, k) if _whole(qc, k) else _blockwise(d, qc, transpose=True)
-    if _whole(qr, r):
-        o = _whole_product(z.transpose(0, 1), qr, transpose=True).view(k, r).mul_(factor).transpose(0, 1)
+    if _whole(qc, k):
+        z = torch.bmm(_axis(d, cr)[0], qc[0][1].transpose(-1, -2)).view(r, k)
     else:
-        o = _blockwise(z.transpose(0, 1), qr, transpose=True).transpose(0, 1).mul_(factor)
+        z = _products(_axis(d, cr), qc, torch.empty_like(d), transpose=True)
+    if _whole(qr, r):
+        o = torch.bmm(_axis(z.t(), rr)[0], qr[0][1].transpose(-1, -2)).view(k, r).mul_(factor).t()
+    else:
+        o = _products(_axis(z.t(), rr), qr, torch.empty_like(z.t()), transpose=True).t().mul_(factor)
     w.add_(o.to(w.dtype))
 
 

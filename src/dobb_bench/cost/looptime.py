@@ -83,23 +83,40 @@ def classify_profile(events, wall_us: float) -> dict:
     return {"matmul_qr": mat / tot, "elementwise": elem / tot, "overhead": over / tot, "wall_ms": wall_us / 1e3}
 
 
+def recompile_limit_for(n_compiled: int, cycle_len: int) -> int:
+    """The Dynamo recompile limit that lets ``n_compiled`` optimizers each compile a graph per refresh
+    pattern: the first step and each step of a staggered cycle, with room to spare. Past the limit
+    the later patterns run eagerly behind failed guard checks, slower than eager
+    (docs/integrations.md). Every optimizer's ``opt.step`` is the same code object (torch's step
+    wrapper), so their graphs share one cache and one limit: the limit is per code, not per
+    optimizer, and a second optimizer's graphs count on top of the first's."""
+    return (cycle_len + 4) * max(n_compiled, 1)
+
+
 def run_looptime(optimizers: list[str], *, preset: str = "small-cpu", vocab: int = 4096, batch: int = 16,
-                 seq_len: int = 128, layers: int | None = None, cycles: int = 5, cycle_len: int = 9, warmup: int = 9, lr: float = 3.54e-3,
-                 weight_decay: float = 0.1, seed: int = 0, profile: bool = False, compile_backend: str | None = None,
-                 log=print) -> dict:
+                 seq_len: int = 128, layers: int | None = None, cycles: int = 5, cycle_len: int = 9,
+                 warmup: int | None = None, lr: float = 3.54e-3, weight_decay: float = 0.1, seed: int = 0,
+                 profile: bool = False, compile_backend: str | None = None, log=print) -> dict:
     """Interleaved training-loop step timing; see the module docstring.
 
     ``compile_backend``: also time every optimizer but torch's AdamW with its step compiled,
     ``torch.compile(opt.step, backend=...)``, as a row of its own (``SPEC compiled``); the warmup
-    must cover the refresh cycle, so that every graph is compiled before the timing starts."""
+    must cover the refresh cycle and the first step, so that every graph is compiled before the timing
+    starts, and Dynamo's recompile limit is raised to cover the cycle (one graph per refresh pattern)."""
     from dobb_bench.training.model import GPT, config_from_preset
 
     # both AdamW references first: torch's foreach kernel (entries[0]) and its fused kernel
     optimizers = list(ADAMW_REFERENCES) + [o for o in optimizers if o not in ADAMW_REFERENCES]
+    if warmup is None:  # default: one cycle, and the first step besides when compiling
+        warmup = cycle_len + (compile_backend is not None)
     cfg = config_from_preset(preset, vocab_size=vocab, seq_len=max(seq_len, 1), layers=layers)
-    if compile_backend is not None and warmup < cycle_len:
-        raise ValueError(f"--compile needs --warmup >= --cycle-len ({cycle_len}): every graph of the cycle "
-                         f"must compile before the timing starts, got --warmup {warmup}")
+    if compile_backend is not None and warmup <= cycle_len:
+        raise ValueError(f"--compile needs --warmup > --cycle-len ({cycle_len}): every graph of the cycle, and "
+                         f"the first step's, must compile before the timing starts, got --warmup {warmup}")
+    if compile_backend is not None:
+        n_compiled = sum(o not in ADAMW_REFERENCES for o in optimizers)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                                   recompile_limit_for(n_compiled, cycle_len))
     entries = []
     for text in optimizers:
         for compiled in (False, True) if compile_backend and text not in ADAMW_REFERENCES else (False,):
@@ -169,6 +186,8 @@ def run_looptime(optimizers: list[str], *, preset: str = "small-cpu", vocab: int
                                            "cycles": cycles, "cycle_len": cycle_len, "warmup": warmup, "lr": lr,
                                            "weight_decay": weight_decay, "seed": seed,
                                            "compile_backend": compile_backend,
+                                           "recompile_limit": (torch._dynamo.config.recompile_limit
+                                                               if compile_backend else None),
                                            "threads": torch.get_num_threads()},
             "summaries": summaries}
 
@@ -255,7 +274,8 @@ def add_parsers(sub) -> None:
     lt.add_argument("--seq-len", type=int, default=128)
     lt.add_argument("--cycles", type=int, default=5, help="measured cycles (repeats)")
     lt.add_argument("--cycle-len", type=int, default=9, help="steps per cycle (Dobb's refresh period)")
-    lt.add_argument("--warmup", type=int, default=9)
+    lt.add_argument("--warmup", type=int, default=None,
+                    help="steps before the timing (default: --cycle-len, one more with --compile)")
     lt.add_argument("--seed", type=int, default=0)
     lt.add_argument("--threads", type=int, default=1)
     lt.add_argument("--profile", action="store_true", help="also split one cycle by operator class")

@@ -41,7 +41,8 @@ def test_profile_split():
 
 def test_compiled_rows_time_the_compiled_step_beside_the_eager_one(monkeypatch):
     """--compile adds a compiled twin of every row but torch's AdamW, built on its own model copy,
-    whose timed call is ``torch.compile(opt.step)``; a warmup shorter than the cycle is refused."""
+    whose timed call is ``torch.compile(opt.step)``; a warmup that does not cover the cycle and the first
+    step is refused, and Dynamo's recompile limit covers the cycle (one graph per refresh pattern)."""
     compiled_fns = []
     real = torch.compile
 
@@ -50,9 +51,11 @@ def test_compiled_rows_time_the_compiled_step_beside_the_eager_one(monkeypatch):
         return real(fn, **kw)
 
     monkeypatch.setattr(torch, "compile", spy)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # restored after the test
     rec = L.run_looptime(["torch-adamw", "dobb:blocks=2:stagger=false"], preset="tiny", vocab=64, batch=2,
-                         seq_len=8, layers=1, cycles=2, cycle_len=2, warmup=2, compile_backend="aot_eager",
+                         seq_len=8, layers=1, cycles=2, cycle_len=2, warmup=3, compile_backend="aot_eager",
                          log=lambda *a: None)
+    assert rec["config"]["recompile_limit"] == torch._dynamo.config.recompile_limit == 8
     specs = [s["spec"] for s in rec["summaries"]]
     assert specs == ["torch-adamw", "torch-adamw-fused", "dobb:blocks=2:stagger=false",
                      "dobb:blocks=2:stagger=false compiled"]
@@ -63,9 +66,22 @@ def test_compiled_rows_time_the_compiled_step_beside_the_eager_one(monkeypatch):
     # kernels, but the AdamW part: fused eager, foreach traced — rounding apart)
     eager, comp = rec["summaries"][2], rec["summaries"][3]
     assert comp["final_loss"] == pytest.approx(eager["final_loss"], rel=1e-5)
-    with pytest.raises(ValueError, match="--warmup >= --cycle-len"):
+    # a longer cycle: one graph per refresh pattern, and the first step's (warmup by default)
+    rec = L.run_looptime(["dobb:blocks=2"], preset="tiny", vocab=64, batch=2, seq_len=8, layers=1, cycles=2,
+                         cycle_len=12, compile_backend="aot_eager", log=lambda *a: None)
+    assert rec["config"]["warmup"] == 13 and torch._dynamo.config.recompile_limit == 16
+    with pytest.raises(ValueError, match="--warmup > --cycle-len"):
         L.run_looptime(["dobb"], preset="tiny", vocab=64, batch=2, seq_len=8, layers=1, cycles=2, cycle_len=3,
-                       warmup=2, compile_backend="aot_eager", log=lambda *a: None)
+                       warmup=3, compile_backend="aot_eager", log=lambda *a: None)
+
+
+def test_the_recompile_limit_covers_every_compiled_optimizer():
+    """Two compiled Dobb optimizers' graphs share one cache (the same wrapped ``step`` code): the
+    limit covers both cycles, where one cycle's worth ran the second optimizer's later patterns
+    eagerly."""
+    assert L.recompile_limit_for(1, 9) == 13
+    assert L.recompile_limit_for(2, 9) == 26
+    assert L.recompile_limit_for(0, 9) == 13
 
 
 def test_products_floor_column():
