@@ -179,7 +179,13 @@ def profiler_counts(label: str, shapes) -> dict:
     name, hp = METHODS[label]
     torch.manual_seed(0)
     bank = Bank(shapes, dtype=BANK_DTYPE.get(label, torch.float32))
-    opt = _build(name, hp, bank)
+    return each_step_kind(_build(name, hp, bank), bank, trace_counts)
+
+
+def each_step_kind(opt, bank: Bank, record) -> dict:
+    """``record(opt.step)`` of the first steady step and (Dobb) the first refresh step after the
+    first step, which initialises state; the other steps run plainly. Returns ``{"steady": ...,
+    "refresh": ...}`` (no ``"refresh"`` for an optimizer without one)."""
     is_refresh = getattr(opt, "is_refresh_step", None)
     out: dict = {}
     for i in range(12):
@@ -190,7 +196,7 @@ def profiler_counts(label: str, shapes) -> dict:
         if i == 0 or key in out:
             opt.step()
         else:
-            out[key] = trace_counts(opt.step)
+            out[key] = record(opt.step)
         if "steady" in out and ("refresh" in out or is_refresh is None):
             break
     return out
@@ -212,26 +218,17 @@ def step_ops(label: str, shapes, on_device: bool | None = None, **override) -> d
     name, hp = METHODS[label]
     hp = {**hp, **override}
     on_device = label not in CPU_PATH if on_device is None else on_device
-    out: dict[str, list] = {}
     with TR.tracing(on_device) as tr:
         torch.manual_seed(0)
         bank = Bank(shapes, on_device=on_device, dtype=BANK_DTYPE.get(label, torch.float32))
-        opt = _build(name, hp, bank)
-        is_refresh = getattr(opt, "is_refresh_step", None)
-        for i in range(12):
-            refresh = bool(is_refresh()) if is_refresh else False
-            if refresh:
-                bank.capture()
-            key = "refresh" if refresh else "steady"
-            if i == 0 or key in out:
-                opt.step()
-            else:
-                tr.ops, tr.recording = [], True
-                opt.step()
-                tr.recording = False
-                out[key] = tr.ops
-            if "steady" in out and ("refresh" in out or is_refresh is None):
-                break
+
+        def record(step):
+            tr.ops, tr.recording = [], True
+            step()
+            tr.recording = False
+            return tr.ops
+
+        out = each_step_kind(_build(name, hp, bank), bank, record)
     return out
 
 
