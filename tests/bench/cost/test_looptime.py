@@ -51,28 +51,30 @@ def test_compiled_rows_time_the_compiled_step_beside_the_eager_one(monkeypatch):
         return real(fn, **kw)
 
     monkeypatch.setattr(torch, "compile", spy)
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # restored after the test
-    rec = L.run_looptime(["torch-adamw", "dobb:blocks=2:stagger=false"], preset="tiny", vocab=64, batch=2,
-                         seq_len=8, layers=1, cycles=2, cycle_len=2, warmup=3, compile_backend="aot_eager",
-                         log=lambda *a: None)
-    assert rec["config"]["recompile_limit"] == torch._dynamo.config.recompile_limit == 8
-    specs = [s["spec"] for s in rec["summaries"]]
-    assert specs == ["torch-adamw", "torch-adamw-fused", "dobb:blocks=2:stagger=false",
-                     "dobb:blocks=2:stagger=false compiled"]
-    assert [s["compiled"] for s in rec["summaries"]] == [None, None, None, "aot_eager"]
-    assert len(compiled_fns) == 1 and compiled_fns[0][1] == {"backend": "aot_eager"}
-    assert type(compiled_fns[0][0].__self__).__name__ == "Dobb"  # the optimizer's own step
-    # the compiled row trained the same data to the same loss as the eager one (aot_eager: the same
-    # kernels, but the AdamW part: fused eager, foreach traced — rounding apart)
-    eager, comp = rec["summaries"][2], rec["summaries"][3]
-    assert comp["final_loss"] == pytest.approx(eager["final_loss"], rel=1e-5)
-    # a longer cycle: one graph per refresh pattern, and the first step's (warmup by default)
-    rec = L.run_looptime(["dobb:blocks=2"], preset="tiny", vocab=64, batch=2, seq_len=8, layers=1, cycles=2,
-                         cycle_len=12, compile_backend="aot_eager", log=lambda *a: None)
-    assert rec["config"]["warmup"] == 13 and torch._dynamo.config.recompile_limit == 16
-    with pytest.raises(ValueError, match="--warmup > --cycle-len"):
-        L.run_looptime(["dobb"], preset="tiny", vocab=64, batch=2, seq_len=8, layers=1, cycles=2, cycle_len=3,
-                       warmup=3, compile_backend="aot_eager", log=lambda *a: None)
+    # torch's own patch restores the limit; monkeypatch (pytest >= 9.2) would delete the config entry,
+    # which hides it from Dynamo for every later test in the process
+    with torch._dynamo.config.patch(recompile_limit=8):
+        rec = L.run_looptime(["torch-adamw", "dobb:blocks=2:stagger=false"], preset="tiny", vocab=64, batch=2,
+                             seq_len=8, layers=1, cycles=2, cycle_len=2, warmup=3, compile_backend="aot_eager",
+                             log=lambda *a: None)
+        assert rec["config"]["recompile_limit"] == torch._dynamo.config.recompile_limit == 8
+        specs = [s["spec"] for s in rec["summaries"]]
+        assert specs == ["torch-adamw", "torch-adamw-fused", "dobb:blocks=2:stagger=false",
+                         "dobb:blocks=2:stagger=false compiled"]
+        assert [s["compiled"] for s in rec["summaries"]] == [None, None, None, "aot_eager"]
+        assert len(compiled_fns) == 1 and compiled_fns[0][1] == {"backend": "aot_eager"}
+        assert type(compiled_fns[0][0].__self__).__name__ == "Dobb"  # the optimizer's own step
+        # the compiled row trained the same data to the same loss as the eager one (aot_eager: the same
+        # kernels, but the AdamW part: fused eager, foreach traced — rounding apart)
+        eager, comp = rec["summaries"][2], rec["summaries"][3]
+        assert comp["final_loss"] == pytest.approx(eager["final_loss"], rel=1e-5)
+        # a longer cycle: one graph per refresh pattern, and the first step's (warmup by default)
+        rec = L.run_looptime(["dobb:blocks=2"], preset="tiny", vocab=64, batch=2, seq_len=8, layers=1, cycles=2,
+                             cycle_len=12, compile_backend="aot_eager", log=lambda *a: None)
+        assert rec["config"]["warmup"] == 13 and rec["config"]["recompile_limit"] == 16
+        with pytest.raises(ValueError, match="--warmup > --cycle-len"):
+            L.run_looptime(["dobb"], preset="tiny", vocab=64, batch=2, seq_len=8, layers=1, cycles=2, cycle_len=3,
+                           warmup=3, compile_backend="aot_eager", log=lambda *a: None)
 
 
 def test_the_recompile_limit_covers_every_compiled_optimizer():
