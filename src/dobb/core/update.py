@@ -134,9 +134,7 @@ class DirectionCache:
         """``plan``'s ``SignViews``, made again unless ``w``, ``u`` and both bases are the tensors (and
         storage) they were made of."""
         e = self.signs.get(plan)
-        tensors = (w, u, rows.basis, cols.basis)
-        if (e is None or any(a is not b for a, b in zip(e.tensors, tensors))
-                or e.ptrs != tuple(t.data_ptr() for t in tensors)):
+        if not _made_of(e, (w, u, rows.basis, cols.basis)):
             e = self.signs[plan] = sign_views(w, u, rows, cols)
         return e
 
@@ -144,12 +142,18 @@ class DirectionCache:
         """``param``'s entry (the parameter: one entry per matrix whatever its local tensors), prepared
         again unless ``w``, ``u`` and ``basis`` (local tensors) are the ones it was prepared from."""
         e = self.entries.get(param)
-        if (e is None or e.tensors[0] is not w or e.tensors[1] is not u or e.tensors[2] is not basis
-                or e.settings != settings or e.ptrs != (w.data_ptr(), u.data_ptr(), basis.data_ptr())):
+        if not _made_of(e, (w, u, basis)) or e.settings != settings:
             norm, tau, product_dtype, basis_dtype = settings
             e = self.entries[param] = prepare_direction(layout, basis, u, w, norm=norm, tau=tau,
                                                     product_dtype=product_dtype, basis_dtype=basis_dtype)
         return e
+
+
+def _made_of(entry, tensors: tuple) -> bool:
+    """Whether a ``DirectionCache`` entry (``Prepared`` or ``SignViews``) holds views of ``tensors``: the
+    same objects on the same storage (a tensor given new storage, ``p.data = ...``, is made again)."""
+    return (entry is not None and all(a is b for a, b in zip(entry.tensors, tensors))
+            and entry.ptrs == tuple(t.data_ptr() for t in tensors))
 
 
 def cacheable(params: list[Tensor]) -> bool:
