@@ -192,14 +192,26 @@ def run_looptime(optimizers: list[str], *, preset: str = "small-cpu", vocab: int
             "summaries": summaries}
 
 
+def top_level_ops(events) -> int:
+    """The aten operators a step calls itself (each a dispatch from Python or from a non-aten op):
+    ``aten`` events whose parent is not an ``aten`` event, so ``to`` -> ``_to_copy`` -> ``copy_`` counts
+    once."""
+    return sum(1 for e in events if e.name.startswith("aten::")
+               and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")))
+
+
 def _profile(e, batch_fn, one_step, steps: int) -> dict:
-    """Shares of one cycle's ``step()`` time; forward/backward run outside the profiled region."""
+    """Shares of one cycle's ``step()`` time; forward/backward run outside the profiled region. Also,
+    per step of the cycle (``"steps"``): whether it refreshed, its wall, matmul/QR, element-wise and
+    overhead milliseconds under the profiler, and the aten operators it called (``top_level_ops``)."""
     from torch.profiler import profile
 
     agg: dict[str, list[float]] = {"matmul_qr": [], "elementwise": [], "overhead": [], "wall_ms": []}
     opt = e["opt"]
+    per_step = []
     for _ in range(steps):
         x = batch_fn()
+        refresh = bool(getattr(opt, "is_refresh_step", lambda: False)())
         opt.zero_grad(set_to_none=True)
         _, loss = e["model"](x[:, :-1], x[:, 1:])
         loss.backward()
@@ -207,11 +219,40 @@ def _profile(e, batch_fn, one_step, steps: int) -> dict:
             t0 = time.perf_counter()
             e["step"]()
             wall = 1e6 * (time.perf_counter() - t0)
-        for k, v in classify_profile(prof.key_averages(), wall).items():
+        split = classify_profile(prof.key_averages(), wall)
+        for k, v in split.items():
             agg[k].append(v)
+        per_step.append({"refresh": refresh, "wall_ms": split["wall_ms"],
+                         **{f"{k}_ms": split[k] * split["wall_ms"] for k in ("matmul_qr", "elementwise", "overhead")},
+                         "aten_ops": top_level_ops(prof.events())})
     walls = agg["wall_ms"]
-    return {k: (sum(w * x for w, x in zip(walls, v)) / sum(walls) if k != "wall_ms" else statistics.mean(v))
-            for k, v in agg.items()}
+    out = {k: (sum(w * x for w, x in zip(walls, v)) / sum(walls) if k != "wall_ms" else statistics.mean(v))
+           for k, v in agg.items()}
+    out["steps"] = per_step
+    return out
+
+
+def steps_markdown(rec: dict) -> str:
+    """Per row with a per-step profile: the steps that refresh and the plain steps apart (means over
+    the profiled cycle, milliseconds under the profiler), and the aten operators per step."""
+    out = ["| optimizer | steps refreshing / plain | refresh: wall, non-product ms | plain: wall, non-product ms | "
+           "aten ops per step, refresh / plain |", "|---|---|---|---|---|"]
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")
+    for s in rec["summaries"]:
+        steps = (s.get("profile") or {}).get("steps")
+        if not steps:
+            continue
+        cells = []
+        for kind in (True, False):
+            sel = [t for t in steps if t["refresh"] == kind]
+            cells.append((len(sel), mean([t["wall_ms"] for t in sel]),
+                          mean([t["elementwise_ms"] + t["overhead_ms"] for t in sel]),
+                          mean([t["aten_ops"] for t in sel])))
+        (nr, wr, er, opr), (npl, wp, ep, opp) = cells
+        fmt = lambda v, d=2: "–" if v != v else f"{v:.{d}f}"
+        out.append(f"| {s['spec']} | {nr} / {npl} | {fmt(wr)}, {fmt(er)} | {fmt(wp)}, {fmt(ep)} | "
+                   f"{fmt(opr, 0)} / {fmt(opp, 0)} |")
+    return "\n".join(out) + "\n" if len(out) > 2 else ""
 
 
 def products_floor(summary: dict, adamw: dict) -> float | None:
@@ -258,7 +299,7 @@ def cmd_looptime(args) -> int:
     rec["provenance"] = provenance()
     out = Path(args.out)
     write_record(out / "looptime.json", rec)
-    (out / "looptime.md").write_text(looptime_markdown(rec))
+    (out / "looptime.md").write_text(looptime_markdown(rec) + ("\n" + steps_markdown(rec) if steps_markdown(rec) else ""))
     print((out / "looptime.md").read_text())
     return 0
 

@@ -100,3 +100,52 @@ def test_products_floor_column():
     lines = L.looptime_markdown(rec).splitlines()
     assert lines[0].endswith("| matmul/QR alone, x AdamW |")
     assert lines[3].endswith("| 1.50 |") and lines[4].endswith("| – |") and lines[2].endswith("| 0.00 |")
+
+
+def test_top_level_ops_count_each_call_once():
+    """``x.to(float64)`` dispatches ``to -> _to_copy -> empty_strided, copy_``: one call; ``add_`` and
+    ``mm`` one each. The profiler's own event list of a real run, not synthetic events."""
+    from torch.profiler import profile
+
+    x = torch.randn(4, 4)
+    with profile() as prof:
+        y = x.to(torch.float64)
+        y.add_(1.0)
+        torch.mm(x, x)
+    names = [e.name for e in prof.events() if e.name.startswith("aten::")]
+    assert "aten::_to_copy" in names and "aten::copy_" in names  # the nested calls are there
+    assert L.top_level_ops(prof.events()) == 3
+
+
+def test_profile_records_every_step_of_the_cycle_split_by_refresh():
+    """``--profile`` records each step of one cycle: its refresh flag (Dobb's schedule), the milliseconds
+    of each class summing to its wall, and its aten calls; the markdown splits refresh from plain."""
+    rec = L.run_looptime(["dobb:blocks=2:stagger=false"], preset="tiny", vocab=64, batch=2, seq_len=8, layers=1,
+                         cycles=2, cycle_len=3, profile=True, log=lambda *a: None)
+    dobb_row = rec["summaries"][2]
+    steps = dobb_row["profile"]["steps"]
+    assert len(steps) == 3 and [t["refresh"] for t in steps] == [True, False, False]
+    for t in steps:
+        assert t["matmul_qr_ms"] + t["elementwise_ms"] + t["overhead_ms"] == pytest.approx(t["wall_ms"], rel=1e-6)
+        assert t["aten_ops"] > 0
+    assert steps[0]["aten_ops"] > steps[1]["aten_ops"]  # the refresh step calls the QR and its products
+    assert all(not t["refresh"] for t in rec["summaries"][0]["profile"]["steps"])  # torch AdamW
+    table = L.steps_markdown(rec).splitlines()
+    assert table[0].startswith("| optimizer | steps refreshing / plain |")
+    row = next(r for r in table if r.startswith("| dobb:blocks=2:stagger=false |"))
+    assert f"| 1 / 2 |" in row and row.endswith(f"| {steps[0]['aten_ops']} / "
+                                                 f"{(steps[1]['aten_ops'] + steps[2]['aten_ops']) / 2:.0f} |")
+
+
+def test_two_compiled_rows_raise_the_limit_for_both(monkeypatch):
+    """``run_looptime`` counts every compiled row: two Dobb rows of a 2-step cycle need
+    ``recompile_limit_for(2, 2)`` = 12, one row 6 (below the 8 in force). ``torch.compile`` is
+    replaced by the identity here, so nothing compiles; only the limit set before compiling is read."""
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    kw = dict(preset="tiny", vocab=64, batch=2, seq_len=8, layers=1, cycles=2, cycle_len=2, warmup=3,
+              compile_backend="aot_eager", log=lambda *a: None)
+    with torch._dynamo.config.patch(recompile_limit=8):
+        assert L.run_looptime(["dobb:blocks=2"], **kw)["config"]["recompile_limit"] == 8
+    with torch._dynamo.config.patch(recompile_limit=8):
+        rec = L.run_looptime(["dobb:blocks=2", "dobb:blocks=1"], **kw)
+        assert rec["config"]["recompile_limit"] == L.recompile_limit_for(2, 2) == 12
