@@ -67,14 +67,27 @@ def _matrix_split(opt) -> tuple[list[tuple[int, int]], int]:
     return shapes, other
 
 
+def _is_product(name: str) -> bool:
+    return any(op in name for op in _MATMUL_OPS)
+
+
 def classify_profile(events, wall_us: float) -> dict:
     """Split a step's time into matmul/QR, element-wise (every other aten kernel) and overhead
-    (Python, dispatch, allocator: the wall time no aten operator accounts for)."""
+    (Python, dispatch, allocator: the wall time no aten operator accounts for).
+
+    ``events``: the profiler's event list (``prof.events()``), each with its ``cpu_parent``. An aten
+    operator's self time counts where its outermost aten ancestor does: the copy ``geqrf`` makes of its
+    input into LAPACK's column-major layout, or ``householder_product``'s, is QR time, not an
+    element-wise pass of the step (a ``key_averages`` split by the operator's own name counted it as
+    one, until 2026-12-03)."""
     mat = elem = 0.0
     for e in events:
-        if not e.key.startswith("aten::"):
+        if not e.name.startswith("aten::"):
             continue
-        if any(op in e.key for op in _MATMUL_OPS):
+        top = e
+        while top.cpu_parent is not None and top.cpu_parent.name.startswith("aten::"):
+            top = top.cpu_parent
+        if _is_product(top.name) or _is_product(e.name):
             mat += e.self_cpu_time_total
         else:
             elem += e.self_cpu_time_total
@@ -219,7 +232,7 @@ def _profile(e, batch_fn, one_step, steps: int) -> dict:
             t0 = time.perf_counter()
             e["step"]()
             wall = 1e6 * (time.perf_counter() - t0)
-        split = classify_profile(prof.key_averages(), wall)
+        split = classify_profile(prof.events(), wall)
         for k, v in split.items():
             agg[k].append(v)
         per_step.append({"refresh": refresh, "wall_ms": split["wall_ms"],

@@ -30,13 +30,30 @@ def test_derived_state_bytes_equal_allocated_buffers():
 
 
 def test_profile_split():
-    ev = [SimpleNamespace(key="aten::bmm", self_cpu_time_total=300.0),
-          SimpleNamespace(key="aten::linalg_qr", self_cpu_time_total=100.0),
-          SimpleNamespace(key="aten::lerp_", self_cpu_time_total=200.0),
-          SimpleNamespace(key="Optimizer.step#Dobb.step", self_cpu_time_total=999.0)]
-    out = L.classify_profile(ev, 1000.0)
+    """Self times by class; an aten op inside a product or QR (``geqrf``'s copy of its input) is QR
+    time, one under a Python frame or an element-wise op stays element-wise."""
+    ev = lambda name, us, parent=None: SimpleNamespace(name=name, self_cpu_time_total=us, cpu_parent=parent)
+    step = ev("Optimizer.step#Dobb.step", 999.0)
+    geqrf = ev("aten::geqrf", 60.0, step)
+    to = ev("aten::to", 5.0, step)
+    events = [step, ev("aten::bmm", 300.0, step), geqrf, ev("aten::copy_", 40.0, geqrf),
+              ev("aten::lerp_", 150.0, step), to, ev("aten::copy_", 45.0, to)]
+    out = L.classify_profile(events, 1000.0)
     assert out["matmul_qr"] == pytest.approx(0.4) and out["elementwise"] == pytest.approx(0.2)
     assert out["overhead"] == pytest.approx(0.4)
+
+
+def test_profile_split_of_a_real_qr_counts_its_copy_as_qr():
+    """On a real profile of ``householder_product(*geqrf(P))`` of a row-major ``P`` (LAPACK copies it
+    into column-major), every aten microsecond is QR time."""
+    from torch.profiler import profile
+
+    p = torch.randn(1, 64, 64)
+    with profile() as prof:
+        torch.linalg.householder_product(*torch.geqrf(p))
+    assert any(e.name == "aten::copy_" for e in prof.events())  # the nested copy is there
+    out = L.classify_profile(prof.events(), 1e9)
+    assert out["matmul_qr"] > 0 and out["elementwise"] == 0.0
 
 
 def test_compiled_rows_time_the_compiled_step_beside_the_eager_one(monkeypatch):
