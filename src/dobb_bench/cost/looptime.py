@@ -81,12 +81,7 @@ def classify_profile(events, wall_us: float) -> dict:
     element-wise pass of the step (a ``key_averages`` split by the operator's own name counted it as
     one, until 2026-12-03)."""
     mat = elem = 0.0
-    for e in events:
-        if not e.name.startswith("aten::"):
-            continue
-        top = e
-        while top.cpu_parent is not None and top.cpu_parent.name.startswith("aten::"):
-            top = top.cpu_parent
+    for e, top in _charged(events):
         if _is_product(top.name) or _is_product(e.name):
             mat += e.self_cpu_time_total
         else:
@@ -94,6 +89,33 @@ def classify_profile(events, wall_us: float) -> dict:
     over = max(0.0, wall_us - mat - elem)
     tot = max(wall_us, 1e-9)
     return {"matmul_qr": mat / tot, "elementwise": elem / tot, "overhead": over / tot, "wall_ms": wall_us / 1e3}
+
+
+def _charged(events):
+    """Each aten event with the outermost aten call it runs inside (itself when it is one)."""
+    for e in events:
+        if not e.name.startswith("aten::"):
+            continue
+        top = e
+        while top.cpu_parent is not None and top.cpu_parent.name.startswith("aten::"):
+            top = top.cpu_parent
+        yield e, top
+
+
+def non_product_ops(events, n: int = 12) -> list[list]:
+    """The ``n`` dearest non-product calls of a step: ``[name, input shapes, calls, microseconds]`` per
+    top-level aten call and shapes, each charged the self time of everything it ran (``classify_profile``'s
+    rule), dearest first. Shapes are empty unless the profile recorded them."""
+    agg: dict[tuple, list] = {}
+    for e, top in _charged(events):
+        if _is_product(top.name) or _is_product(e.name):
+            continue
+        key = (top.name, str(getattr(top, "input_shapes", None) or []))
+        a = agg.setdefault(key, [0, 0.0])
+        a[0] += e is top
+        a[1] += e.self_cpu_time_total
+    rows = sorted(([k[0], k[1], c, round(us, 1)] for k, (c, us) in agg.items()), key=lambda r: -r[3])
+    return rows[:n]
 
 
 def recompile_limit_for(n_compiled: int, cycle_len: int) -> int:
@@ -216,7 +238,8 @@ def top_level_ops(events) -> int:
 def _profile(e, batch_fn, one_step, steps: int) -> dict:
     """Shares of one cycle's ``step()`` time; forward/backward run outside the profiled region. Also,
     per step of the cycle (``"steps"``): whether it refreshed, its wall, matmul/QR, element-wise and
-    overhead milliseconds under the profiler, and the aten operators it called (``top_level_ops``)."""
+    overhead milliseconds under the profiler, the aten operators it called (``top_level_ops``) and its
+    dearest non-product calls (``non_product_ops``)."""
     from torch.profiler import profile
 
     agg: dict[str, list[float]] = {"matmul_qr": [], "elementwise": [], "overhead": [], "wall_ms": []}
@@ -228,7 +251,7 @@ def _profile(e, batch_fn, one_step, steps: int) -> dict:
         opt.zero_grad(set_to_none=True)
         _, loss = e["model"](x[:, :-1], x[:, 1:])
         loss.backward()
-        with profile() as prof:
+        with profile(record_shapes=True) as prof:
             t0 = time.perf_counter()
             e["step"]()
             wall = 1e6 * (time.perf_counter() - t0)
@@ -237,7 +260,7 @@ def _profile(e, batch_fn, one_step, steps: int) -> dict:
             agg[k].append(v)
         per_step.append({"refresh": refresh, "wall_ms": split["wall_ms"],
                          **{f"{k}_ms": split[k] * split["wall_ms"] for k in ("matmul_qr", "elementwise", "overhead")},
-                         "aten_ops": top_level_ops(prof.events())})
+                         "aten_ops": top_level_ops(prof.events()), "non_product_ops": non_product_ops(prof.events())})
     walls = agg["wall_ms"]
     out = {k: (sum(w * x for w, x in zip(walls, v)) / sum(walls) if k != "wall_ms" else statistics.mean(v))
            for k, v in agg.items()}

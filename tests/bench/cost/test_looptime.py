@@ -41,6 +41,8 @@ def test_profile_split():
     out = L.classify_profile(events, 1000.0)
     assert out["matmul_qr"] == pytest.approx(0.4) and out["elementwise"] == pytest.approx(0.2)
     assert out["overhead"] == pytest.approx(0.4)
+    # the dearest non-product calls, each charged what it ran: lerp_ 150, to 5 + its copy 45
+    assert L.non_product_ops(events) == [["aten::lerp_", "[]", 1, 150.0], ["aten::to", "[]", 1, 50.0]]
 
 
 def test_profile_split_of_a_real_qr_counts_its_copy_as_qr():
@@ -145,6 +147,7 @@ def test_profile_records_every_step_of_the_cycle_split_by_refresh():
     for t in steps:
         assert t["matmul_qr_ms"] + t["elementwise_ms"] + t["overhead_ms"] == pytest.approx(t["wall_ms"], rel=1e-6)
         assert t["aten_ops"] > 0
+        assert t["non_product_ops"] and all(not L._is_product(op) for op, *_ in t["non_product_ops"])
     assert steps[0]["aten_ops"] > steps[1]["aten_ops"]  # the refresh step calls the QR and its products
     assert all(not t["refresh"] for t in rec["summaries"][0]["profile"]["steps"])  # torch AdamW
     table = L.steps_markdown(rec).splitlines()
