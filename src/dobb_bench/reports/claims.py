@@ -1,9 +1,9 @@
-"""Prose claims against the tables and records they rest on: four kinds of contradiction.
+"""Prose claims against the tables and records they rest on: five kinds of contradiction.
 
 Why: ``dobb-bench report --check`` regenerates every marked table from its records, but the prose
 around the tables quotes them, and drifts when a table changes (a figure rounded from an older
 record, a row called bracketed that its table now marks "(edge)", "one seed" beside a table with
-second seeds, a row said to end lowest that no longer does). This module checks those four kinds
+second seeds, a row said to end lowest that no longer does). This module checks those five kinds
 of sentence in README.md and docs/*.md; each problem fails ``report --check``.
 
 **Prose.** Text outside marked tables and fenced code, cut into blocks (paragraphs and list items,
@@ -23,7 +23,7 @@ checked.
 after "two-sided" is dropped first, so "two-sided Dobb B=1 Bo=4" names ``Two-sided B=1 Bo=4``).
 The rows a claim is about are those named in its clause before the claim's words.
 
-**The four kinds.**
+**The five kinds.**
 (a) *A figure that differs from its source* (``FIGURES``): a phrase that quotes a value the
     tables or records give (the spread of a 64-window eval, how far a seed moves a gap to Muon)
     must quote it as the source rounds it.
@@ -39,6 +39,13 @@ The rows a claim is about are those named in its clause before the claim's words
     are the lowest of their table by its gap to Muon: the mean over seeds where the table gives
     one ("over three seeds", "on average"), else the seed-0 gap (also when the sentence says
     "seed 0"); Muon is 0. Tables without a gap column are not used for (d).
+(e) *A gap to Muon quoted for a row* ("0.005 below", "0.090 behind Muon", "0.004 above it"): the
+    row named last before it in its clause has that gap, to the quoted decimals, as its mean over
+    seeds or its seed-0 gap in one of the sentence's tables (below is negative). A gap followed by
+    another row's name ("0.004 below AdamW") or by a noun phrase ("above the fp32 run") is against
+    that, and a gap with another row's short form ("B=1 Bo=1") between it and the row named last
+    is ambiguous: neither is checked. So is a gap after a short form ``names`` does not resolve
+    ("MuonBP P=10" for ``MuonBP R=4 P=10``, whose base name two rows share).
 
 A table's seed count per row: its ``seeds`` column (``0,1,2``), or 1 plus the seeds named in its
 ``other seeds ...`` column (``seed 1: ..., seed 2: ...``).
@@ -71,6 +78,10 @@ _LOWEST = re.compile(r"\b(?:ends?|the|is|are)\s+lowest\b(?!\s+(?:lr|learning|gri
                      r"(?!\s+(?:of|among) them\b)", re.I)
 _SEED0 = re.compile(r"\bseed 0\b", re.I)
 _NUM = re.compile(r"[+-]?\d+\.\d+")
+# (e): "0.005 below", "0.090 behind Muon", "0.004 above it" (not "0.004 below AdamW": another row)
+_AGAINST = re.compile(r"(?:the|its|a|an|their|this|that)\b", re.I)
+_HPARAM = re.compile(r"\b[A-Z][a-z]?=\d")  # a row's short form: B=1 Bo=1, P=10 (not code's axis=0)
+_GAP = re.compile(r"(?<![\d.+-])(\d\.\d{3})\s+(below|above|behind)\b(?:\s+(?:it|Muon|owner-compute Muon)\b)?", re.I)
 _WORDS = {"one": 1, "a single": 1, "two": 2, "three": 3}
 
 
@@ -326,7 +337,45 @@ def _check_sentence(sentence: str, levels: list[str], tables: dict[str, str]) ->
                     problems.append(f"says {', '.join(about)} end{'s' if len(about) == 1 else ''} lowest; table "
                                     f"{name!r} ({'seed 0' if key == 'seed0' else 'mean over seeds'}) has "
                                     + ", ".join(f"{x} {vals[x]:+.3f}" for x in low) + " lowest")
+        for m in _GAP.finditer(clause):  # (e)
+            problem = _gap_claim(clause, m, labels, found)
+            if problem:
+                problems.append(problem)
     return problems
+
+
+def _last_named(text: str, labels: list[str]) -> str | None:
+    """The label ``text`` names last: the mention that starts last, outside code spans and not inside
+    a longer label's mention ("Muon" in "Row-block Muon R=4")."""
+    norm = re.sub(r"`[^`]*`", lambda m: " " * len(m.group(0)), _normalize(text, labels))
+    spans = [(h.start(), h.end(), x) for x in labels if names(norm, x, labels)
+             for h in re.finditer(r"(?<![\w-])" + re.escape(x) + r"(?![\w-])", norm, re.I)]
+    spans = [a for a in spans if not any(b[0] <= a[0] and a[1] <= b[1] and b[1] - b[0] > a[1] - a[0] for b in spans)]
+    return max(spans)[2] if spans else None
+
+
+def _gap_claim(clause: str, m: re.Match, labels: list[str], found) -> str | None:
+    """(e) "X below / above / behind [Muon]" after a row's name: the row's gap to Muon, as one of the
+    sentence's tables gives it (its mean over seeds or its seed-0 gap, to the quoted decimals). A gap
+    followed by another row's name ("below AdamW") is against that row and not checked."""
+    rest = _normalize(clause[m.end():], labels).lstrip()
+    if any(rest.lower().startswith(x.lower()) for x in labels if x != "Muon") or _AGAINST.match(rest):
+        return None  # against another row or run ("below AdamW", "above the fp32 run")
+    head = clause[:m.start()]
+    row = _last_named(head, labels)
+    if row is None or row == "Muon":
+        return None
+    norm = _normalize(head, labels)
+    last = list(re.finditer(re.escape(row), norm, re.I))
+    if last and _HPARAM.search(re.sub(r"`[^`]*`", " ", norm[last[-1].end():])):
+        return None  # another row's short form ("and B=1 Bo=1 (0.012 below") stands between: ambiguous
+    quoted = float(m.group(1)) * (-1 if m.group(2).lower() == "below" else 1)
+    given = [(name, r[k]) for name, rows in found for r in rows if r["label"] == row
+             for k in ("mean", "seed0") if r[k] is not None]
+    if not given or any(abs(round(v, 3) - quoted) < 5e-4 for _, v in given):
+        return None
+    return (f"quotes {m.group(0)!r} for {row}; the tables give "
+            + ", ".join(sorted({f"{v:+.3f} ({name})" for name, v in given})))
 
 
 def check_text(text: str, tables: dict[str, str]) -> list[tuple[int, str, str]]:

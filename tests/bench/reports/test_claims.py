@@ -148,3 +148,27 @@ def test_frontier_20_claims_are_checked_against_its_table():
     assert bad("At 20 tokens per parameter Dobb B=4 ends lowest.")
     assert not bad("At 20 tokens per parameter Row-block Muon R=4 ends lowest over three seeds.")
     assert not bad("At 20 tokens per parameter Row-block Muon R=4 is bracketed, with three seeds.")
+
+
+def test_a_gap_to_muon_that_differs_from_its_table_fails():
+    """(e): "X below / above / behind [Muon]" after a row's name must be that row's gap in the table
+    (mean over seeds or seed 0); two stale figures of this kind stood in the docs (AdamW "0.088
+    behind" against +0.090, found by hand)."""
+    tables = {"frontier-20": FRONTIER}
+
+    def bad(text):
+        return [p for _, _, p in C.check_text(text, tables)]
+    # row-block Muon: mean -0.006, seed 0 -0.009
+    assert not bad("At 20 tokens per parameter row-block Muon ends 0.006 below Muon.")
+    assert not bad("At 20 tokens per parameter row-block Muon (`x`, sending nothing) 0.009 below it at seed 0.")
+    got = bad("At 20 tokens per parameter row-block Muon ends 0.005 below Muon.")
+    assert got == ["quotes '0.005 below Muon' for Row-block Muon R=4; the tables give -0.006 (frontier-20), "
+                   "-0.009 (frontier-20)"]
+    assert bad("At 20 tokens per parameter row-block Muon ends 0.006 above Muon.")  # the sign
+    assert bad("At 20 tokens per parameter Dobb B=4 (0.060 behind, one seed) is off the frontier.")
+    assert not bad("At 20 tokens per parameter Dobb B=4 (0.058 behind) is off the frontier.")
+    # against another row or run, or with another row's short form in between: not checked
+    assert not bad("At 20 tokens per parameter row-block Muon ends 0.070 below Dobb B=4.")
+    assert not bad("At 20 tokens per parameter row-block Muon ended 0.003 above the fp32 run.")
+    assert not bad("At 20 tokens per parameter Dobb B=4 (0.058 behind) and R=4 (0.006 below) follow.")
+    assert not bad("Row-block Muon R=4 ends 0.001 below Muon.")  # no setting named: no table
