@@ -81,8 +81,8 @@ def classify_profile(events, wall_us: float) -> dict:
     element-wise pass of the step (a ``key_averages`` split by the operator's own name counted it as
     one, until 2026-12-03)."""
     mat = elem = 0.0
-    for e, top in _charged(events):
-        if _is_product(top.name) or _is_product(e.name):
+    for e, _, product in _charged(events):
+        if product:
             mat += e.self_cpu_time_total
         else:
             elem += e.self_cpu_time_total
@@ -92,14 +92,15 @@ def classify_profile(events, wall_us: float) -> dict:
 
 
 def _charged(events):
-    """Each aten event with the outermost aten call it runs inside (itself when it is one)."""
+    """Each aten event with the outermost aten call it runs inside (itself when it is one) and whether
+    its time is product/QR time (it or that call is a product or a factorization)."""
     for e in events:
         if not e.name.startswith("aten::"):
             continue
         top = e
         while top.cpu_parent is not None and top.cpu_parent.name.startswith("aten::"):
             top = top.cpu_parent
-        yield e, top
+        yield e, top, _is_product(top.name) or _is_product(e.name)
 
 
 def non_product_ops(events, n: int = 12) -> list[list]:
@@ -107,8 +108,8 @@ def non_product_ops(events, n: int = 12) -> list[list]:
     top-level aten call and shapes, each charged the self time of everything it ran (``classify_profile``'s
     rule), dearest first. Shapes are empty unless the profile recorded them."""
     agg: dict[tuple, list] = {}
-    for e, top in _charged(events):
-        if _is_product(top.name) or _is_product(e.name):
+    for e, top, product in _charged(events):
+        if product:
             continue
         key = (top.name, str(getattr(top, "input_shapes", None) or []))
         a = agg.setdefault(key, [0, 0.0])
@@ -231,8 +232,7 @@ def top_level_ops(events) -> int:
     """The aten operators a step calls itself (each a dispatch from Python or from a non-aten op):
     ``aten`` events whose parent is not an ``aten`` event, so ``to`` -> ``_to_copy`` -> ``copy_`` counts
     once."""
-    return sum(1 for e in events if e.name.startswith("aten::")
-               and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")))
+    return sum(1 for e, top, _ in _charged(events) if e is top)
 
 
 def _profile(e, batch_fn, one_step, steps: int) -> dict:
@@ -255,12 +255,13 @@ def _profile(e, batch_fn, one_step, steps: int) -> dict:
             t0 = time.perf_counter()
             e["step"]()
             wall = 1e6 * (time.perf_counter() - t0)
-        split = classify_profile(prof.events(), wall)
+        events = prof.events()
+        split = classify_profile(events, wall)
         for k, v in split.items():
             agg[k].append(v)
         per_step.append({"refresh": refresh, "wall_ms": split["wall_ms"],
                          **{f"{k}_ms": split[k] * split["wall_ms"] for k in ("matmul_qr", "elementwise", "overhead")},
-                         "aten_ops": top_level_ops(prof.events()), "non_product_ops": non_product_ops(prof.events())})
+                         "aten_ops": top_level_ops(events), "non_product_ops": non_product_ops(events)})
     walls = agg["wall_ms"]
     out = {k: (sum(w * x for w, x in zip(walls, v)) / sum(walls) if k != "wall_ms" else statistics.mean(v))
            for k, v in agg.items()}
@@ -335,7 +336,8 @@ def cmd_looptime(args) -> int:
     rec["provenance"] = provenance()
     out = Path(args.out)
     write_record(out / "looptime.json", rec)
-    (out / "looptime.md").write_text(looptime_markdown(rec) + ("\n" + steps_markdown(rec) if steps_markdown(rec) else ""))
+    steps = steps_markdown(rec)
+    (out / "looptime.md").write_text(looptime_markdown(rec) + ("\n" + steps if steps else ""))
     print((out / "looptime.md").read_text())
     return 0
 

@@ -344,31 +344,30 @@ def _check_sentence(sentence: str, levels: list[str], tables: dict[str, str]) ->
     return problems
 
 
-def _last_named(text: str, labels: list[str]) -> str | None:
-    """The label ``text`` names last: the mention that starts last, outside code spans and not inside
-    a longer label's mention ("Muon" in "Row-block Muon R=4")."""
+def _last_named(text: str, labels: list[str]) -> tuple[str, str] | None:
+    """The label ``text`` names last (the mention that starts last, outside code spans and not inside
+    a longer label's mention: "Muon" in "Row-block Muon R=4") and the text after that mention, code
+    spans blanked; None if it names none."""
     norm = re.sub(r"`[^`]*`", lambda m: " " * len(m.group(0)), _normalize(text, labels))
     spans = [(h.start(), h.end(), x) for x in labels if names(norm, x, labels)
              for h in re.finditer(r"(?<![\w-])" + re.escape(x) + r"(?![\w-])", norm, re.I)]
     spans = [a for a in spans if not any(b[0] <= a[0] and a[1] <= b[1] and b[1] - b[0] > a[1] - a[0] for b in spans)]
-    return max(spans)[2] if spans else None
+    if not spans:
+        return None
+    _, end, label = max(spans)
+    return label, norm[end:]
 
 
 def _gap_claim(clause: str, m: re.Match, labels: list[str], found) -> str | None:
     """(e) "X below / above / behind [Muon]" after a row's name: the row's gap to Muon, as one of the
-    sentence's tables gives it (its mean over seeds or its seed-0 gap, to the quoted decimals). A gap
-    followed by another row's name ("below AdamW") is against that row and not checked."""
+    sentence's tables gives it (rules in the module docstring); the problem, or None."""
     rest = _normalize(clause[m.end():], labels).lstrip()
     if any(rest.lower().startswith(x.lower()) for x in labels if x != "Muon") or _AGAINST.match(rest):
         return None  # against another row or run ("below AdamW", "above the fp32 run")
-    head = clause[:m.start()]
-    row = _last_named(head, labels)
-    if row is None or row == "Muon":
-        return None
-    norm = _normalize(head, labels)
-    last = list(re.finditer(re.escape(row), norm, re.I))
-    if last and _HPARAM.search(re.sub(r"`[^`]*`", " ", norm[last[-1].end():])):
-        return None  # another row's short form ("and B=1 Bo=1 (0.012 below") stands between: ambiguous
+    named = _last_named(clause[:m.start()], labels)
+    if named is None or named[0] == "Muon" or _HPARAM.search(named[1]):
+        return None  # no row, or another row's short form stands between ("and B=1 Bo=1 (0.012 below")
+    row = named[0]
     quoted = float(m.group(1)) * (-1 if m.group(2).lower() == "below" else 1)
     given = [(name, r[k]) for name, rows in found for r in rows if r["label"] == row
              for k in ("mean", "seed0") if r[k] is not None]

@@ -153,7 +153,7 @@ def test_profile_records_every_step_of_the_cycle_split_by_refresh():
     table = L.steps_markdown(rec).splitlines()
     assert table[0].startswith("| optimizer | steps refreshing / plain |")
     row = next(r for r in table if r.startswith("| dobb:blocks=2:stagger=false |"))
-    assert f"| 1 / 2 |" in row and row.endswith(f"| {steps[0]['aten_ops']} / "
+    assert "| 1 / 2 |" in row and row.endswith(f"| {steps[0]['aten_ops']} / "
                                                  f"{(steps[1]['aten_ops'] + steps[2]['aten_ops']) / 2:.0f} |")
 
 
