@@ -313,3 +313,31 @@ def test_split_refresh_must_be_a_bool():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False))
     with pytest.raises(ValueError, match="split_refresh must be True or False"):
         Dobb(model.parameters(), model, lr=0.01, split_refresh="yes")
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 256), (2, 2, 256), (1, 3, 32), (2, 1, 300)])
+@pytest.mark.parametrize("keep", [None, (True, False)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_put_bases_stores_the_bits_of_a_plain_copy(shape, keep, dtype):
+    """``_put_bases`` (rounding QR's column-major blocks first, large ones copied a 2-D block at a time)
+    writes exactly what ``bv.copy_(where(keep, q, bv))`` writes, into a basis run view that is a strided
+    part of a larger row-stacked basis (uneven blocks: ``s`` below the basis width)."""
+    from dobb.core.statistics import _put_bases
+
+    E, count, s = shape
+    if keep is not None and E != 2:
+        pytest.skip("keep flags are per matrix of a stack of two")
+    gen = torch.Generator().manual_seed(0)
+    p = torch.randn(E * count, s, s, generator=gen, dtype=torch.float64).float()
+    q = torch.linalg.householder_product(*torch.geqrf(p))  # LAPACK's column-major blocks
+    assert not q.is_contiguous()
+    for width in (s, s + 3):  # the run's blocks fill the basis width, or a wider block elsewhere pads it
+        basis = torch.randn(E, count * s + 5, width, generator=gen).to(dtype)
+        bv = basis[:, 5:].unflatten(1, (count, s))[..., :s]
+        ref = basis.clone()
+        k4 = None if keep is None else torch.tensor(keep).view(-1, 1, 1, 1)
+        rv = ref[:, 5:].unflatten(1, (count, s))[..., :s]
+        rv.copy_(q.view(rv.shape) if k4 is None else torch.where(k4, q.view(rv.shape), rv))
+        _put_bases(bv, q, None, k4)
+        assert torch.equal(basis, ref)
+        assert not torch.equal(basis[:, 5:], torch.zeros_like(basis[:, 5:]))

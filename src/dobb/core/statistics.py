@@ -275,13 +275,39 @@ def fold_side(new: ReducedStat, *, layout: MatrixLayout, stat: torch.Tensor, bas
 
 def _put_bases(bv: torch.Tensor, q: torch.Tensor, idx: torch.Tensor | None, keep: torch.Tensor | None) -> None:
     """Store new bases ``q`` into a stack's run view ``bv`` (``(E, count, s, s)``): all matrices, or
-    those of ``idx``; where ``keep`` (device flags) is False the old basis stays."""
+    those of ``idx``; where ``keep`` (device flags) is False the old basis stays. ``q`` is rounded to
+    the basis dtype first, in its own layout (``_rounded``), so the store is a same-dtype copy."""
     if idx is None:
-        q = q.view(bv.shape)
-        bv.copy_(q if keep is None else torch.where(keep, q, bv))
+        q = _rounded(q.view(bv.shape), bv.dtype)
+        _store(bv, q if keep is None else torch.where(keep, q, bv))
     else:
         q = q.reshape(len(idx), *bv.shape[1:]).to(bv.dtype)
         bv.index_copy_(0, idx, q if keep is None else torch.where(keep, q, bv.index_select(0, idx)))
+
+
+# blocks from this size on are stored one 2-D block at a time (see ``_store``)
+STORE_2D_MIN_SIZE = 256
+
+
+def _rounded(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``q`` in ``dtype``, in ``q``'s own memory layout: a QR or ``eigh`` result is column-major per
+    block (LAPACK's layout), and rounding it while it is copied into a row-major basis makes one
+    strided pass that converts and transposes at once; rounding is element-wise, so converting
+    first (one contiguous pass) and transposing after gives the same bits."""
+    return q if q.dtype == dtype else q.to(dtype, memory_format=torch.preserve_format)
+
+
+def _store(bv: torch.Tensor, q: torch.Tensor) -> None:
+    """``bv.copy_(q)`` for same-dtype ``q``: a large column-major block is copied as 2-D blocks, which
+    take torch's blocked transpose copy (a 4-D transposed copy walks the source with a stride of a
+    row and misses the cache on every element); the same values either way."""
+    s = bv.shape[-1]
+    if s >= STORE_2D_MIN_SIZE and q.dtype == bv.dtype and q.dim() == 4 and not q.is_contiguous():
+        for e in range(bv.shape[0]):
+            for c in range(bv.shape[1]):
+                bv[e, c].copy_(q[e, c])
+    else:
+        bv.copy_(q)
 
 
 # ----------------------------------------------------------------------------- the basis solve
