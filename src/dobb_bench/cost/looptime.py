@@ -132,13 +132,21 @@ def recompile_limit_for(n_compiled: int, cycle_len: int) -> int:
 def run_looptime(optimizers: list[str], *, preset: str = "small-cpu", vocab: int = 4096, batch: int = 16,
                  seq_len: int = 128, layers: int | None = None, cycles: int = 5, cycle_len: int = 9,
                  warmup: int | None = None, lr: float = 3.54e-3, weight_decay: float = 0.1, seed: int = 0,
-                 profile: bool = False, compile_backend: str | None = None, log=print) -> dict:
+                 profile: bool = False, compile_backend: str | None = None, skip_guards: bool = False,
+                 log=print) -> dict:
     """Interleaved training-loop step timing; see the module docstring.
 
     ``compile_backend``: also time every optimizer but torch's AdamW with its step compiled,
     ``torch.compile(opt.step, backend=...)``, as a row of its own (``SPEC compiled``); the warmup
     must cover the refresh cycle and the first step, so that every graph is compiled before the timing
-    starts, and Dynamo's recompile limit is raised to cover the cycle (one graph per refresh pattern)."""
+    starts, and Dynamo's recompile limit is raised to cover the cycle (one graph per refresh pattern).
+
+    ``skip_guards`` (with ``compile_backend``): a third row per optimizer (``SPEC compiled, guards
+    skipped``), its own compiled step, whose timed calls (after the warmup) run under
+    ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``: Dynamo checks only the guards that tell
+    the cached graphs apart, so the gap to the ``compiled`` row is what checking every guard of the
+    cached graphs costs a step. A diagnostic: unsafe for training, where a guard that is not checked
+    may let a stale graph run; its final loss is in the record beside the ``compiled`` row's."""
     from dobb_bench.training.model import GPT, config_from_preset
 
     # both AdamW references first: torch's foreach kernel (entries[0]) and its fused kernel
@@ -146,32 +154,38 @@ def run_looptime(optimizers: list[str], *, preset: str = "small-cpu", vocab: int
     if warmup is None:  # default: one cycle, and the first step besides when compiling
         warmup = cycle_len + (compile_backend is not None)
     cfg = config_from_preset(preset, vocab_size=vocab, seq_len=max(seq_len, 1), layers=layers)
+    if skip_guards and compile_backend is None:
+        raise ValueError("skip_guards times a compiled step with its guards skipped: it needs compile_backend")
     if compile_backend is not None and warmup <= cycle_len:
         raise ValueError(f"--compile needs --warmup > --cycle-len ({cycle_len}): every graph of the cycle, and "
                          f"the first step's, must compile before the timing starts, got --warmup {warmup}")
     if compile_backend is not None:
-        n_compiled = sum(o not in ADAMW_REFERENCES for o in optimizers)
+        n_compiled = sum(o not in ADAMW_REFERENCES for o in optimizers) * (2 if skip_guards else 1)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                    recompile_limit_for(n_compiled, cycle_len))
     entries = []
     for text in optimizers:
-        for compiled in (False, True) if compile_backend and text not in ADAMW_REFERENCES else (False,):
+        kinds = ("eager", "compiled", "unguarded")[: 3 if skip_guards else 2] if compile_backend else ("eager",)
+        for kind in kinds if text not in ADAMW_REFERENCES else ("eager",):
             model = GPT(cfg, seed=seed)
             spec, opt = build(text, model, lr, weight_decay)
-            step = torch.compile(opt.step, backend=compile_backend) if compiled else opt.step
-            entries.append({"spec": spec.text + (" compiled" if compiled else ""), "name": spec.name,
+            step = opt.step if kind == "eager" else torch.compile(opt.step, backend=compile_backend)
+            suffix = {"eager": "", "compiled": " compiled", "unguarded": " compiled, guards skipped"}[kind]
+            entries.append({"spec": spec.text + suffix, "name": spec.name,
                             "hparams": spec.hparams, "model": model, "opt": opt, "step": step,
-                            "compiled": compile_backend if compiled else None, "ms": [], "loss": [], "refresh": []})
+                            "timed_step": _unguarded(step) if kind == "unguarded" else step,
+                            "compiled": compile_backend if kind != "eager" else None, "guards_skipped": kind == "unguarded",
+                            "ms": [], "loss": [], "refresh": []})
     gen = torch.Generator().manual_seed(seed)
 
-    def one_step(e, x) -> None:
+    def one_step(e, x, timed: bool = True) -> None:
         opt = e["opt"]
         refresh = bool(getattr(opt, "is_refresh_step", lambda: False)())
         opt.zero_grad(set_to_none=True)
         _, loss = e["model"](x[:, :-1], x[:, 1:])
         loss.backward()
         t0 = time.perf_counter()
-        e["step"]()
+        (e["timed_step"] if timed else e["step"])()
         e["ms"].append(1e3 * (time.perf_counter() - t0))
         e["loss"].append(loss.item())
         e["refresh"].append(refresh)
@@ -181,7 +195,7 @@ def run_looptime(optimizers: list[str], *, preset: str = "small-cpu", vocab: int
         x = torch.randint(0, vocab, (batch, seq_len + 1), generator=gen)
         k = step % len(entries)
         for e in entries[k:] + entries[:k]:  # rotated order: no optimizer always runs first
-            one_step(e, x)
+            one_step(e, x, timed=step >= warmup)
     summaries = []
     ref, fused = entries[0], entries[1]
     for e in entries:
@@ -199,6 +213,7 @@ def run_looptime(optimizers: list[str], *, preset: str = "small-cpu", vocab: int
         measured = state_bytes(e["opt"])
         summaries.append({
             "spec": e["spec"], "name": e["name"], "hparams": e["hparams"], "compiled": e["compiled"],
+            "guards_skipped": e["guards_skipped"],
             "amortized_ms": _q([statistics.mean(c) for c in cyc]),
             "ratio_to_adamw": _q([statistics.mean(c) / statistics.mean(r) for c, r in zip(cyc, refc)]),
             "ratio_to_fused_adamw": _q([statistics.mean(c) / statistics.mean(r) for c, r in zip(cyc, fusc)]),
@@ -228,6 +243,15 @@ def run_looptime(optimizers: list[str], *, preset: str = "small-cpu", vocab: int
             "summaries": summaries}
 
 
+def _unguarded(step):
+    """``step`` called under ``set_stance(skip_guard_eval_unsafe=True)`` (``run_looptime``'s
+    ``skip_guards`` row)."""
+    def run():
+        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+            return step()
+    return run
+
+
 def top_level_ops(events) -> int:
     """The aten operators a step calls itself (each a dispatch from Python or from a non-aten op):
     ``aten`` events whose parent is not an ``aten`` event, so ``to`` -> ``_to_copy`` -> ``copy_`` counts
@@ -253,7 +277,7 @@ def _profile(e, batch_fn, one_step, steps: int) -> dict:
         loss.backward()
         with profile(record_shapes=True) as prof:
             t0 = time.perf_counter()
-            e["step"]()
+            e["timed_step"]()
             wall = 1e6 * (time.perf_counter() - t0)
         events = prof.events()
         split = classify_profile(events, wall)
@@ -329,10 +353,13 @@ def cmd_looptime(args) -> int:
 
     if args.cycles < 2 or args.cycle_len < 1:
         raise CliError("--cycles must be >= 2 and --cycle-len >= 1")
+    if args.skip_guards and args.compile is None:
+        raise CliError("--skip-guards times a compiled step: give --compile too")
     torch.set_num_threads(args.threads)
     rec = run_looptime(args.optimizers, preset=args.preset, vocab=args.vocab, batch=args.batch,
                        seq_len=args.seq_len, layers=args.layers, cycles=args.cycles, cycle_len=args.cycle_len, warmup=args.warmup,
-                       seed=args.seed, profile=args.profile, compile_backend=args.compile)
+                       seed=args.seed, profile=args.profile, compile_backend=args.compile,
+                       skip_guards=args.skip_guards)
     rec["provenance"] = provenance()
     out = Path(args.out)
     write_record(out / "looptime.json", rec)
@@ -361,5 +388,9 @@ def add_parsers(sub) -> None:
     lt.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                     help="also time each optimizer's step compiled, torch.compile(opt.step) (default backend "
                          "inductor); give Dobb check_finite=false, or its finiteness check breaks the graph")
+    lt.add_argument("--skip-guards", action="store_true",
+                    help="with --compile, a third row per optimizer: its compiled step timed with Dynamo's guard "
+                         "checks skipped (set_stance skip_guard_eval_unsafe), to measure what the guards cost; "
+                         "a diagnostic, unsafe for training")
     lt.add_argument("--out", default="runs/looptime")
     lt.set_defaults(func=cmd_looptime)

@@ -169,3 +169,46 @@ def test_two_compiled_rows_raise_the_limit_for_both(monkeypatch):
     with torch._dynamo.config.patch(recompile_limit=8):
         rec = L.run_looptime(["dobb:blocks=2", "dobb:blocks=1"], **kw)
         assert rec["config"]["recompile_limit"] == L.recompile_limit_for(2, 2) == 12
+
+
+def test_skip_guards_row_times_the_compiled_step_with_its_guards_skipped(monkeypatch):
+    """``skip_guards`` adds a third row per optimizer (``SPEC compiled, guards skipped``), compiled on its
+    own model copy, whose timed calls, and only those (not the warmup's, which compile the graphs), run
+    under ``set_stance(skip_guard_eval_unsafe=True)``; it trains to the compiled row's loss, bit for bit,
+    and counts in the recompile limit. Without a compile backend it is refused."""
+    stances = []
+    real = torch.compiler.set_stance
+
+    def spy(*a, **kw):
+        stances.append(kw.get("skip_guard_eval_unsafe", False))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(torch.compiler, "set_stance", spy)
+    # graphs other tests cached for torch's step wrapper would count against the limit (as the bench's
+    # own process has none): past it, a frame runs eagerly and the unguarded stance refuses to recompile
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=8):
+        rec = L.run_looptime(["dobb:blocks=2:stagger=false"], preset="tiny", vocab=64, batch=2, seq_len=8,
+                             layers=1, cycles=2, cycle_len=2, warmup=3, compile_backend="aot_eager",
+                             skip_guards=True, log=lambda *a: None)
+    specs = [s["spec"] for s in rec["summaries"]]
+    assert specs[2:] == ["dobb:blocks=2:stagger=false", "dobb:blocks=2:stagger=false compiled",
+                         "dobb:blocks=2:stagger=false compiled, guards skipped"]
+    assert [s["guards_skipped"] for s in rec["summaries"]] == [False, False, False, False, True]
+    assert stances == [True] * (2 * 2)  # the four timed steps of the one unguarded row
+    comp, ung = rec["summaries"][3], rec["summaries"][4]
+    assert ung["final_loss"] == comp["final_loss"]
+    with pytest.raises(ValueError, match="needs compile_backend"):
+        L.run_looptime(["dobb"], preset="tiny", vocab=64, batch=2, seq_len=8, layers=1, cycles=2, cycle_len=2,
+                       warmup=3, skip_guards=True, log=lambda *a: None)
+
+
+def test_skip_guards_counts_in_the_recompile_limit(monkeypatch):
+    """One Dobb row with ``skip_guards`` compiles two steps (compiled, unguarded): the limit is raised as
+    for two compiled optimizers."""
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    with torch._dynamo.config.patch(recompile_limit=8):
+        rec = L.run_looptime(["dobb:blocks=2"], preset="tiny", vocab=64, batch=2, seq_len=8, layers=1, cycles=2,
+                             cycle_len=2, warmup=3, compile_backend="aot_eager", skip_guards=True,
+                             log=lambda *a: None)
+        assert rec["config"]["recompile_limit"] == L.recompile_limit_for(2, 2) == 12
