@@ -290,19 +290,24 @@ STORE_2D_MIN_SIZE = 256
 
 
 def _rounded(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``q`` in ``dtype``, in ``q``'s own memory layout: a QR or ``eigh`` result is column-major per
-    block (LAPACK's layout), and rounding it while it is copied into a row-major basis makes one
-    strided pass that converts and transposes at once; rounding is element-wise, so converting
-    first (one contiguous pass) and transposing after gives the same bits."""
-    return q if q.dtype == dtype else q.to(dtype, memory_format=torch.preserve_format)
+    """``q`` in ``dtype``, in ``q``'s own memory layout, on a CPU: a QR or ``eigh`` result is
+    column-major per block (LAPACK's layout), and rounding it while it is copied into a row-major
+    basis makes one strided pass that converts and transposes at once, missing the cache; rounding
+    is element-wise, so converting first (one contiguous pass) and transposing after gives the same
+    bits. Elsewhere ``q`` as it is: the store's one copy converts (one kernel, not two)."""
+    if q.dtype == dtype or q.device.type != "cpu":
+        return q
+    return q.to(dtype, memory_format=torch.preserve_format)
 
 
 def _store(bv: torch.Tensor, q: torch.Tensor) -> None:
-    """``bv.copy_(q)`` for same-dtype ``q``: a large column-major block is copied as 2-D blocks, which
+    """``bv.copy_(q)``; on a CPU a large same-dtype column-major block is copied as 2-D blocks, which
     take torch's blocked transpose copy (a 4-D transposed copy walks the source with a stride of a
-    row and misses the cache on every element); the same values either way."""
+    row and misses the cache on every element); the same values either way. Elsewhere one copy
+    (one kernel)."""
     s = bv.shape[-1]
-    if s >= STORE_2D_MIN_SIZE and q.dtype == bv.dtype and q.dim() == 4 and not q.is_contiguous():
+    if (s >= STORE_2D_MIN_SIZE and q.device.type == "cpu" and q.dtype == bv.dtype and q.dim() == 4
+            and not q.is_contiguous()):
         for e in range(bv.shape[0]):
             for c in range(bv.shape[1]):
                 bv[e, c].copy_(q[e, c])
