@@ -155,7 +155,8 @@ def run_looptime(optimizers: list[str], *, preset: str = "small-cpu", vocab: int
         warmup = cycle_len + (compile_backend is not None)
     cfg = config_from_preset(preset, vocab_size=vocab, seq_len=max(seq_len, 1), layers=layers)
     if skip_guards and compile_backend is None:
-        raise ValueError("skip_guards times a compiled step with its guards skipped: it needs compile_backend")
+        raise ValueError("--skip-guards (skip_guards) times a compiled step with its guards skipped: it needs "
+                         "--compile (compile_backend)")
     if compile_backend is not None and warmup <= cycle_len:
         raise ValueError(f"--compile needs --warmup > --cycle-len ({cycle_len}): every graph of the cycle, and "
                          f"the first step's, must compile before the timing starts, got --warmup {warmup}")
@@ -353,8 +354,6 @@ def cmd_looptime(args) -> int:
 
     if args.cycles < 2 or args.cycle_len < 1:
         raise CliError("--cycles must be >= 2 and --cycle-len >= 1")
-    if args.skip_guards and args.compile is None:
-        raise CliError("--skip-guards times a compiled step: give --compile too")
     torch.set_num_threads(args.threads)
     rec = run_looptime(args.optimizers, preset=args.preset, vocab=args.vocab, batch=args.batch,
                        seq_len=args.seq_len, layers=args.layers, cycles=args.cycles, cycle_len=args.cycle_len, warmup=args.warmup,
