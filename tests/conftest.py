@@ -10,7 +10,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # below hold no module-wide fixture and many slow, independent tests (CLI subprocesses, compiles),
 # so their tests spread over both workers instead.
 _PER_TEST = ("tests/bench/test_cli.py", "tests/integrations/test_compile.py",
-             "tests/bench/training/test_commands_train.py", "tests/bench/training/test_train_dist.py")
+             "tests/bench/training/test_commands_train.py", "tests/bench/training/test_train_dist.py",
+             "tests/test_docs_run.py")
 
 
 def pytest_collection_modifyitems(config, items):

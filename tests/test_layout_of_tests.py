@@ -46,6 +46,7 @@ PENDING_MODULES: set[Path] = set()
 CROSS_CUTTING_TESTS = {
     TESTS / "test_readme.py",  # the README's commands and code blocks
     TESTS / "test_layout_of_tests.py",  # this file
+    TESTS / "test_docs_run.py",  # every python block of the docs runs alone; links; the paper cited
     TESTS / "test_dev_setup.py",  # the repository's dev setup and commit-msg hook, no module
     TESTS / "integrations" / "test_capture_api.py",  # opt.capture for custom layers, MoE routing (public API)
     TESTS / "integrations" / "test_compile.py",  # torch.compile of the step, every optimizer
