@@ -211,7 +211,7 @@ def add_parsers(sub) -> None:
     p = sub.add_parser("project", help="model the optimizer step at scale (H100; GPT-2 XL, Llama-3-8B, or --config)")
     p.add_argument("--inputs", default=str(INPUTS), help="inputs JSON (default: the committed one beside the module)")
     p.add_argument("--out", default=str(RECORD.parent), help="folder for projection.json/.md and the plot")
-    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--no-plot", action="store_true", help="write the record without projected_step.png")
     p.add_argument("--config", default=None,
                    help="a Hugging Face config.json or a named shape (gpt2-xl, llama3-8b, ...): print every method's "
                         "projected step for that model instead of writing the record")
