@@ -165,7 +165,7 @@ def run_many(jobs: list[tuple[OptimizerSpec, float]], args, model_cfg, train_cfg
         return finals
     # Newton-Schulz rows cost ~10x an AdamW step on CPU (bf16 matmuls; records' train_cpu_s):
     # starting them first keeps the two job slots balanced. Table order stays the spec order.
-    todo.sort(key=lambda t: t[1].name not in ("muon", "block-muon", "pr-muon", "dion2"))
+    todo.sort(key=lambda t: t[1].name not in compare_plan.NS_FIRST)  # compare_plan.schedule follows this order
     ctx, active = mp.get_context("spawn"), []
     try:
         while todo or active:

@@ -19,8 +19,10 @@ an eval every 50 steps of 64 windows), read at call time:
 Another model or batch than the records', or a spec without records, is timed here instead: a few
 training steps of that row on the real model, in this process (evals not counted). The runs are
 then laid on ``--jobs`` slots in the order ``run_many`` starts them (Newton-Schulz rows first, each
-run to the first free slot); the longest slot is the expected duration. The records were measured on
-a shared 2-core AMD EPYC host, medians over loaded and quiet runs: a guide, not a promise.
+run to the first free slot); the longest slot is the expected duration (a child's start-up, some
+seconds a run, is not counted). The records were measured on a shared 2-core AMD EPYC host, medians
+over loaded and quiet runs: a guide, not a promise. Applied to the 11 rows this job ran before issue
+53 (four of them timed here), it gave 573 s where that job measured 377 s: on the safe side.
 """
 from __future__ import annotations
 
@@ -175,6 +177,8 @@ def duration_text(jobs, estimates: list[Estimate], slots: int) -> str:
              f"({total / 60:.1f} min; runs already finished in --out are reused and take no time):"]
     lines += [f"  {spec.label} lr={lr:.3g}: about {e.seconds:.0f} s ({e.source})"
               for (spec, lr), e in zip(jobs, estimates)]
+    if total > BUDGET_S:
+        lines.append(f"  (more than the main job's {BUDGET_S / 60:.0f}-minute budget on 2 cores)")
     return "\n".join(lines)
 
 

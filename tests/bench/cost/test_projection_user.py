@@ -150,3 +150,19 @@ def test_rows_the_model_cannot_price_say_not_projected_and_why(capsys):
     dm = [r for r in _table(out) if r[0].startswith("build_optimizer('dobb-muon'")]
     assert dm and all(r[2].startswith("not projected: ") and "whole rows" in r[2] for r in dm)
     assert out.count("Cheapest at this scale:") == 1
+
+
+def test_every_row_name_is_a_build_optimizer_call_the_library_takes():
+    """Each row's name parses as ``build_optimizer(name, **options)`` with options the library's
+    registry accepts for that name (``dobb.valid_hparams``)."""
+    import ast
+
+    import dobb
+
+    spec = PJ.config_spec("llama3-8b", PJ.load_inputs())
+    for name, _, _ in PJ.user_rows(spec, 64):
+        call = ast.parse(name, mode="eval").body
+        assert isinstance(call, ast.Call) and call.func.id == "build_optimizer", name
+        opt = ast.literal_eval(call.args[0])
+        assert opt in dobb.OPTIMIZER_NAMES, name
+        assert {k.arg for k in call.keywords} <= set(dobb.valid_hparams(opt)), name
