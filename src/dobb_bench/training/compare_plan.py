@@ -21,8 +21,7 @@ training steps of that row on the real model, in this process (evals not counted
 then laid on ``--jobs`` slots in the order ``run_many`` starts them (Newton-Schulz rows first, each
 run to the first free slot); the longest slot is the expected duration (a child's start-up, some
 seconds a run, is not counted). The records were measured on a shared 2-core AMD EPYC host, medians
-over loaded and quiet runs: a guide, not a promise. Applied to the 11 rows this job ran before issue
-53 (four of them timed here), it gave 573 s where that job measured 377 s: on the safe side.
+over loaded and quiet runs: a guide, not a promise.
 """
 from __future__ import annotations
 
