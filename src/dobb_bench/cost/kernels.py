@@ -77,6 +77,12 @@ METHODS: dict[str, tuple[str, dict]] = {
     "dobb-g-l2-fp32": ("dobb-g-l2", {"blocks": 4, "refresh_every": 3, "stagger": False,
                                      "product_dtype": torch.float32}),
     "torch-muon-bf16": ("torch.optim.Muon", {"ns_steps": 2}),
+    # Dobb-Muon (Adam in Dobb's input-side bases, Newton-Schulz per row block) and SOAP, whose
+    # "-refresh" trace refreshes its bases on the traced step (precondition_frequency=1): the
+    # refresh's own bytes and kernels are the difference from the steady trace
+    "dobb-muon": ("dobb-muon", {"blocks": 4, "out_blocks": 4, "refresh_every": 3, "stagger": False}),
+    "soap": ("soap", {}),
+    "soap-refresh": ("soap", {"precondition_frequency": 1}),
 }
 # traced on the CPU path: torch refuses fused=True on a device without its kernel, and the one
 # fused op (``_fused_adamw_``) is the same op on every device
@@ -250,13 +256,16 @@ def ns_ops(shapes, on_device: bool = True) -> list:
 def stat_entries(label: str, m: float, n: float, **override) -> float:
     """Entries of the tensors beside the weight that a method's element-wise passes sweep, per
     ``m x n`` matrix: Dobb's block statistic and basis (``n^2 / B`` on the input side, ``m^2 / B``
-    on the output side, both for two-sided), Dion's factor (``max(m, n) r``); 0 for the others."""
+    on the output side, both for two-sided), Dion's factor (``max(m, n) r``), SOAP's factors and
+    bases (``m^2 + n^2``); 0 for the others."""
     from dobb.baselines.dion_family.dion import dion_rank
 
     name, hp = METHODS[label]
     hp = {**hp, **override}
     if name == "dion":
         return max(m, n) * dion_rank(int(m), int(n), hp["rank_fraction"])
+    if name == "soap":  # L and QL (m x m), R and QR (n x n): both sides at the traced shapes
+        return m * m + n * n
     if name.startswith("dobb"):
         side = hp.get("side", "output" if name.startswith("dobb-g") else "input")
         s = 0.0

@@ -371,18 +371,19 @@ def cmd_looptime(args) -> int:
 def add_parsers(sub) -> None:
     lt = sub.add_parser("looptime", help="optimizer.step() time inside the training loop, interleaved")
     lt.add_argument("--optimizers", nargs="+", default=["torch-adamw", "dobb:blocks=16", "dobb:blocks=4",
-                                                        "dobb:blocks=16:stagger=false", "muon", "dion:rank_fraction=1/16"])
+                                                        "dobb:blocks=16:stagger=false", "muon", "dion:rank_fraction=1/16"],
+                    help="specs NAME[:key=value...] (dobb_bench.specs), timed in turn")
     lt.add_argument("--preset", default="small-cpu", help="bench model preset (default: the compare default)")
     lt.add_argument("--layers", type=int, help="layers (default: the preset's; the loss records use 2)")
-    lt.add_argument("--vocab", type=int, default=4096)
-    lt.add_argument("--batch", type=int, default=16)
-    lt.add_argument("--seq-len", type=int, default=128)
+    lt.add_argument("--vocab", type=int, default=4096, help="vocabulary size of the model (default 4096)")
+    lt.add_argument("--batch", type=int, default=16, help="sequences per step (default 16)")
+    lt.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
     lt.add_argument("--cycles", type=int, default=5, help="measured cycles (repeats)")
     lt.add_argument("--cycle-len", type=int, default=9, help="steps per cycle (Dobb's refresh period)")
     lt.add_argument("--warmup", type=int, default=None,
                     help="steps before the timing (default: --cycle-len, one more with --compile)")
-    lt.add_argument("--seed", type=int, default=0)
-    lt.add_argument("--threads", type=int, default=1)
+    lt.add_argument("--seed", type=int, default=0, help="seed of the weights and batches (default 0)")
+    lt.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     lt.add_argument("--profile", action="store_true", help="also split one cycle by operator class")
     lt.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                     help="also time each optimizer's step compiled, torch.compile(opt.step) (default backend "
@@ -391,5 +392,5 @@ def add_parsers(sub) -> None:
                     help="with --compile, a third row per optimizer: its compiled step timed with Dynamo's guard "
                          "checks skipped (set_stance skip_guard_eval_unsafe), to measure what the guards cost; "
                          "a diagnostic, unsafe for training")
-    lt.add_argument("--out", default="runs/looptime")
+    lt.add_argument("--out", default="runs/looptime", help="output folder (default runs/looptime)")
     lt.set_defaults(func=cmd_looptime)

@@ -60,7 +60,7 @@ from dobb_bench.cost.projection_model import (INPUTS, RECORD, ROOT, Hardware, La
                                               value_of, zero_cost,
                                               model_matrices, other_tensors, ring_time, seconds)
 from dobb_bench.cost.projection_costs import *  # noqa: F401,F403
-from dobb_bench.cost.projection_costs import COSTS, owner_plan, project  # noqa: F401
+from dobb_bench.cost.projection_costs import COSTS, NotProjected, owner_plan, project  # noqa: F401
 from dobb_bench.cost.projection_record import *  # noqa: F401,F403
 from dobb_bench.cost.projection_record import (TABLES, TERM_KEYS, build, calibration_markdown,  # noqa: F401
                                                fit_constants, plot, projection_markdown, short_ms)
@@ -103,6 +103,57 @@ def config_spec(config: str, inputs: dict) -> dict:
     raise ValueError(f"--config {config}: model_type {kind!r} is not supported (gpt2, {', '.join(LLAMA_LIKE)})")
 
 
+def call(name: str, **hp) -> str:
+    """A row's name: the ``dobb.build_optimizer`` call that builds it (the model argument left out)."""
+    return f"build_optimizer({name!r}" + "".join(f", {k}={v!r}" for k, v in hp.items()) + ")"
+
+
+def user_rows(spec: dict, fs: int) -> list[tuple[str, str, dict]]:
+    """``(row name, what it is, the projection's method)`` of every row ``project --config`` prices:
+    the README's recommended optimizers (row-block Muon, Dobb-Muon and its per-head form, MuonBP,
+    SOAP owner-computed) beside AdamW, owner-compute Muon and Dobb, each with the library's defaults
+    (``dobb.registry.hparam_defaults``: refresh period, MuonBP's period, SOAP's precondition frequency
+    and size limit) but the blocks; row blocks at the shard count ``fs`` (``blocks=<ranks>``), and
+    Dobb's forms at ``B = fs`` and at the block width of their 20-tokens rows, 32 input columns
+    (``B = width / 32``: width 128 in 4 blocks)."""
+    import dobb.registry as reg
+
+    dobb_hp, muonbp_hp, soap_hp = (reg.hparam_defaults(n) for n in ("dobb", "muonbp", "soap"))
+    T = int(dobb_hp["refresh_every"])
+    width = spec["width"]
+    b32 = max(1, width // 32)
+    heads = spec.get("heads") or max(1, width // 64)  # GPT-2: 64-wide heads
+    rows = [
+        (call("adamw"), "AdamW", {"kind": "adamw"}),
+        (call("owner-muon"), "owner-compute Muon", {"kind": "owner-muon", "ns_bytes": 2}),
+        (call("block-muon", axis=0, blocks=fs), "row-block Muon", {"kind": "row-block-muon", "blocks": fs}),
+        (call("muonbp"), f"MuonBP P={muonbp_hp['period']}",
+         {"kind": "muonbp", "period": int(muonbp_hp["period"]), "ns_bytes": 2}),
+        (call("soap"), "SOAP, owner-computed", {"kind": "soap", "precondition_frequency": int(soap_hp["precondition_frequency"]),
+                                                "max_precondition_dim": int(soap_hp["max_precondition_dim"])}),
+        (call("dobb"), "Dobb B=1", {"kind": "dobb", "blocks": 1, "refresh_every": T, "kernels": "dobb-b1"}),
+        (call("dobb", split_refresh=True), "Dobb B=1, refresh split over the statistic group",
+         {"kind": "dobb", "blocks": 1, "refresh_every": T, "kernels": "dobb-b1", "split_refresh": True}),
+        (call("dobb", blocks=4), "Dobb B=4", {"kind": "dobb", "blocks": 4, "refresh_every": T, "kernels": "dobb-b4"}),
+    ]
+    forms = [(fs, "B = shards")] + ([(b32, "32 input columns")] if b32 != fs else [])
+    for b, why in forms:
+        if b not in (1, 4):  # those are the rows above
+            rows.append((call("dobb", blocks=b), f"Dobb B={b} ({why})",
+                         {"kind": "dobb", "blocks": b, "refresh_every": T, "kernels": "dobb-b4"}))
+    for b, why in forms:
+        for h in (None, heads):
+            hp = {"blocks": b, "out_blocks": fs, **({"heads": h} if h else {})}
+            rows.append((call("dobb-muon", **hp), f"Dobb-Muon B={b} ({why}) Bo={fs}" + (" per head" if h else ""),
+                         {"kind": "dobb-muon", "refresh_every": T, **hp}))
+    rows += [
+        (call("dion2", fraction=0.25, select="shard"), "Dion2 1/4 per shard", {"kind": "dion2-shard", "fraction": 0.25}),
+        (call("dobb", side="both", out_blocks=4), "two-sided Dobb B=1 Bo=4",
+         {"kind": "dobb-both", "blocks": 1, "out_blocks": 4, "refresh_every": T, "kernels": "dobb-both"}),
+    ]
+    return rows
+
+
 def user_projection(spec: dict, gpus: int, tp: int, dtype: str, mfu: float, tokens: int, inputs: dict,
                     hardware: str = "h100-sxm") -> dict:
     """Every method's projected step on ``gpus`` ranks (FSDP ``gpus / tp`` x TP ``tp``), and its share
@@ -133,10 +184,19 @@ def user_projection(spec: dict, gpus: int, tp: int, dtype: str, mfu: float, toke
     params = sum(x.m * x.n for x in mats) + other
     fwd_bwd_ms = 1e3 * 6 * params * tokens / (gpus * value_of(inputs["hardware"][hardware]["bf16_flops"]) * mfu)
     rows = []
-    for label, method in inputs["methods"].items():
+    for label, what, method in user_rows(spec, lay.fs):
         m = dict(method, ns_bytes=4) if dtype == "fp32" and "ns_bytes" in method else method
-        res = project(m, mats, other, lay, hw, True, inputs["kernels"]["methods"], tensors)
-        rows.append({"method": label, **res, "share": res["amortized_ms"] / (fwd_bwd_ms + res["amortized_ms"])})
+        try:
+            res = project(m, mats, other, lay, hw, True, inputs["kernels"]["methods"], tensors)
+        except (NotProjected, KeyError) as exc:
+            why = str(exc) if isinstance(exc, NotProjected) else f"no traced step {exc} in the inputs"
+            rows.append({"method": label, "what": what, "kind": m["kind"], "not_projected": why})
+            continue
+        extra = {"stat_sync": True} if m["kind"].startswith("dobb") else {}
+        steady = COSTS[m["kind"]](mats, lay, hw, m, inputs["kernels"]["methods"], **extra)["steady"]
+        rows.append({"method": label, "what": what, "kind": m["kind"], **res,
+                     "per_step_communication": steady["link_s"] + steady["latency_s"] > 0,
+                     "share": res["amortized_ms"] / (fwd_bwd_ms + res["amortized_ms"])})
     return {"params": params, "matrices": len(mats), "other_tensors": tensors, "layout": {"fs": lay.fs, "tp": tp},
             "fwd_bwd_ms": fwd_bwd_ms, "fitted": fitted, "hardware": hardware, "rows": rows,
             "efficiency": {"bf16": hw.bf16_eff, "fp32": hw.fp32_eff}}
@@ -146,21 +206,47 @@ def inputs_fit(args) -> list[dict]:
     return load_inputs(args.inputs).get("fit", []) or [{"case": "the inputs", "published": "fixed"}]
 
 
+def cheapest_line(rows: list[dict]) -> str:
+    """The table's closing line: the row with the least amortized step among the projected rows, and
+    the least among those whose steady step sends nothing (no per-step communication) where another."""
+    done = [r for r in rows if "amortized_ms" in r]
+    if not done:
+        return "Cheapest: no row could be projected."
+    low = min(done, key=lambda r: r["amortized_ms"])
+    text = f"Cheapest at this scale: {low['method']} ({low['what']}), {short_ms(low['amortized_ms'])} ms amortized"
+    quiet = [r for r in done if not r["per_step_communication"]]
+    if quiet and low["per_step_communication"]:
+        q = min(quiet, key=lambda r: r["amortized_ms"])
+        text += (f"; among rows with no per-step communication: {q['method']} ({q['what']}), "
+                 f"{short_ms(q['amortized_ms'])} ms")
+    elif quiet:
+        text += ", a row with no per-step communication"
+    return text + "."
+
+
 def user_text(res: dict, args) -> str:
     hw = res["hardware"]
     fit = res["fitted"]
     out = [f"{args.config}: {res['params'] / 1e9:.3g}B parameters, {res['matrices']} hidden matrices, "
            f"{res['other_tensors']} other tensors (AdamW); {args.gpus} x {hw}, FSDP {res['layout']['fs']} x TP {args.tp}",
-           "", "| method | steady ms | periodic ms | amortized ms | HBM / matmul / link / latency / launch / QR ms "
-           f"| share of a training step at MFU {args.mfu:g} |", "|---|---|---|---|---|---|"]
+           "", "| method | what | steady ms | periodic ms | amortized ms | HBM / matmul / link / latency / launch / QR ms "
+           f"| share of a training step at MFU {args.mfu:g} |", "|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
-        per = "—" if r["periodic_ms"] is None else short_ms(r["periodic_ms"])
+        if "not_projected" in r:
+            out.append(f"| {r['method']} | {r['what']} | not projected: {r['not_projected']} | | | | |")
+            continue
+        per = "—" if r["periodic_ms"] is None else short_ms(r["periodic_ms"]) + f" (every {r['every']})"
         terms = " / ".join(short_ms(r[k]) for k in TERM_KEYS)
-        out.append(f"| {r['method']} | {short_ms(r['steady_ms'])} | {per} | {short_ms(r['amortized_ms'])} | {terms} | "
-                   f"{100 * r['share']:.2g}% |")
+        out.append(f"| {r['method']} | {r['what']} | {short_ms(r['steady_ms'])} | {per} | {short_ms(r['amortized_ms'])} "
+                   f"| {terms} | {100 * r['share']:.2g}% |")
+    out += ["", cheapest_line(res["rows"])]
     out += ["", "Assumptions:",
-            f"- per rank, per optimizer.step(); the six terms add (no overlap); Dobb amortized over T = 9 "
-            f"(refresh = the periodic step), MuonBP over P = 5 (owner-compute full step = the periodic step);",
+            f"- per rank, per optimizer.step(); the six terms add (no overlap); a periodic step (Dobb's refresh, "
+            f"MuonBP's owner-compute full step, SOAP's basis refresh) amortized over its period (every N);",
+            "- Dobb-Muon: three products with the input-side basis, NS5 on each row block (cut at shard boundaries), "
+            "Dobb's refresh; SOAP: owner compute as owner-compute Muon (fp32 all-to-alls), four fp32 products a "
+            "preconditioned side a step, a side over max_precondition_dim unpreconditioned; split_refresh: each "
+            "block's solve on one rank of the statistic group, bases broadcast in bf16;",
             f"- {hw}: the datasheet rates in src/dobb_bench/cost/projection_inputs.json; products in {args.dtype} at "
             f"{100 * res['efficiency'][args.dtype]:.0f}% of peak (Dobb's refresh and Dion in fp32 at "
             f"{100 * res['efficiency']['fp32']:.0f}%);",
@@ -211,7 +297,7 @@ def add_parsers(sub) -> None:
     p = sub.add_parser("project", help="model the optimizer step at scale (H100; GPT-2 XL, Llama-3-8B, or --config)")
     p.add_argument("--inputs", default=str(INPUTS), help="inputs JSON (default: the committed one beside the module)")
     p.add_argument("--out", default=str(RECORD.parent), help="folder for projection.json/.md and the plot")
-    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--no-plot", action="store_true", help="write the record without projected_step.png")
     p.add_argument("--config", default=None,
                    help="a Hugging Face config.json or a named shape (gpt2-xl, llama3-8b, ...): print every method's "
                         "projected step for that model instead of writing the record")

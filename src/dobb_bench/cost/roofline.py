@@ -230,6 +230,6 @@ def add_parsers(sub) -> None:
     rf.add_argument("--timing", nargs="*", help="timing.jsonl records (dobb-bench timing) to place")
     rf.add_argument("--mb", type=int, default=256, help="MB per triad array")
     rf.add_argument("--size", type=int, default=1024, help="matmul size")
-    rf.add_argument("--threads", type=int, default=1)
-    rf.add_argument("--out", default="runs/roofline")
+    rf.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
+    rf.add_argument("--out", default="runs/roofline", help="output folder (default runs/roofline)")
     rf.set_defaults(func=cmd_roofline)

@@ -67,9 +67,9 @@ def _add_training_args(p, steps: int):
     p.add_argument("--steps", type=int, default=steps, help=f"training steps (default {steps})")
     p.add_argument("--optimizer", default="dobb", help="optimizer that trains the model (default dobb)")
     p.add_argument("--lr", type=float, default=2.5e-3, help="default 2.5e-3 (paper grid j = -2)")
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--weight-decay", type=float, default=0.1, help="decoupled weight decay (default 0.1)")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per training step (default 16)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and data order (default 0)")
     p.add_argument("--data", default=None, help="corpus (default: the interpreter's stdlib sources)")
 
 

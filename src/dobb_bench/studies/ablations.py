@@ -99,6 +99,7 @@ def add_parsers(sub) -> None:
     p.add_argument("study", help=f"one of {', '.join(ABLATIONS)}, a comma list, or all")
     p.add_argument("--seeds", type=int, default=1, help="seeds per setting (from --seed)")
     p.add_argument("--jobs", type=int, default=1, help="runs at a time (one thread each)")
-    p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
+                   help="one child process per run (default on CPU without torchrun)")
     add_common_args(p)
     p.set_defaults(func=cmd_ablate)

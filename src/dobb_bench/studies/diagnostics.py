@@ -353,18 +353,18 @@ def cmd_render(args) -> int:
 def add_parsers(sub) -> None:
     p = sub.add_parser("microbatch", help="micro-batch split x capture grid with per-refresh diagnostics")
     p.add_argument("--optimizer", action="append", help="NAME[:k=v...] spec, repeatable (default dobb:blocks=16)")
-    p.add_argument("--micro-batches", default="1,2,4")
+    p.add_argument("--micro-batches", default="1,2,4", help="comma-separated micro-batch counts M (default 1,2,4)")
     p.add_argument("--capture", default="first,all", help="Dobb capture modes tried when M > 1")
-    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
     p.add_argument("--quick", action="store_true", help="tiny model, 100 steps")
     p.add_argument("--steps", type=int, help="override the setting's step count")
     p.add_argument("--data", help="corpus (default: stdlib sources, bytes)")
     p.add_argument("--jobs", type=int, default=1, help="runs at a time (one thread each)")
-    p.add_argument("--out", default="bench-out/microbatch")
+    p.add_argument("--out", default="bench-out/microbatch", help="folder for the runs (default bench-out/microbatch)")
     p.add_argument("--record", help="write the compact JSON record here")
     p.set_defaults(func=cmd_microbatch)
     p = sub.add_parser("microbatch-table", help="the tables of a microbatch record (docs/microbatch.md)")
-    p.add_argument("record")
+    p.add_argument("record", help="a microbatch JSON record (written by microbatch --record)")
     p.set_defaults(func=cmd_render)
 
 

@@ -80,7 +80,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--runs", help="the runs folder: one --out per run (run, status, collect)")
     p.add_argument("--worktree", help="a clean worktree of the revision to measure (run)")
     p.add_argument("--reeval-worktree", help="a clean worktree holding scripts/reeval_windows.py (default --worktree)")
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--workers", type=int, default=2, help="runs at a time (run; default 2: two cores)")
     p.add_argument("--repo", default=REPO, help="the checkout whose docs hold the committed re-evaluation "
                    "record (default: this package's)")
     p.set_defaults(func=cmd_study)

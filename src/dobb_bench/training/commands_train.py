@@ -31,24 +31,16 @@ from dobb_bench.errors import CliError, Interrupted
 from dobb_bench.provenance import provenance
 from dobb_bench.reports import report
 from dobb_bench.specs import OptimizerSpec, default_label, parse_hparams, parse_spec, refreshes  # noqa: F401 (re-exported)
-from dobb_bench.training import children, row_settings
+from dobb_bench.training import children, compare_plan, row_settings
 from dobb_bench.training.data import load_corpus
 from dobb_bench.training.model import GPT, ModelConfig
 from dobb_bench.training.outdir import check_out, check_rows, finished_with, read_final  # noqa: F401 (read_final re-exported)
 from dobb_bench.training.run_args import add_common_args, grid_lr, run_configs  # noqa: F401 (re-exported)
 from dobb_bench.training.train import METRICS_FILE, TrainConfig, run_training, setup_dist, write_jsonl
 
-# The Dobb rows follow the README's recommendation ("Which B, at what cost"): B=1 (the library's
-# default, best one-sided loss), B=4 (sharded, where the step matters) and two-sided B=1 Bo=1 (Muon's
-# loss with Dobb's collectives, docs/results.md "Two-sided Dobb"), plus the l2 and output-side
-# variants at B=4; and row-block Muon with 4 row blocks, the README's answer where FSDP2 shards
-# rows (docs/results.md, study shard-local). Rows keep blocks >= 32 wide (width 128 / B=4): narrower
-# blocks are a measured quality risk (docs/results.md, block-width study), not the regime a user
-# should pick. Each row runs at its recorded best lr (row_settings.RECORDED_BEST_LR) where the
-# records have one.
-DEFAULT_COMPARE = ("adamw,muon,dion:rank_fraction=1/4,dion:rank_fraction=1/16,rmnp,"
-                   "block-muon:axis=0:blocks=4@Row-block Muon R=4,dobb:blocks=1,dobb:blocks=4,dobb:side=both@Two-sided B=1 Bo=1,"
-                   "dobb-l2:blocks=4,dobb-g:blocks=4")
+# The default rows: the README's recommended rows beside AdamW, Muon, Dion and Dobb, each at its own
+# recorded best lr with the hyperparameters of the runs that chose it (compare_plan.DEFAULT_ROWS).
+DEFAULT_COMPARE = compare_plan.DEFAULT_COMPARE
 # ----- optimizer specs (the grammar: dobb_bench.specs) -----------------------------------------
 def split_specs(text: str) -> list[str]:
     """Splits at commas outside parentheses (so ``adamw_betas=(0.9,0.99)`` stays whole)."""
@@ -173,7 +165,7 @@ def run_many(jobs: list[tuple[OptimizerSpec, float]], args, model_cfg, train_cfg
         return finals
     # Newton-Schulz rows cost ~10x an AdamW step on CPU (bf16 matmuls; records' train_cpu_s):
     # starting them first keeps the two job slots balanced. Table order stays the spec order.
-    todo.sort(key=lambda t: t[1].name not in ("muon", "block-muon", "pr-muon", "dion2"))
+    todo.sort(key=lambda t: t[1].name not in compare_plan.NS_FIRST)  # compare_plan.schedule follows this order
     ctx, active = mp.get_context("spawn"), []
     try:
         while todo or active:
@@ -305,6 +297,18 @@ def cmd_compare(args) -> int:
     jobs = [(s, lr) for s in specs for lr in [row_lr[s.label]] + [
         x for x in map(grid_lr, grid) if abs(x - row_lr[s.label]) > 1e-12]]
     out = _out(args, "compare")
+    if args.jobs < 1:
+        raise CliError(f"--jobs must be a positive integer, got {args.jobs}")
+    if _rank0():
+        for line in compare_plan.shared_lr_warnings(specs, lr_source):
+            print(line, flush=True)
+        isolate = args.isolate if args.isolate is not None else (
+            train_cfg.dist == "none" and row_settings.device_kind(train_cfg.device) == "cpu")
+        slots = max(1, args.jobs) if isolate else 1
+        estimates = compare_plan.estimate_jobs(jobs, model_cfg, train_cfg, make_optimizer)
+        print(compare_plan.duration_text(jobs, estimates, slots), flush=True)
+    if args.dry_run:
+        return 0
     check_out(out, "compare")
     if not args.no_resume:
         check_rows(out, jobs)
@@ -389,6 +393,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                    help="one child process per run (default on CPU without torchrun)")
     p.add_argument("--jobs", type=int, default=2, help="isolated runs at a time (default 2: two cores)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the rows, their lrs and the expected duration, then stop without training")
     p.add_argument("--product-dtype", choices=("rule", "bfloat16", "float32"), default="rule",
                    help="dtype of every row's matrix products (Muon-family ns_dtype, Dobb's product_dtype) "
                         "unless its spec sets one; default 'rule': bf16 where the device runs it natively, "
@@ -398,10 +404,11 @@ def add_parsers(sub) -> None:
     p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("sweep", help="one optimizer over the paper's lr grid")
-    p.add_argument("--optimizer", required=True)
-    p.add_argument("--hp", action="append", metavar="KEY=VALUE")
+    p.add_argument("--optimizer", required=True, help="name for dobb.build_optimizer")
+    p.add_argument("--hp", action="append", metavar="KEY=VALUE", help="optimizer hyperparameter (repeatable)")
     p.add_argument("--grid", default="-2,-1,0,1", help="grid indices j, lr_j = 5e-3*2**(j/2)")
-    p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
+                   help="one child process per run (default on CPU without torchrun)")
     p.add_argument("--jobs", type=int, default=2, help="isolated runs at a time")
     add_common_args(p)
     _allow_negative_lists(p)

@@ -67,6 +67,7 @@ RECORDED_BEST_LR = (
     RecordedLr("soap", 0.01, True, "SOAP", ("family-soap", "shard-local")),
     RecordedLr("splus:out_blocks=4:adamw_lr_ratio=0.02", 0.08, True, "SPlus Bo=4", ("shard-local",)),
     RecordedLr("splus:out_blocks=4:b2=0.95:adamw_lr_ratio=0.125", 0.16, True, "SPlus Bo=4 authors", ("shard-local",)),
+    RecordedLr("dobb-muon:blocks=4:out_blocks=4", 0.02, True, "Dobb-Muon B=4 Bo=4", ("dobb-forms",)),
     RecordedLr("dobb:blocks=1", 0.005, True, "Dobb B=1", ("own-lr", "headline", "shard-local")),
     RecordedLr("dobb:blocks=4", 0.003536, True, "Dobb B=4", ("own-lr", "headline")),
     RecordedLr("dobb:blocks=16", 0.003536, True, "Dobb B=16", ("own-lr", "headline")),

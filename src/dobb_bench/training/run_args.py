@@ -38,9 +38,9 @@ def grid_lr(j: float) -> float:
 def add_common_args(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model")
     m.add_argument("--preset", choices=sorted(PRESETS), help="model size (default: small-cpu)")
-    m.add_argument("--layers", type=int)
-    m.add_argument("--width", type=int)
-    m.add_argument("--heads", type=int)
+    m.add_argument("--layers", type=int, help="transformer layers (default 2; --quick or --preset: the preset's)")
+    m.add_argument("--width", type=int, help="model width (default: the model preset's, 128 for small-cpu)")
+    m.add_argument("--heads", type=int, help="attention heads (default: the model preset's, 4 for small-cpu)")
     m.add_argument("--context", type=int, help="model context (learned positions); default: preset's")
     m.add_argument("--seq-len", type=int, help="training sequence length (<= context; default: context)")
     m.add_argument("--separate-qkv", action="store_true", help="q/k/v as three Linears (default fused)")
@@ -48,28 +48,31 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     d = p.add_argument_group("data")
     d.add_argument("--data", help="text file/folder, or nanoGPT train.bin/val.bin (default: stdlib .py)")
     d.add_argument("--cache-dir", help="token cache (default ~/.cache/dobb_bench)")
-    d.add_argument("--tokenizer", choices=("byte", "bpe"), default="byte")
+    d.add_argument("--tokenizer", choices=("byte", "bpe"), default="byte",
+                   help="byte-level tokens (default) or a BPE vocabulary trained on the corpus")
     d.add_argument("--vocab-size", type=int, help="bpe vocabulary size (default 4096)")
-    d.add_argument("--val-fraction", type=float, default=0.02)
+    d.add_argument("--val-fraction", type=float, default=0.02,
+                   help="share of the corpus held out for validation (default 0.02)")
     t = p.add_argument_group("training")
     t.add_argument("--quick", action="store_true", help="the small preset (tiny model, few steps)")
-    t.add_argument("--steps", type=int)
+    t.add_argument("--steps", type=int, help="optimizer steps (default 800; 100 with --quick)")
     t.add_argument("--batch-size", type=int, help="global sequences per optimizer step")
     t.add_argument("--micro-batches", type=int, default=1, help="gradient-accumulation micro-batches")
     t.add_argument("--lr", type=float, help="base lr (default 5e-3*2**(-1/2) = 3.54e-3, grid j=-1; "
                    "compare: each row's recorded best lr, this lr for every row when given)")
-    t.add_argument("--weight-decay", type=float, default=0.1)
+    t.add_argument("--weight-decay", type=float, default=0.1, help="decoupled weight decay (default 0.1)")
     t.add_argument("--warmup", type=int, help="warmup steps (default 5%% of steps)")
-    t.add_argument("--schedule", choices=("cosine", "linear", "constant"), default="cosine")
+    t.add_argument("--schedule", choices=("cosine", "linear", "constant"), default="cosine",
+                   help="lr schedule after warmup (default cosine)")
     t.add_argument("--min-lr-ratio", type=float, default=0.1, help="decay floor, fraction of lr")
     t.add_argument("--grad-clip", type=float, default=0.0, help="max grad norm (0 = off)")
-    t.add_argument("--eval-every", type=int)
-    t.add_argument("--eval-seqs", type=int)
+    t.add_argument("--eval-every", type=int, help="steps between validation evals (default 50; 20 with --quick)")
+    t.add_argument("--eval-seqs", type=int, help="held-out windows per eval (default 64; 32 with --quick)")
     t.add_argument("--eval-seed", type=int,
                    help="seed of the held-out windows (default: --seed); give one value to every seed of a "
                         "study so that all of them are evaluated on the same windows")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--device", default="auto")
+    t.add_argument("--seed", type=int, default=0, help="seed of the initial weights, data order and eval windows (default 0)")
+    t.add_argument("--device", default="auto", help="torch device: auto (CUDA when present, else CPU), cpu, cuda, ...")
     t.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads per process (default 1: see the module docstring)")
     t.add_argument("--dist", choices=("none", "ddp", "fsdp"), default="none",

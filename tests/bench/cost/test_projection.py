@@ -273,7 +273,7 @@ def test_user_config_adamw_and_share_by_hand(tmp_path):
     # q, k, v, o 8 x 8; gate, up 16 x 8; down 8 x 16: 640 entries in 7 matrices; other: tied
     # embedding 10 x 8 + 3 RMSNorms of 8 = 104 entries in 4 tensors (2 norms, embedding, final norm)
     assert res["params"] == 744 and res["matrices"] == 7 and res["other_tensors"] == 4
-    adamw = next(r for r in res["rows"] if r["method"] == "AdamW")
+    adamw = next(r for r in res["rows"] if r["method"] == "build_optimizer('adamw')")
     # HBM: 80 B x 744 / 2 ranks over 1e11 B/s; launch: 7 kernels x 11 tensors x 1 us
     assert adamw["amortized_ms"] == pytest.approx(_ms(80 * 372 / 1e11 + 77e-6))
     # forward + backward: 6 x 744 x 1000 / (2 x 1e12 x 0.5) s
@@ -288,7 +288,8 @@ def test_project_config_command_and_its_errors(tmp_path, capsys):
     cfg = str(tmp_path / "config.json")
     assert main(["project", "--inputs", str(path), "--hardware", "round", "--config", cfg, "--gpus", "2"]) == 0
     out = capsys.readouterr().out
-    assert "Assumptions:" in out and "| AdamW |" in out and "| Dobb B=1 |" in out and "| Muon (owner compute) |" in out
+    assert "Assumptions:" in out and "| build_optimizer('adamw') | AdamW |" in out
+    assert "| build_optimizer('dobb') | Dobb B=1 |" in out and "| build_optimizer('owner-muon') | owner-compute Muon |" in out
     assert "MFU 0.4" in out
     for bad in (["--config", cfg, "--gpus", "3", "--tp", "2"], ["--config", str(tmp_path / "none.json"), "--gpus", "2"],
                 ["--config", cfg], ["--config", cfg, "--gpus", "2", "--dtype", "fp8"],
