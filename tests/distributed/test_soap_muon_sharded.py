@@ -187,6 +187,11 @@ def test_payload_every_step_both_ways(run):
         assert r["log"] == [(4, 8 * (sum(r["local"]) + mine), ["all_to_all"] * 4)] * STEPS
         for (s, _, _), o, held in zip(CASES, owners, r["held"]):
             assert (held > 0) == (o == rank)
+    from dobb_bench.cost.payload import payload_entries
+
+    # the bench's formula for the name (SOAP's owner formula) is the metered count
+    total = sum(r["log"][1][1] for r in results)
+    assert total == 8 * sum(payload_entries("soap-muon", *s, shards=world) for s, _, _ in CASES)
 
 
 def test_fsdp_equals_single_process(run):
