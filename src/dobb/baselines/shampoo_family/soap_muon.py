@@ -3,9 +3,12 @@
 The recipe is that of the modded-nanogpt optimization-track record (result #46, 2,690 steps to 3.28
 against 3,250 for the tuned Muon baseline #36): ``KellerJordan/modded-nanogpt``,
 ``records/track_3_optimization/results/20260619_cwd_rowfloor_tailema/train_gpt_cwd_SOTA.py`` (commit
-``a855e31119d7085f8478237942a442c999e29f73``, PR #328; its SOAP part is unchanged from PR #321's
+``a855e31119d7085f8478237942a442c999e29f73``, PR #328: ``Muon.step``'s SOAP branch and the functions
+``soap_precondition_momentum``, ``soap_update_preconditioner``, ``soap_eigenbasis``, ``soap_basis_qr``,
+``zeropower_via_newtonschulz5``; those functions are unchanged from PR #321's
 ``results/20260609_soap_f1_auxb2_clean/train_gpt_clean_SOTA.py``, commit ``9322310e7f9e...``, the
-"SOAP-Muon on all hidden matrices" of result #44). It cites Vyas et al.'s SOAP-Muon note
+"SOAP-Muon on all hidden matrices" of result #44; the record applies it to every hidden matrix, its
+q, k, v as three). It cites Vyas et al.'s SOAP-Muon note
 (nikhilvyas.github.io/SOAP_Muon.pdf). Per matrix ``W`` (``m x n``, ``blocks`` column blocks as SOAP),
 with ``mu, b2 = betas`` and ``t`` the steps before this one:
 
