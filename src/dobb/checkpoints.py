@@ -77,8 +77,9 @@ def step_folder(root, step: int) -> Path:
 
 
 def _crash_point(stage: str) -> None:
-    """No-op; the tests replace it to kill a rank at ``stage`` ("written": after this rank's
-    ``dcp.save`` returned; "marked": rank 0, after the marker, before the rename)."""
+    """No-op; the tests replace it to kill a rank at ``stage`` of ``save`` ("prepared": before
+    ``dcp.save``; "written": after this rank's ``dcp.save`` returned; "marked": rank 0, after the
+    marker, before the rename)."""
 
 
 # --- process group helpers: every helper is called on every rank, in the same order -----------
@@ -262,6 +263,7 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer, root, step: int, *,
         partial.mkdir()
 
     _on_rank0(prepare)
+    _crash_point("prepared")
     sd = _state_dict(model, optimizer)
     with _single_process_quiet():
         dcp.save(sd, checkpoint_id=os.fspath(partial))
@@ -385,14 +387,15 @@ def load_latest(model: nn.Module, optimizer: torch.optim.Optimizer, root, *,
             parts = []
             for r, wrapped in sorted(failures.items()):
                 err = wrapped[0] if isinstance(wrapped, tuple) else wrapped
-                first = (str(err).strip().splitlines() or [""])[0][:200]
+                first = (str(err).strip().splitlines() or [""])[0].split(". ")[0][:200]
                 parts.append(f"rank {r}: {type(err).__name__}: {first}")
             why = "; ".join(parts)
         else:
             why = f"{type(exc).__name__}: {exc}"
         files = ", ".join(sorted(manifest["files"]))
         raise ValueError(f"cannot load checkpoint {folder}: reading its files ({files}) failed: {why}; "
-                         "delete the folder to resume from the previous checkpoint") from exc
+                         "load_latest(..., verify='sha256') names the damaged file; delete the folder to "
+                         "resume from the previous checkpoint") from exc
     set_model_state_dict(model, sd["model"])
     set_optimizer_state_dict(model, optimizer, sd["optim"])
     return Checkpoint(step=int(manifest["step"]), path=folder, extra=manifest.get("extra"))
