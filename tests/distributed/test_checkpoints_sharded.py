@@ -169,3 +169,45 @@ def test_refusals_are_the_same_value_error_on_every_rank(tmp_path):
     assert dash is not None and "DASH cannot resume" in dash and "2 shard(s)" in dash and "4 shard(s)" in dash
     assert "step-00000002" in dash
     assert torn is not None and str(folder) in torn and "__1_0.distcp" in torn and "bytes" in torn
+
+
+def _frozen_peer(rank, port, timeout_s, conn):
+    import datetime
+    import time
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    x = torch.ones(1)
+    dist.all_reduce(x)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # frozen, not dead: its sockets stay open
+    start = time.monotonic()
+    try:
+        dist.all_reduce(x)
+        conn.send(("no error", time.monotonic() - start))
+    except RuntimeError as exc:
+        conn.send((str(exc), time.monotonic() - start))  # a pipe: sent before _exit
+    os._exit(0)
+
+
+def test_frozen_rank_ends_with_the_process_group_timeout():
+    """What docs/distributed.md tells users: with ``init_process_group(timeout=...)`` a rank frozen
+    by SIGSTOP makes the others raise after that timeout instead of waiting on."""
+    import torch.multiprocessing as mp
+
+    from _spawn import free_port
+
+    ctx = mp.get_context("spawn")
+    mine, theirs = ctx.Pipe()
+    port, timeout_s = free_port(), 5
+    procs = [ctx.Process(target=_frozen_peer, args=(r, port, timeout_s, theirs)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        assert mine.poll(120), "no rank reported within 120 s"
+        message, waited = mine.recv()
+    finally:
+        for p in procs:
+            p.kill()
+            p.join(timeout=30)
+    assert "Timed out" in message or "timed out" in message, message
+    assert timeout_s - 0.5 <= waited < timeout_s + 30
