@@ -114,8 +114,10 @@ def _gather(obj) -> list:
 
 
 def _on_rank0(fn):
-    """Run ``fn`` on rank 0; every rank gets its result, or the same ``ValueError`` if it raised."""
-    result = error = None
+    """Run ``fn`` on rank 0; every rank gets its result, or the same ``ValueError`` if it raised
+    (another exception type is re-raised as is on rank 0, and a ``ValueError`` naming it elsewhere,
+    so no rank is left waiting in a collective)."""
+    result = error = original = None
     if _rank() == 0:
         try:
             result = fn()
@@ -123,7 +125,11 @@ def _on_rank0(fn):
             error = str(exc)
         except OSError as exc:
             error = f"{type(exc).__name__}: {exc}"
+        except Exception as exc:  # noqa: BLE001 - told to the other ranks, then re-raised here
+            error, original = f"rank 0 failed: {type(exc).__name__}: {exc}", exc
     result, error = _broadcast((result, error))
+    if original is not None:
+        raise original
     if error is not None:
         raise ValueError(error)
     return result
