@@ -194,8 +194,21 @@ def test_read_error_inside_dcp_names_the_folder(tmp_path, monkeypatch):
 
 
 def test_keep_prunes_old_checkpoints(tmp_path):
-    saved_run(tmp_path, steps=(1, 2, 3, 4), keep=2)
+    model, opt = saved_run(tmp_path, steps=(1, 2, 3, 4), keep=2)
     assert sorted(os.listdir(tmp_path)) == ["step-00000003", "step-00000004"]
+    checkpoints.save(model, opt, tmp_path, 2, keep=1)  # an earlier step: later ones are never pruned
+    assert sorted(os.listdir(tmp_path)) == ["step-00000002", "step-00000003", "step-00000004"]
+
+
+@pytest.mark.parametrize("bad", ["{", "[]", '{"format": "dobb-checkpoint/1", "files": {".metadata": 3}}'])
+def test_bad_marker_names_folder_and_marker(tmp_path, bad):
+    saved_run(tmp_path, steps=(2,))
+    folder = tmp_path / "step-00000002"
+    (folder / "COMPLETE.json").write_text(bad)
+    model, opt = make()
+    with pytest.raises(ValueError, match="COMPLETE.json") as info:
+        checkpoints.load_latest(model, opt, tmp_path)
+    assert str(folder) in str(info.value)
 
 
 def test_saving_a_step_again_replaces_it(tmp_path, uninterrupted):

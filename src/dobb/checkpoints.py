@@ -42,6 +42,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import numbers
 import os
 import re
 import shutil
@@ -174,7 +175,9 @@ def _read_marker(folder: Path) -> dict:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"cannot load checkpoint {folder}: its marker {path.name} is unreadable ({exc}); "
                          "delete the folder to resume from the previous checkpoint") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if (not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(files, dict)
+            or not all(isinstance(v, dict) and isinstance(v.get("bytes"), int) for v in files.values())):
         raise ValueError(f"cannot load checkpoint {folder}: its marker {path.name} is not a {FORMAT} manifest")
     return manifest
 
@@ -240,15 +243,16 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer, root, step: int, *,
     """Save ``model`` and ``optimizer`` as the checkpoint of ``step`` under ``root``; returns its folder.
 
     Collective: call on every rank. ``extra``: JSON values (rank 0's are kept; e.g. a data position,
-    a loss history), given back by ``load_latest``. ``keep``: keep only the newest ``keep`` complete
-    checkpoints (older ones are deleted after this one is complete). ``checksum``: record each
+    a loss history), given back by ``load_latest``. ``keep``: keep this checkpoint and the ``keep - 1``
+    newest complete ones before it (older ones are deleted once this one is complete). ``checksum``: record each
     file's sha256 (each rank hashes a share of the files) so ``load_latest(verify="sha256")`` can
     check them. Saving a step that already has a checkpoint replaces it.
     """
     import torch.distributed.checkpoint as dcp
 
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
         raise ValueError(f"checkpoint step must be a non-negative int, got {step!r}")
+    step = int(step)
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep must be a positive int or None, got {keep!r}")
     root = Path(root)
@@ -302,8 +306,9 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer, root, step: int, *,
         else:
             os.replace(partial, final)
         _fsync(root)
-        if keep is not None:
-            for _, old in complete_checkpoints(root)[:-keep]:
+        if keep is not None:  # the newest keep - 1 before this one stay (never a later step)
+            older = [folder for s, folder in complete_checkpoints(root) if s < step]
+            for old in older[:max(len(older) - (keep - 1), 0)]:
                 shutil.rmtree(old)
 
     _on_rank0(publish)
