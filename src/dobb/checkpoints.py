@@ -16,7 +16,9 @@ Layout under ``root``::
 ``save`` writes into ``step-XXXXXXXX.partial``; once ``dcp.save`` has returned on every rank (a
 barrier), each rank hashes a share of the files, and rank 0 writes ``COMPLETE.json`` (to a
 temporary name, fsynced, renamed) and then renames the folder to ``step-XXXXXXXX``. So a folder named ``step-XXXXXXXX`` with its marker holds a whole checkpoint,
-whatever rank died when.
+whatever rank died when. (Saving a step that already has a checkpoint moves the old folder to
+``step-XXXXXXXX.replaced`` before the rename and deletes it after; a crash between the two leaves
+the step without a loadable folder, and the checkpoint before it loads.)
 
 ``load_latest`` picks the newest folder ``step-XXXXXXXX`` holding ``COMPLETE.json`` (rank 0 decides
 and broadcasts, so every rank loads the same one), checks every file of the manifest against the
