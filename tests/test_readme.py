@@ -48,3 +48,33 @@ def test_integrations_quick_examples_show_and_run_each_stack():
     for code in blocks:
         exec(compile(code, "docs/integrations.md", "exec"), namespace)
     assert all(p.isfinite().all() for p in namespace["model"].parameters())
+
+
+def test_readme_answers_first_in_its_own_words():
+    # the first section after Install is the answer: a table of at most six situations, each with
+    # a build_optimizer call, and the scale of the evidence beside it
+    after_install = README.split("\n## Install\n", 1)[1].split("\n## ", 1)[1]
+    assert after_install.startswith("Which optimizer")
+    section = after_install.split("\n## ", 1)[0]
+    rows = [r for r in section.splitlines() if r.startswith("| ") and "build_optimizer(" in r]
+    assert 3 <= len(rows) <= 6
+    assert "0.43M parameters" in section and "projected" in section
+    # no project bookkeeping above "More": issue numbers, study names, table ids, Findings items
+    above = README.split("\n## More\n", 1)[0]
+    for pattern in (r"\bissues? \d", r"\bstudy\b", r"table:", r"Findings item"):
+        assert not re.search(pattern, above), pattern
+
+
+def test_readme_calls_name_registered_optimizers_with_valid_options():
+    import ast
+
+    import dobb
+    section = README.split("\n## Which optimizer\n", 1)[1].split("\n## ", 1)[0]
+    calls = re.findall(r"`build_optimizer\((.*?)\)`", section)
+    assert calls
+    for call in calls:
+        tree = ast.parse(f"f({call})").body[0].value
+        name = ast.literal_eval(tree.args[0])
+        kwargs = {k.arg: ast.literal_eval(k.value) for k in tree.keywords}
+        kwargs.pop("lr")
+        dobb.registry.validate(name, kwargs)  # a renamed option or optimizer fails here
