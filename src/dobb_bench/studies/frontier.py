@@ -20,14 +20,17 @@ The protocol, applied here to whatever has been run:
 """
 from __future__ import annotations
 
+import json
 import math
 import statistics
+from typing import NamedTuple
 
 from dobb_bench.reports import records as R
 from dobb_bench.reports.tables import paired
 from dobb_bench.studies import long_horizon as LH
-from dobb_bench.studies.define import beyond_noise, best_of
-from dobb_bench.studies.shard_local import OWNER, fmt_bytes, timing_ratios, communication, state_per_param
+from dobb_bench.studies.define import beyond_noise, best_of, grid_index, grid_lr
+from dobb_bench.studies.shard_local import (OWNER, TIMING, communication, fmt_bytes, state_per_param,
+                                            timing_ratios)
 
 STEPS, WIDTH = 8300, 128
 # (row as labelled in the runs, spec whose step was timed in table:shard-local)
@@ -75,30 +78,102 @@ def _common() -> dict[str, dict[float, dict[int, dict]]]:
     return out
 
 
-def choose(by_lr: dict[float, dict[int, dict]]) -> tuple[float | None, bool]:
-    """The row's lr and whether the seed-0 grid brackets it: the seed-0 best on the common windows,
-    or, where a neighbouring lr (one grid step, a factor sqrt 2) is worse than it by less than two
-    standard errors of the window noise (paired over the window groups), the one of them with the
-    lowest mean over seeds 0 and 1 once each has seed 1 (``define.chosen_j``, the driver's rule)."""
-    best, bracketed = best_of((lr, s[0]["common_val_loss"]) for lr, s in by_lr.items() if 0 in s)
-    if best is None or not bracketed:
-        return best, bracketed
-    ref = by_lr[best][0].get("common_groups")
-    cands = [best]
-    for lr in by_lr:
-        if lr != best and 0 in by_lr[lr] and abs(math.log2(lr / best)) < 0.51 and ref:
-            got = paired(by_lr[lr][0].get("common_groups") or [], ref)
-            if got is not None and got[0] < 2 * got[1]:
-                cands.append(lr)
-    if len(cands) == 1 or any(1 not in by_lr[lr] for lr in cands):
-        return best, bracketed
-    means = [(by_lr[lr][0]["common_val_loss"] + by_lr[lr][1]["common_val_loss"]) / 2 for lr in cands]
-    return cands[means.index(min(means))], bracketed
+NEIGHBOUR = 0.51  # |log2| of one grid step (a factor sqrt 2, 0.5) with a margin for the lrs' rounding
+
+
+class Choice(NamedTuple):
+    """A row's lr under the one rule: the lr (provisional while ``needs`` is not empty), whether it
+    is at an edge of the seed-0 lrs run, the runs the rule still waits on as ``(lr, seed)`` (an edge
+    waits on the next lr out at seed 0), and how it was decided."""
+    lr: float | None
+    edge: bool
+    needs: tuple[tuple[float, int], ...]
+    how: str
+
+    @property
+    def settled(self) -> bool:
+        return self.lr is not None and not self.needs
+
+    def cell(self) -> str:
+        """The ``best lr`` cell: ``0.00354 (edge) (lr not settled: needs 0.005 seed 0)``."""
+        if self.lr is None:
+            return ""
+        out = f"{self.lr:.3g}" + (" (edge)" if self.edge else "")
+        if self.needs:
+            out += " (lr not settled: needs " + ", ".join(f"{x:.3g} seed {sd}" for x, sd in self.needs) + ")"
+        return out
+
+
+def _within_window_noise(by_lr: dict, a: float, b: float, seeds) -> bool:
+    """``a`` and ``b`` differ by less than two standard errors of the window noise: their gap, mean
+    over ``seeds``, paired over the common windows' groups (the same windows at every seed)."""
+    ga = [by_lr[a][sd].get("common_groups") for sd in seeds]
+    gb = [by_lr[b][sd].get("common_groups") for sd in seeds]
+    if any(not g for g in ga + gb):
+        return False  # not re-evaluated by groups: not called close
+    mean = lambda gs: [statistics.fmean(x) for x in zip(*gs)]
+    got = paired(mean(ga), mean(gb))
+    return got is not None and abs(got[0]) < 2 * got[1]
+
+
+def _next_out(lrs: list[float], lr: float) -> float:
+    """The grid lr (``define.grid_lr``) one step out from ``lr`` past the end of ``lrs`` it sits at."""
+    step = 1 if lr == max(lrs) else -1
+    try:
+        return float(f"{grid_lr(grid_index(lr) + step):.4g}")
+    except ValueError:  # off the grid: a factor sqrt 2
+        return float(f"{lr * 2 ** (step / 2):.4g}")
+
+
+def choose(by_lr: dict[float, dict[int, dict]]) -> Choice:
+    """The one lr rule, for every row of every table that picks a 20-tokens lr (this table and
+    ``table:long-horizon-best``):
+
+    1. the seed-0 best on the common windows;
+    2. its *close* neighbours: one grid step either side (a factor sqrt 2), worse at seed 0 by less
+       than two standard errors of the window noise (paired over the window groups). Each close
+       neighbour and the best need seed 1; while one lacks it the row is *not settled* (the seed-0
+       best is shown, marked, never silently kept);
+    3. with seed 1 at all of them, the lowest mean over seeds 0 and 1 wins; a candidate within the
+       window noise of it on that mean (paired over the groups of both seeds) is a *tie*, decided by
+       seed 2 at both lrs (the lowest mean over seeds 0, 1 and 2); not settled while seed 2 is
+       missing at one of them;
+    4. the chosen lr is at an *edge* when it is the lowest or the highest lr run at seed 0: then the
+       next lr out is needed at seed 0 (and the row is not settled).
+    """
+    seed0 = sorted((lr, s[0]["common_val_loss"]) for lr, s in by_lr.items() if 0 in s)
+    best, _ = best_of(seed0)
+    if best is None:
+        return Choice(None, False, (), "not run")
+    lrs = [lr for lr, _ in seed0]
+    close = [lr for lr in lrs if lr != best and abs(math.log2(lr / best)) < NEIGHBOUR
+             and _within_window_noise(by_lr, lr, best, (0,))]
+    needs: list[tuple[float, int]] = []
+    lr, how = best, "seed-0 best"
+    if close:
+        cands = [best] + close
+        needs += [(x, 1) for x in cands if 1 not in by_lr[x]]
+        if not needs:
+            mean01 = {x: statistics.fmean(by_lr[x][sd]["common_val_loss"] for sd in (0, 1)) for x in cands}
+            lr, how = min(cands, key=mean01.get), "seeds 0+1"
+            tied = [x for x in cands if x != lr and _within_window_noise(by_lr, x, lr, (0, 1))]
+            if tied:
+                group = [lr] + tied
+                needs += [(x, 2) for x in group if 2 not in by_lr[x]]
+                if not needs:
+                    mean = {x: statistics.fmean(by_lr[x][sd]["common_val_loss"] for sd in (0, 1, 2)) for x in group}
+                    lr, how = min(group, key=mean.get), "seed 2"
+    edge = len(lrs) > 1 and lr in (lrs[0], lrs[-1]) or len(lrs) == 1
+    if edge:
+        needs.append((_next_out(lrs, lr), 0))
+    return Choice(lr, edge, tuple(sorted(set(needs), key=lambda n: (n[1], n[0]))), how)
 
 
 def verdict(gaps: dict[int, float]) -> tuple[float, str]:
     """The mean of per-seed gaps and the noise verdict: a 95% paired t-test over every seed, then
-    over the seeds other than 0 (which chose the lr); with fewer than three seeds no verdict."""
+    over the seeds other than 0 (which chose the lr); with fewer than three seeds no verdict.
+    Four words: beyond noise (both tests), beyond noise only with seed 0 (every seed only), beyond
+    noise on the seeds that did not choose the lr only (the later seeds only), within noise."""
     seeds = sorted(gaps)
     d = [gaps[s] for s in seeds]
     mean = statistics.fmean(d)
@@ -112,10 +187,13 @@ def verdict(gaps: dict[int, float]) -> tuple[float, str]:
     all_ok, t_all = beyond(d)
     later = [gaps[s] for s in seeds if s != 0]
     later_ok, t_later = beyond(later) if len(later) >= 2 else (False, 0.0)
+    ts = f"t = {t_all:.1f}; seeds 1+ alone t = {t_later:.1f}"
     if all_ok and later_ok:
-        return mean, f"beyond noise (t = {t_all:.1f}; seeds 1+ alone t = {t_later:.1f})"
+        return mean, f"beyond noise ({ts})"
     if all_ok:
-        return mean, f"beyond noise only with seed 0, which chose the lr (t = {t_all:.1f}; seeds 1+ alone t = {t_later:.1f})"
+        return mean, f"beyond noise only with seed 0, which chose the lr ({ts})"
+    if later_ok:
+        return mean, f"beyond noise on the seeds that did not choose the lr only ({ts})"
     return mean, f"within noise (t = {t_all:.1f})"
 
 
@@ -144,22 +222,62 @@ def _run_records(study: str = LH.STUDY) -> dict[tuple[str, float, int], dict]:
     return out
 
 
-def pareto(points: dict[str, tuple[float, float]]) -> set[str]:
-    """Rows on the loss / step-cost frontier: no other row is both cheaper (or as cheap) and lower
-    in loss (or as low), one of them strictly."""
+# timing records whose ratios are not repeats of one step's measure: fsdp4-splus times SPlus's whole
+# 100-step cycle (fsdp4 one step)
+NOT_REPEATS = ("cost/shard-local/fsdp4-splus/timing.jsonl",)
+SMALL_STEP = 0.05  # ratios below this (AdamW's, 0.003-0.013) sit at the timer's resolution: no spread from them
+
+
+def timing_spread() -> tuple[float, list[tuple[str, list[float]]]]:
+    """The spread of a step ratio between timing runs: the largest ``max / min - 1`` over the specs
+    timed (against owner-compute Muon, one ratio per record: the median over its repeats) in more
+    than one record, and those specs with their ratios. 0.0 when no spec was timed twice."""
+    seen: dict[str, list[float]] = {}
+    for rel in TIMING:
+        path = R.DOCS / "results" / rel
+        if rel in NOT_REPEATS or not path.exists():
+            continue
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            if rec.get("kind") == "run":
+                for spec, row in rec["ratio_matrix"].items():
+                    if spec != OWNER and OWNER in row and row[OWNER] >= SMALL_STEP:
+                        seen.setdefault(spec, []).append(row[OWNER])
+    twice = [(spec, v) for spec, v in seen.items() if len(v) > 1]
+    return max((max(v) / min(v) - 1 for _, v in twice), default=0.0), twice
+
+
+def _beyond_paired(a: dict[int, float], b: dict[int, float]) -> bool:
+    """``a`` lower than ``b`` beyond paired noise: a 95% paired t-test over their common seeds (at
+    least three)."""
+    d = [a[sd] - b[sd] for sd in sorted(set(a) & set(b))]
+    if len(d) < 3:
+        return False
+    m, se = statistics.fmean(d), statistics.stdev(d) / len(d) ** 0.5
+    return m < 0 and beyond_noise(m, se, len(d))
+
+
+def pareto(points: dict[str, tuple[dict[int, float], float]], spread: float = 0.0) -> set[str]:
+    """Rows on the loss / step-cost frontier, ties kept: a row leaves it only when another row is
+    cheaper beyond the timing ``spread`` (its ratio times ``1 + spread`` below this row's) and lower
+    in loss beyond paired noise (a 95% paired t-test over their common seeds). ``points``: row ->
+    ({seed: loss}, step ratio)."""
     on = set()
     for a, (la, ca) in points.items():
-        dominated = any((lb <= la and cb <= ca) and (lb < la or cb < ca) for b, (lb, cb) in points.items() if b != a)
-        if not dominated:
+        if not any(cb * (1 + spread) < ca and _beyond_paired(lb, la) for b, (lb, cb) in points.items() if b != a):
             on.add(a)
     return on
+
+
+def level(points: dict[str, tuple[dict[int, float], float]], a: str, b: str) -> bool:
+    """``a`` and ``b`` within paired noise of each other on loss (neither lower beyond it)."""
+    return not _beyond_paired(points[a][0], points[b][0]) and not _beyond_paired(points[b][0], points[a][0])
 
 
 def frontier_20() -> tuple[str, list[dict]]:
     common, runs, reruns = _common(), _run_records(), _run_records(NORMS_STUDY)
     ratios, _ = timing_ratios()
-    ref_lr, _ = choose(common.get(REF, {}))
-    ref = common.get(REF, {}).get(ref_lr, {})
+    ref = common.get(REF, {}).get(choose(common.get(REF, {})).lr, {})
     head = ("| row | communication under `Shard(0)` | lrs run: seed-0 loss, common windows | best lr | "
             "seeds at best: loss | mean ± std (n) | gap to Muon, paired by seed | bytes per step | "
             "FSDP2 step / owner-compute Muon | state B/param | largest top singular value, end | growth: end / initial "
@@ -167,7 +285,7 @@ def frontier_20() -> tuple[str, list[dict]]:
     lines = [head, "|" + "---|" * 12]
     used: list[dict] = []
     summary: dict[str, tuple] = {}
-    compared = 0
+    compared, choices = 0, {}
     for group, rows in (("zero step communication", ROWS), ("references", REFS)):
         lines.append(f"| *{group}* |" + " |" * 11)
         for name, spec in rows:
@@ -176,7 +294,8 @@ def frontier_20() -> tuple[str, list[dict]]:
             ratio = ratios.get("torch-adamw" if spec == "adamw" else spec)
             cost = (f" | {fmt_bytes(nbytes)} | {'—' if ratio is None else f'{ratio:.2f}'} | "
                     f"{state_per_param(spec):.1f}")
-            lr, bracketed = choose(by_lr)
+            choice = choices[name] = choose(by_lr)
+            lr = choice.lr
             if lr is None:
                 lines.append(f"| {name} | {when} | not run yet | | | |{cost} | | |")
                 continue
@@ -204,17 +323,18 @@ def frontier_20() -> tuple[str, list[dict]]:
                 ns, mark = norm_stats([reruns[(name, lr, sd)] for sd in at if (name, lr, sd) in reruns]), " (rerun)"
             norms = " | — | —" if ns is None else f" | {ns[0]:.2f}{mark} | {ns[1]:.2f}x ({ns[2]:.2f}x)"
             summary[name] = (m, ratio, losses, when)
-            lines.append(f"| {name} | {when} | {grid} | {lr:.3g}{'' if bracketed else ' (edge)'} | {per_seed} | "
+            lines.append(f"| {name} | {when} | {grid} | {choice.cell()} | {per_seed} | "
                          f"{m:.3f}{sd_txt} ({len(vals)}) | {gap}{cost}{norms} |")
     text = "\n".join(lines) + "\n"
-    points = {k: (v[0], v[1]) for k, v in summary.items() if v[1] is not None and len(v[2]) >= 3}
-    on = sorted(pareto(points), key=lambda k: points[k][1]) if points else []
-    text += (f"\n{compared} rows were compared with Muon by a paired t-test over at least three seeds, each at 95% "
-             "and not corrected for the number of comparisons. ")
-    if on:
-        text += ("On the loss / FSDP2-step frontier (rows with three seeds and a timed step; mean loss): "
-                 + ", ".join(f"{k} ({points[k][0]:.3f}, {points[k][1]:.2f}x)" for k in on) + ".")
-    text += "\n"
+    text += f"\n{compared} rows were compared with Muon by a paired t-test over at least three seeds, each at 95% " \
+            "and not corrected for the number of comparisons. " + frontier_line(summary, choices) + "\n"
+    open_ = {k: c for k, c in choices.items() if c.lr is not None and not c.settled}
+    if open_:
+        text += ("\nThe lr rule (`frontier.choose`: the seed-0 best, its close neighbours through seeds 0+1, a tie "
+                 "there through seed 2, the chosen lr bracketed) is not settled for "
+                 + "; ".join(f"{k} (" + ", ".join(f"{x:.3g} seed {sd}" for x, sd in c.needs) + ")"
+                             for k, c in open_.items())
+                 + ": their rows show the lr the rule holds so far, and the runs named are the ones it needs.\n")
     revs = sorted({(r.get("provenance") or {}).get("git_rev", "")[:7] for r in used})
     text += (f"\nLosses: 2,048 common windows at the last checkpoint (record "
              f"`docs/results/checks/reeval-windows/reeval.jsonl`, re-evaluated at {', '.join(revs) or '—'}); "
@@ -222,6 +342,36 @@ def frontier_20() -> tuple[str, list[dict]]:
              f"\"(rerun)\": from a rerun of the seed-0 run at the same settings (study `{NORMS_STUDY}`), whose "
              "loss is not used.\n")
     return text, used + [runs[k] for k in runs if k[0] in summary]
+
+
+def frontier_line(summary: dict[str, tuple], choices: dict[str, Choice]) -> str:
+    """The loss / step frontier in words, ties shown: rows with three seeds and a timed step; a row
+    is off it only when another is cheaper beyond the timing spread and lower beyond paired noise
+    (``pareto``); each row on it names the rows on it level with it on loss (within paired noise)
+    and on step (ratios within the spread)."""
+    points = {k: (v[2], v[1]) for k, v in summary.items() if v[1] is not None and len(v[2]) >= 3}
+    if not points:
+        return ""
+    spread, twice = timing_spread()
+    on = sorted(pareto(points, spread), key=lambda k: points[k][1])
+    mean = {k: summary[k][0] for k in points}
+
+    def entry(k):
+        cheaper = [x for x in on if points[x][1] < points[k][1] or (points[x][1] == points[k][1] and x < k)]
+        loss = [x for x in cheaper if level(points, k, x)]
+        step = [x for x in cheaper if points[k][1] <= points[x][1] * (1 + spread)]
+        marks = ([f"level on loss with {', '.join(loss)}"] if loss else []) + \
+                ([f"on step with {', '.join(step)}"] if step else []) + \
+                (["lr not settled"] if not choices[k].settled else [])
+        return f"{k} ({mean[k]:.3f}, {points[k][1]:.2f}x" + (f"; {'; '.join(marks)}" if marks else "") + ")"
+
+    timed = "; ".join(f"{spec} " + " and ".join(f"{v:.3f}" for v in vs) for spec, vs in twice)
+    return ("On the loss / FSDP2-step frontier (rows with three seeds and a timed step; mean loss, step ratio), a "
+            "row is off only where another row is both cheaper beyond the timing spread and lower beyond paired "
+            "noise (95% paired t-test over the seeds); each row names the cheaper rows on it that it is level "
+            "with, within paired noise (loss) or within the spread (step): " + ", ".join(entry(k) for k in on) + ". Timing spread: each timing record gives one "
+            "ratio per spec (the median over its repeats), so the spread is the one measured between records, "
+            f"{100 * spread:.0f}% (the largest max / min over the specs timed in two or more: {timed}).")
 
 
 TABLES = {"frontier-20": frontier_20}
