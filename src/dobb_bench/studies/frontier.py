@@ -5,13 +5,18 @@ every finished run was re-evaluated at its last checkpoint on 2,048 held-out win
 every run (``scripts/reeval_windows.py``, record ``docs/results/checks/reeval-windows/reeval.jsonl``).
 
 The protocol, applied here to whatever has been run:
-- a row's lr is chosen at seed 0 on the common windows; it is *bracketed* when a worse lr lies on
-  each side of it;
-- its loss is the mean over the seeds run at that lr (seeds 1 and 2 were run there);
+- a row's lr is chosen on the common windows by the one rule of ``lr_rule.choose`` (the seed-0
+  best, its close neighbours through seeds 0+1, a tie there through seed 2); a row the rule still
+  waits on is marked "lr not settled: needs <lr> seed <n>", a chosen lr at an end of the lrs run
+  "(edge)";
+- its loss is the mean over the seeds run at that lr;
 - its gap to owner-compute Muon (each at its own best lr) is paired by seed: a seed gives both
   rows the same initial weights, data order and windows. A gap is *beyond noise* under a 95%
   paired t-test over the seeds; because seed 0 also chose the lr, the verdict is repeated on the
-  seeds that did not (1 and 2) and a lead that holds only with seed 0 is said to rest on it;
+  seeds that did not (1 and 2): a lead that holds only with seed 0 is said to rest on it, one that
+  holds on the later seeds only is said so;
+- the loss / step frontier keeps ties (``pareto``): a row leaves it only when another is cheaper
+  beyond the spread of the step ratios between timing records and lower beyond paired noise;
 - step cost, bytes and state come from ``table:shard-local``'s timing run and formulas (GPT-2
   Small layer 0 over 4 gloo ranks, each ratio against owner-compute Muon measured side by side);
 - weight norms: each hidden matrix's top singular value and RMS at the first eval (the initial
@@ -23,12 +28,11 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from typing import NamedTuple
 
 from dobb_bench.reports import records as R
-from dobb_bench.reports.tables import paired
 from dobb_bench.studies import long_horizon as LH
-from dobb_bench.studies.define import beyond_noise, best_of, grid_index, grid_lr
+from dobb_bench.studies.define import beyond_noise
+from dobb_bench.studies.lr_rule import Choice, bf16, choose  # noqa: F401 (the rule of this table)
 from dobb_bench.studies.shard_local import (OWNER, TIMING, communication, fmt_bytes, state_per_param,
                                             timing_ratios)
 
@@ -64,9 +68,7 @@ def _lr(r: dict) -> float:
     return float(f"{r['lr']:.4g}")
 
 
-def _bf16(r: dict) -> bool:
-    """A run made with bf16 products: outside this table's protocol (fp32 products on every row)."""
-    return "bfloat16" in str(r.get("hparams", {}))
+_bf16 = bf16
 
 
 def _common() -> dict[str, dict[float, dict[int, dict]]]:
@@ -76,97 +78,6 @@ def _common() -> dict[str, dict[float, dict[int, dict]]]:
         if r["steps"] == STEPS and r["model"]["width"] == WIDTH and not _bf16(r):
             out.setdefault(r["run"], {}).setdefault(_lr(r), {})[r["seed"]] = r
     return out
-
-
-NEIGHBOUR = 0.51  # |log2| of one grid step (a factor sqrt 2, 0.5) with a margin for the lrs' rounding
-
-
-class Choice(NamedTuple):
-    """A row's lr under the one rule: the lr (provisional while ``needs`` is not empty), whether it
-    is at an edge of the seed-0 lrs run, the runs the rule still waits on as ``(lr, seed)`` (an edge
-    waits on the next lr out at seed 0), and how it was decided."""
-    lr: float | None
-    edge: bool
-    needs: tuple[tuple[float, int], ...]
-    how: str
-
-    @property
-    def settled(self) -> bool:
-        return self.lr is not None and not self.needs
-
-    def cell(self) -> str:
-        """The ``best lr`` cell: ``0.00354 (edge) (lr not settled: needs 0.005 seed 0)``."""
-        if self.lr is None:
-            return ""
-        out = f"{self.lr:.3g}" + (" (edge)" if self.edge else "")
-        if self.needs:
-            out += " (lr not settled: needs " + ", ".join(f"{x:.3g} seed {sd}" for x, sd in self.needs) + ")"
-        return out
-
-
-def _within_window_noise(by_lr: dict, a: float, b: float, seeds) -> bool:
-    """``a`` and ``b`` differ by less than two standard errors of the window noise: their gap, mean
-    over ``seeds``, paired over the common windows' groups (the same windows at every seed)."""
-    ga = [by_lr[a][sd].get("common_groups") for sd in seeds]
-    gb = [by_lr[b][sd].get("common_groups") for sd in seeds]
-    if any(not g for g in ga + gb):
-        return False  # not re-evaluated by groups: not called close
-    mean = lambda gs: [statistics.fmean(x) for x in zip(*gs)]
-    got = paired(mean(ga), mean(gb))
-    return got is not None and abs(got[0]) < 2 * got[1]
-
-
-def _next_out(lrs: list[float], lr: float) -> float:
-    """The grid lr (``define.grid_lr``) one step out from ``lr`` past the end of ``lrs`` it sits at."""
-    step = 1 if lr == max(lrs) else -1
-    try:
-        return float(f"{grid_lr(grid_index(lr) + step):.4g}")
-    except ValueError:  # off the grid: a factor sqrt 2
-        return float(f"{lr * 2 ** (step / 2):.4g}")
-
-
-def choose(by_lr: dict[float, dict[int, dict]]) -> Choice:
-    """The one lr rule, for every row of every table that picks a 20-tokens lr (this table and
-    ``table:long-horizon-best``):
-
-    1. the seed-0 best on the common windows;
-    2. its *close* neighbours: one grid step either side (a factor sqrt 2), worse at seed 0 by less
-       than two standard errors of the window noise (paired over the window groups). Each close
-       neighbour and the best need seed 1; while one lacks it the row is *not settled* (the seed-0
-       best is shown, marked, never silently kept);
-    3. with seed 1 at all of them, the lowest mean over seeds 0 and 1 wins; a candidate within the
-       window noise of it on that mean (paired over the groups of both seeds) is a *tie*, decided by
-       seed 2 at both lrs (the lowest mean over seeds 0, 1 and 2); not settled while seed 2 is
-       missing at one of them;
-    4. the chosen lr is at an *edge* when it is the lowest or the highest lr run at seed 0: then the
-       next lr out is needed at seed 0 (and the row is not settled).
-    """
-    seed0 = sorted((lr, s[0]["common_val_loss"]) for lr, s in by_lr.items() if 0 in s)
-    best, _ = best_of(seed0)
-    if best is None:
-        return Choice(None, False, (), "not run")
-    lrs = [lr for lr, _ in seed0]
-    close = [lr for lr in lrs if lr != best and abs(math.log2(lr / best)) < NEIGHBOUR
-             and _within_window_noise(by_lr, lr, best, (0,))]
-    needs: list[tuple[float, int]] = []
-    lr, how = best, "seed-0 best"
-    if close:
-        cands = [best] + close
-        needs += [(x, 1) for x in cands if 1 not in by_lr[x]]
-        if not needs:
-            mean01 = {x: statistics.fmean(by_lr[x][sd]["common_val_loss"] for sd in (0, 1)) for x in cands}
-            lr, how = min(cands, key=mean01.get), "seeds 0+1"
-            tied = [x for x in cands if x != lr and _within_window_noise(by_lr, x, lr, (0, 1))]
-            if tied:
-                group = [lr] + tied
-                needs += [(x, 2) for x in group if 2 not in by_lr[x]]
-                if not needs:
-                    mean = {x: statistics.fmean(by_lr[x][sd]["common_val_loss"] for sd in (0, 1, 2)) for x in group}
-                    lr, how = min(group, key=mean.get), "seed 2"
-    edge = len(lrs) > 1 and lr in (lrs[0], lrs[-1]) or len(lrs) == 1
-    if edge:
-        needs.append((_next_out(lrs, lr), 0))
-    return Choice(lr, edge, tuple(sorted(set(needs), key=lambda n: (n[1], n[0]))), how)
 
 
 def verdict(gaps: dict[int, float]) -> tuple[float, str]:

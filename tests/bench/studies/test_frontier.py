@@ -122,7 +122,8 @@ def _old_choose(by_lr):
     bracketing of the seed-0 best."""
     import math
     from dobb_bench.reports.tables import paired
-    best, bracketed = F.best_of((lr, s[0]["common_val_loss"]) for lr, s in by_lr.items() if 0 in s)
+    from dobb_bench.studies.define import best_of
+    best, bracketed = best_of((lr, s[0]["common_val_loss"]) for lr, s in by_lr.items() if 0 in s)
     ref = by_lr[best][0]["common_groups"]
     cands = [best] + [lr for lr in by_lr if lr != best and 0 in by_lr[lr] and abs(math.log2(lr / best)) < 0.51
                       and (g := paired(by_lr[lr][0]["common_groups"], ref)) and g[0] < 2 * g[1]]
