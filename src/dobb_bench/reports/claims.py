@@ -279,9 +279,11 @@ def _named(text: str, labels: list[str]) -> list[str]:
 
 
 def _lead(clause: str, end: int) -> str:
-    """The words before a claim that its rows are named in: from the clause's last ':' on."""
+    """The words before a claim that its rows are named in: from the clause's last ':' on (not a
+    colon inside a code span: `table:NAME`)."""
     head = clause[:end]
-    return head[head.rfind(":") + 1:]
+    blank = re.sub(r"`[^`]*`", lambda m: " " * len(m.group(0)), head)
+    return head[blank.rfind(":") + 1:]
 
 
 def _paren(clause: str, at: int) -> tuple[int, int] | None:
