@@ -241,7 +241,7 @@ def frontier_20() -> tuple[str, list[dict]]:
             "and not corrected for the number of comparisons. " + frontier_line(summary, choices) + "\n"
     open_ = {k: c for k, c in choices.items() if c.lr is not None and not c.settled}
     if open_:
-        text += ("\nThe lr rule (`frontier.choose`: the seed-0 best, its close neighbours through seeds 0+1, a tie "
+        text += ("\nThe lr rule (`lr_rule.choose`: the seed-0 best, its close neighbours through seeds 0+1, a tie "
                  "there through seed 2, the chosen lr bracketed) is not settled for "
                  + "; ".join(f"{k} (" + ", ".join(f"{x:.3g} seed {sd}" for x, sd in c.needs) + ")"
                              for k, c in open_.items())

@@ -277,3 +277,23 @@ def test_driver_third_seed_goes_to_rows_that_lead_muon_at_both_seeds(tmp_path):
     d = D.Driver(m, "wt", H.SETTINGS)
     picks = [H.next_close(d) for _ in range(2)]
     assert [(t[1].label, t[2], t[3]) for t in picks] == [("Muon", 1, 2), ("SOAP", 1, 2)]
+
+
+def test_a_bf16_run_is_named_under_the_tables_not_mixed_into_a_row(tmp_path, monkeypatch):
+    """Issue 55: table:common-windows held Dobb-Muon's bf16 run beside its fp32 runs, and
+    table:long-horizon-best could take it as the row's seed-0 point; both leave it out now, and
+    common-windows names it under the table."""
+    from dobb_bench.reports import claims as C
+    bf = dict(_re("Dobb-Muon B=4 Bo=4", 0, 1.20, [1.2] * 4, lr=0.005), hparams={"product_dtype": "torch.bfloat16"})
+    fp = [dict(_re("Dobb-Muon B=4 Bo=4", 0, 1.278, [1.278] * 4, lr=0.005), hparams={"product_dtype": "torch.float32"}),
+          dict(_re("Dobb-Muon B=4 Bo=4", 0, 1.276, [1.276] * 4, lr=0.003536), hparams={"product_dtype": "torch.float32"})]
+    recs = [_re("Muon", 0, 1.30, [1.2, 1.4, 1.3, 1.3]), bf, *fp]
+    _write_reeval(tmp_path, monkeypatch, recs)
+    text, used = L.common_windows()
+    assert bf not in used and C.mixed_dtypes("common-windows", used) == []
+    assert "Left out, so that no row mixes product dtypes: Dobb-Muon B=4 Bo=4 lr 0.005 seed 0" in text
+    assert C.mixed_dtypes("common-windows", recs)  # as the table was: the check fails on it
+    monkeypatch.setattr(L, "runs_of", lambda label, studies: {})
+    text, used = L.best_on_common()
+    row = next(line for line in text.splitlines() if "| Dobb-Muon B=4 Bo=4 |" in line)
+    assert "0.005: 1.278" in row and "1.200" not in row and bf not in used
