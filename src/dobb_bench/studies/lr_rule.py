@@ -1,5 +1,10 @@
 """The one lr rule of the 20-tokens tables (``table:frontier-20`` and ``table:long-horizon-best``).
 
+The rule (``choose``): the seed-0 best on the common windows; its close neighbours (one grid
+step, worse by less than two standard errors of the window noise) through seeds 0+1; a tie there
+through seed 2 at both lrs; the chosen lr bracketed. What it still waits on is named, never
+filled in silently with the seed-0 best.
+
 Why one module: issue 55 found the two tables choosing different lrs for one row (the one on the
 seed-0 best, the other through seeds 0+1) and the frontier's rule falling back silently to the
 seed-0 best where a close neighbour lacked its seed-1 run. Every table that shows a chosen lr at
@@ -14,6 +19,7 @@ from typing import NamedTuple
 
 from dobb_bench.reports.tables import paired
 from dobb_bench.studies.define import best_of, grid_index, grid_lr
+
 
 def bf16(r: dict) -> bool:
     """A run made with bf16 products (its hparams name bfloat16): outside the 20-tokens protocol,

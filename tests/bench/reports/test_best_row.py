@@ -126,7 +126,7 @@ def test_the_docs_pass():
 def test_report_check_fails_on_a_best_row_claim(monkeypatch, capsys):
     from dobb_bench.studies import docs_tables as D
 
-    monkeypatch.setattr(D, "regenerate_docs", lambda write=True: {})
+    monkeypatch.setattr(D, "regenerate_docs", lambda write=True, used=None: {})
     monkeypatch.setattr(D, "scan", lambda: {})
     monkeypatch.setattr(D.best_row, "scan", lambda: {"results.md": [(106, "Muon is the best row.", "table 'h': ...")]})
     args = SimpleNamespace(docs=None, plots=None, collect=None, check=True, strict_figures=False)
