@@ -5,9 +5,9 @@ the projected momentum); ``build_optimizer`` gives it and the baselines under on
 protocol, by the names of ``dobb.registry`` (every optimizer declared once); ``param_groups``
 splits a model between a matrix optimizer and AdamW.
 """
-from . import functional, registry, resume
+from . import checkpoints, functional, registry, resume
 from .baselines import (RMNP, SOAP, BlockMuon, Dash, Dion, Dion2, Dion3, Muon, MuonBP, NewtonMuon, NorMuon, OwnerMuon,
-                        PeriodicRowMuon, SAMuon, Shampoo, SPlus)
+                        PeriodicRowMuon, SAMuon, Shampoo, SOAPMuon, SPlus)
 from .core.optimizer import Dobb
 from .factory import OPTIMIZER_NAMES, build_optimizer, valid_hparams
 from .groups import param_groups, split_parameters
@@ -18,4 +18,6 @@ __all__ = ["Dobb", "Muon", "Dion", "RMNP", "PeriodicRowMuon", "BlockMuon", "Dion
 __all__ += ["Dash", "Shampoo"]
 __all__ += ["SOAP", "NewtonMuon"]
 __all__ += ["SPlus"]
+__all__ += ["SOAPMuon"]
+__all__ += ["checkpoints"]
 __version__ = "0.1.0"

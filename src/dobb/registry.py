@@ -30,7 +30,7 @@ import torch
 
 from ._hparams import check_kind
 from .baselines import (RMNP, SOAP, BlockMuon, Dash, Dion, Dion2, Dion3, Muon, MuonBP, NewtonMuon, NorMuon, OwnerMuon,
-                        PeriodicRowMuon, SAMuon, Shampoo, SPlus)
+                        PeriodicRowMuon, SAMuon, Shampoo, SOAPMuon, SPlus)
 from .core.optimizer import Dobb
 
 __all__ = ["Entry", "OPTIMIZERS", "OPTIMIZER_NAMES", "GROUPING_KEYS", "get", "valid_hparams",
@@ -130,6 +130,8 @@ _ENTRIES = (
     Entry("shampoo", Shampoo, "Shampoo"),
     # SOAP: Adam in Shampoo's eigenbases; Newton-Muon: Muon on G Sigma^-1
     Entry("soap", SOAP, "SOAP"),
+    # SOAP-Muon (modded-nanogpt track-3 record): SOAP-preconditioned Nesterov momentum, then NS5
+    Entry("soap-muon", SOAPMuon, "SOAP-Muon"),
     Entry("newton-muon", NewtonMuon, "Newton-Muon"),
     # SPlus: sign of the momentum in the eigenbases of G G^T and G^T G
     Entry("splus", SPlus, "SPlus"),

@@ -61,6 +61,8 @@ BENCH_ENTRIES: Mapping[str, BenchEntry] = MappingProxyType({
     # Newton-Muon: whole matrices, not sharded here; a sharded step would gather each matrix as
     # Muon does, hence "dense"
     "soap": _E("owner", "soap", "input"),
+    # SOAP-Muon: SOAP's owner compute and state (the update back from the first step on)
+    "soap-muon": _E("owner", "soap", "input"),
     "newton-muon": _E("dense", "newton-muon", "input"),
     # SPlus: sign of the momentum in the eigenbases of G G^T and G^T G (blocks within shards)
     "splus": _E("splus", "splus", "input"),

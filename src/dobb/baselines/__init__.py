@@ -31,6 +31,7 @@ from .muon_family.rmnp import RMNP
 from .muon_family.samuon import SAMuon
 from .shampoo_family.dash import Dash, Shampoo
 from .shampoo_family.soap import SOAP
+from .shampoo_family.soap_muon import SOAPMuon
 from .shampoo_family.splus import SPlus
 
 # The room of each module that lived in this folder before the rooms (issue 42). Its old path still
@@ -49,4 +50,5 @@ del _name, _room, _module
 __all__ = ["Muon", "Dion", "RMNP", "PeriodicRowMuon", "BlockMuon", "Dion2", "newton_schulz",
            "orthogonalize", "row_normalize", "dion_step", "dion2_step", "NS_COEFFICIENTS",
            "gram_newton_schulz", "NorMuon", "normuon_normalize", "Dion3", "dion3_step", "OwnerMuon",
-           "MuonBP", "SAMuon", "Dash", "Shampoo", "SOAP", "NewtonMuon", "resolve_ns_dtype", "SPlus"]
+           "MuonBP", "SAMuon", "Dash", "Shampoo", "SOAP", "NewtonMuon", "resolve_ns_dtype", "SPlus",
+           "SOAPMuon"]

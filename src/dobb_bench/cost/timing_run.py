@@ -115,7 +115,7 @@ def cycle_length(opt) -> int:
         return int(group["inverse_every"])
     if group.get("algorithm") in ("dash", "shampoo"):  # inverse roots every precondition_every steps
         return int(group["precondition_every"])
-    if group.get("algorithm") == "soap":  # a QR refresh of the bases every precondition_frequency steps
+    if group.get("algorithm") in ("soap", "soap-muon"):  # a QR refresh of the bases every precondition_frequency steps
         return int(group["precondition_frequency"])
     return 1
 

@@ -169,6 +169,7 @@ class SOAP(MatrixOptimizer):
     Options = SOAPOptions
     # fp32 statistics stay fp32 when a bf16 model resumes
     _own_dtype_keys = ("momentum", "exp_avg_sq", "stat_left", "stat_right", "basis_left", "basis_right")
+    _first_step_updates = False  # the first step only forms L, R and the bases
 
     def __init__(self, params, *, lr: float, **kwargs):
         self._owner_loads: dict[tuple[int, ...], list[float]] = {}  # per mesh (its ranks): planned work
@@ -260,7 +261,8 @@ class SOAP(MatrixOptimizer):
             scales += out[2]
         C.apply_protocol(params, params, updates, scales, group["lr"], group["weight_decay"])
 
-    def _scale(self, group: dict, t: int) -> float:
+    def _scale(self, group: dict, t: int, shape: tuple | None = None) -> float:
+        """The update's scale ``s`` at step ``t`` (``shape``: the matrix's, for subclasses)."""
         b1, b2 = group["betas"]
         return (1 - b2 ** t) ** 0.5 / (1 - b1 ** t) if group["correct_bias"] else 1.0
 
@@ -305,15 +307,33 @@ class SOAP(MatrixOptimizer):
             for j, p in enumerate(sub):
                 if wholes[j] is None:
                     self.state[p]["step"] += 1  # the owner counted its own in the step
-            back = [j for j in range(len(sub)) if steps[j] > 0]  # the first step has no update
+            # SOAP's first step has no update (SOAP-Muon's has: ``_first_step_updates``)
+            back = [j for j in range(len(sub)) if steps[j] > 0 or self._first_step_updates]
             if back:
                 items = [(self._plans[sub[j]], result.get(id(sub[j])), tuple(sub[j].shape),
                           sub[j].placements[0].dim) for j in back]
                 for j, u in zip(back, from_owners(items, pg, dtype, device)):
                     params.append(sub[j])
                     updates.append(u)
-                    scales.append(self._scale(group, steps[j]))
+                    scales.append(self._scale(group, steps[j], tuple(sub[j].shape)))
         return [p.to_local() for p in params], updates, scales
+
+    def _direction(self, group: dict, ps: list[Tensor], states: list[dict], grads: list[Tensor], g: Tensor,
+                   ql: Tensor | None, qr: Tensor | None, t: int):
+        """The update of a bucket at step ``t`` (before the statistics of this step): returns
+        ``((updates, scale) or None, V)`` with ``V`` the bucket's updated second moment (``None`` when
+        untouched). ``g``: the gradients' blocks ``(K, m, nb)``; ``ql``/``qr``: the current bases."""
+        if t == 0:
+            return None, None
+        b = group["blocks"]
+        b1, b2 = group["betas"]
+        moms = [st["momentum"] for st in states]
+        torch._foreach_lerp_(moms, grads, 1 - b1)
+        v = torch.cat([st["exp_avg_sq"] for st in states])
+        v.lerp_(soap_project(g, ql, qr).square(), 1 - b2)
+        mp = soap_project(torch.cat([_blocks(x, b) for x in moms]), ql, qr)
+        o = soap_project_back(mp / v.sqrt().add_(group["eps"]), ql, qr)
+        return ([_unblock(x) for x in o.split(b)], self._scale(group, t)), v
 
     def _bucket_step(self, group: dict, ps: list[Tensor], grads: list[Tensor], m: int, nb: int,
                      dtype: torch.dtype, t: int):
@@ -321,8 +341,7 @@ class SOAP(MatrixOptimizer):
         returns their updates and the bias-correction factor, or None on the first step (statistics
         and bases only)."""
         b = group["blocks"]
-        b1, b2 = group["betas"]
-        sb = b2 if group["shampoo_beta"] is None else group["shampoo_beta"]
+        sb = group["betas"][1] if group["shampoo_beta"] is None else group["shampoo_beta"]
         left, right = self._sides(group, m, nb)
         states = [self.state[p] for p in ps]
         grads = [x.to(dtype) for x in grads]
@@ -330,16 +349,7 @@ class SOAP(MatrixOptimizer):
         cat = lambda key: torch.cat([st[key] for st in states])  # noqa: E731
         sl, sr = (cat("stat_left") if left else None), (cat("stat_right") if right else None)
         ql, qr = (cat("basis_left") if left else None), (cat("basis_right") if right else None)
-        result = None
-        if t > 0:
-            moms = [st["momentum"] for st in states]
-            torch._foreach_lerp_(moms, grads, 1 - b1)
-            v = cat("exp_avg_sq")
-            v.lerp_(soap_project(g, ql, qr).square(), 1 - b2)
-            mp = soap_project(torch.cat([_blocks(x, b) for x in moms]), ql, qr)
-            o = soap_project_back(mp / v.sqrt().add_(group["eps"]), ql, qr)
-            scale = self._scale(group, t)
-            result = ([_unblock(x) for x in o.split(b)], scale)
+        result, v = self._direction(group, ps, states, grads, g, ql, qr, t)
         # Shampoo's factors from this step's gradient; the bases follow (first step: eigh).
         if sl is not None:
             sl.lerp_(g @ g.mT, 1 - sb)
