@@ -1,4 +1,5 @@
-"""Prose claims against the tables and records they rest on: five kinds of contradiction.
+"""Prose claims against the tables and records they rest on: six kinds of contradiction, and three
+kinds of table that contradict each other or their records.
 
 Why: ``dobb-bench report --check`` regenerates every marked table from its records, but the prose
 around the tables quotes them, and drifts when a table changes (a figure rounded from an older
@@ -47,6 +48,23 @@ The rows a claim is about are those named in its clause before the claim's words
     is ambiguous: neither is checked. So is a gap after a short form ``names`` does not resolve
     ("MuonBP P=10" for ``MuonBP R=4 P=10``, whose base name two rows share).
 
+(f) *A scoped closeness* ("end within about 0.02 of Muon", "within 0.015 nats of each other"):
+    every row it is about is within that distance of Muon (its gap, rounded to the quoted
+    decimals; the mean over seeds, or the seed-0 gap when the sentence says "seed 0"), or the rows
+    span no more than it ("of each other", Muon at 0). The rows it is about: those named before it
+    in its clause; else "the first N rows" (the table's first N) or "the top N rows" (the N
+    nearest Muon); else "every row", "all rows" or "the rows" (every row of the table; "matrix
+    rows" leaves AdamW out). A claim that holds for the first eight rows only fails for "the rows".
+
+**Tables against each other and their records** (``table_problems``, ``mixed_dtypes``):
+(g) *an unmarked edge*: a ``best lr`` at the lowest or highest lr its row lists (its ``lrs run``
+    cell or its ``lr X`` columns) without "(edge)";
+(h) *two best lrs for one row*: the tables that choose a row's lr on the common windows
+    (``CHOSEN_LR_TABLES``) give that row, at one setting, different best lrs;
+(i) *a mixed-dtype row*: a table's row (run label and setting) rests on records whose matrix
+    products ran in different dtypes (bf16 beside fp32), ``mixed_dtypes`` over the records the
+    table's generator used.
+
 A table's seed count per row: its ``seeds`` column (``0,1,2``), or 1 plus the seeds named in its
 ``other seeds ...`` column (``seed 1: ..., seed 2: ...``).
 """
@@ -83,6 +101,16 @@ _AGAINST = re.compile(r"(?:the|its|a|an|their|this|that)\b", re.I)
 _HPARAM = re.compile(r"\b[A-Z][a-z]?=\d")  # a row's short form: B=1 Bo=1, P=10 (not code's axis=0)
 _GAP = re.compile(r"(?<![\d.+-])(\d\.\d{3})\s+(below|above|behind)\b(?:\s+(?:it|Muon|owner-compute Muon)\b)?", re.I)
 _WORDS = {"one": 1, "a single": 1, "two": 2, "three": 3}
+# (f): "within about 0.02 of Muon", "within 0.015 nats of each other"
+_WITHIN = re.compile(r"\bwithin (?:about |roughly )?(\d+\.\d+)(?: nats?)? of (?:(?:owner-compute )?(Muon)\b|(each other)\b)",
+                     re.I)
+_NUMBER = {"two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7, "eight": 8, "nine": 9, "ten": 10,
+           "eleven": 11, "twelve": 12}
+_FIRST_N = re.compile(r"\b(first|top) (\d+|" + "|".join(_NUMBER) + r")\b", re.I)
+_ALL_ROWS = re.compile(r"\bevery row\b|\ball (?:the )?(?:matrix )?rows\b|\bthe (?:matrix )?rows\b", re.I)
+_MATRIX = re.compile(r"\bmatrix rows\b", re.I)
+# the tables that choose a row's lr on the common windows, with the setting of one that has no setting column
+CHOSEN_LR_TABLES = {"long-horizon-best": None, "frontier-20": "8300 steps, width 128"}
 
 
 # ----- the tables, as rows -----------------------------------------------------------------------------
@@ -134,9 +162,17 @@ def table_rows(body: str) -> list[dict]:
             seed0 = float(nums[0]) if nums else (0.0 if label == "Muon" else None)
             m = re.search(r"\bmean ([+-]?\d+\.\d+)", cell(other))
             mean = float(m.group(1)) if m else seed0
+        best = _NUM.search(r[col["best lr"]]) if "best lr" in col else None
+        runs = next((i for i, h in enumerate(head) if h.startswith("lrs run")), None)
+        if runs is not None:
+            lrs = [float(x) for x in re.findall(r"(\d+(?:\.\d+)?(?:e-?\d+)?):", r[runs].replace("**", ""))]
+        else:
+            lrs = [float(h[3:]) for i, h in enumerate(head) if re.fullmatch(r"lr \d+(?:\.\d+)?", h)
+                   and r[i].replace("**", "").strip() not in ("", "—")]
         out.append({"label": label, "setting": r[col["setting"]] if "setting" in col else None,
                     "edge": "(edge)" in r[col["best lr"]] if "best lr" in col else False,
-                    "seeds": seeds, "mean": mean, "seed0": seed0})
+                    "seeds": seeds, "mean": mean, "seed0": seed0,
+                    "best_lr": float(best.group(0)) if best else None, "lrs": lrs})
     return out
 
 
@@ -243,9 +279,11 @@ def _named(text: str, labels: list[str]) -> list[str]:
 
 
 def _lead(clause: str, end: int) -> str:
-    """The words before a claim that its rows are named in: from the clause's last ':' on."""
+    """The words before a claim that its rows are named in: from the clause's last ':' on (not a
+    colon inside a code span: `table:NAME`)."""
     head = clause[:end]
-    return head[head.rfind(":") + 1:]
+    blank = re.sub(r"`[^`]*`", lambda m: " " * len(m.group(0)), head)
+    return head[blank.rfind(":") + 1:]
 
 
 def _paren(clause: str, at: int) -> tuple[int, int] | None:
@@ -341,7 +379,104 @@ def _check_sentence(sentence: str, levels: list[str], tables: dict[str, str]) ->
             problem = _gap_claim(clause, m, labels, found)
             if problem:
                 problems.append(problem)
+        for m in _WITHIN.finditer(clause):  # (f)
+            problems += _within_claim(sentence, clause, m, labels, found)
     return problems
+
+
+def _within_claim(sentence: str, clause: str, m: re.Match, labels: list[str], found) -> list[str]:
+    """(f) "within X of Muon / of each other": the rows it is about, in each of the sentence's tables
+    with a gap column (rules in the module docstring); the problems."""
+    lead = _lead(clause, m.start())
+    about = _named(lead, labels)
+    first = _FIRST_N.search(lead)
+    every = bool(_ALL_ROWS.search(lead))
+    if not about and not first and not every:
+        return []
+    quoted, decimals = float(m.group(1)), len(m.group(1).split(".")[1])
+    key = "seed0" if _SEED0.search(sentence) else "mean"
+    out = []
+    for name, rows in found:
+        vals = {r["label"]: r[key] for r in rows if r[key] is not None}
+        if not vals:
+            continue
+        if about:
+            if not all(x in vals for x in about):
+                continue
+            keep = about
+        else:
+            keep = [x for x in vals if not (_MATRIX.search(lead) and x == "AdamW")]
+            if first:
+                n = int(first.group(2)) if first.group(2).isdigit() else _NUMBER[first.group(2).lower()]
+                keep = keep[:n] if first.group(1).lower() == "first" else sorted(keep, key=lambda x: abs(vals[x]))[:n]
+        scope = ", ".join(about) if about else (f"the {first.group(1)} {first.group(2)} rows" if first else "every row")
+        if m.group(3):  # of each other
+            spread = max(vals[x] for x in keep) - min(vals[x] for x in keep)
+            if round(spread, decimals) > quoted + 1e-12:
+                lo, hi = min(keep, key=vals.get), max(keep, key=vals.get)
+                out.append(f"says {scope} end within {m.group(1)} of each other; table {name!r} "
+                           f"({'seed 0' if key == 'seed0' else 'mean over seeds'}) has {lo} {vals[lo]:+.3f} "
+                           f"and {hi} {vals[hi]:+.3f}")
+        else:
+            far = [x for x in keep if round(abs(vals[x]), decimals) > quoted + 1e-12]
+            if far:
+                out.append(f"says {scope} end within {m.group(1)} of Muon; table {name!r} "
+                           f"({'seed 0' if key == 'seed0' else 'mean over seeds'}) has "
+                           + ", ".join(f"{x} {vals[x]:+.3f}" for x in far))
+    return out
+
+
+# ----- (g), (h), (i): tables against each other and their records --------------------------------------------
+def table_problems(tables: dict[str, str]) -> list[tuple[str, str]]:
+    """(table name, problem) for (g) an unmarked edge and (h) two best lrs for one row."""
+    out = []
+    chosen: dict = {}
+    for name, body in tables.items():
+        for r in table_rows(body):
+            lr, lrs = r.get("best_lr"), r.get("lrs") or []
+            if lr is not None and lrs and not r["edge"] and any(abs(lr - x) <= 5e-4 * x for x in (min(lrs), max(lrs))):
+                where = f" ({r['setting']})" if r["setting"] else ""
+                out.append((name, f"{r['label']}{where}: best lr {lr:g} is at an end of the lrs run "
+                                  f"({min(lrs):g}-{max(lrs):g}) and not marked (edge)"))
+            if name in CHOSEN_LR_TABLES and lr is not None:
+                setting = r["setting"] or CHOSEN_LR_TABLES[name]
+                chosen.setdefault((setting, r["label"]), {})[name] = lr
+    for (setting, label), by in sorted(chosen.items()):
+        if len({f"{v:.3g}" for v in by.values()}) > 1:
+            out.append((sorted(by)[0], f"{label} ({setting}): best lr " + ", ".join(
+                f"{v:g} in table {n!r}" for n, v in sorted(by.items())) + ": one best lr per row across the tables"))
+    return out
+
+
+def product_dtype(r: dict) -> str | None:
+    """The dtype a record's matrix products ran in: as resolved in its ``optimizer_groups`` (not the
+    AdamW group's), else as its hparams name it (``bfloat16`` / ``float32``); None when neither says."""
+    for g in r.get("optimizer_groups") or []:
+        for key in ("product_dtype_resolved", "ns_dtype_resolved"):
+            if g.get(key) and g.get("algorithm") != "adamw":
+                return str(g[key]).replace("torch.", "")
+    hp = str(r.get("hparams") or {})
+    return "bfloat16" if "bfloat16" in hp else "float32" if "float32" in hp else None
+
+
+def mixed_dtypes(name: str, recs: list[dict]) -> list[str]:
+    """(i) The rows of table ``name`` (run label and setting) whose records ran their matrix products
+    in more than one dtype."""
+    by: dict = {}
+    for r in recs:
+        if not isinstance(r, dict) or "run" not in r:
+            continue
+        m = r.get("model") or {}
+        d = product_dtype(r)
+        if d is not None:
+            by.setdefault((r["run"], r.get("steps"), m.get("width")), {}).setdefault(d, []).append(r)
+    out = []
+    for (run, steps, width), kinds in by.items():
+        if len(kinds) > 1:
+            said = "; ".join(f"{k}: " + ", ".join(sorted({f"lr {x['lr']:.3g} seed {x.get('seed')}" for x in rs}))
+                             for k, rs in sorted(kinds.items()))
+            out.append(f"table {name!r}: row {run} ({steps} steps, width {width}) mixes product dtypes ({said})")
+    return out
 
 
 def _last_named(text: str, labels: list[str]) -> tuple[str, str] | None:
@@ -416,9 +551,14 @@ def scan(root: Path | None = None) -> dict[str, list[tuple[int, str, str]]]:
     root = docs.parent if root is None else root
     tables = docs_tables(docs)
     found = {}
+    bad = table_problems(tables)
     for md in [root / "README.md", *sorted(docs.glob("*.md"))]:
         if md.exists():
-            hits = check_text(md.read_text(), tables)
+            text = md.read_text()
+            hits = check_text(text, tables)
+            for m in R.TABLE.finditer(text):  # (g), (h): at the table's marker
+                hits += [(text.count("\n", 0, m.start()) + 1, f"table:{m.group(2)}", p)
+                         for name, p in bad if name == m.group(2) and md.parent == docs]
             if hits:
                 found[str(md.relative_to(root))] = hits
     return found

@@ -62,8 +62,10 @@ def regenerate_text(text: str, where: str = "") -> tuple[str, list[tuple[str, li
     return R.TABLE.sub(sub, text), used_by
 
 
-def regenerate_docs(docs: Path | None = None, write: bool = True) -> dict[str, list[str]]:
+def regenerate_docs(docs: Path | None = None, write: bool = True,
+                    used: dict[str, list[dict]] | None = None) -> dict[str, list[str]]:
     """Rewrites the marked tables of ``docs/*.md``; returns {file: [table names that changed]}.
+    ``used``, when given, is filled with {table name: the records its generator used}.
 
     All or nothing: every record is checked and every table rendered first; only then are the
     changed files written (a bad record anywhere leaves every file as it was).
@@ -74,6 +76,8 @@ def regenerate_docs(docs: Path | None = None, write: bool = True) -> dict[str, l
     for md in sorted(docs.glob("*.md")):
         text = md.read_text()
         new, used_by = regenerate_text(text, str(md))
+        if used is not None:
+            used.update(used_by)
         if new != text:
             old_bodies = {m.group(2): m.group(3) for m in R.TABLE.finditer(text)}
             new_bodies = {m.group(2): m.group(3) for m in R.TABLE.finditer(new)}
@@ -148,7 +152,8 @@ def cmd_report(args) -> int:
         new = R.collect(args.collect, args.study, runs=args.runs.split(",") if args.runs else None)
         print(f"report: {len(new)} record(s) from {args.collect} -> {R.RECORDS / (args.study + '.jsonl')}")
         return 0
-    changed = regenerate_docs(write=not args.check)
+    used: dict[str, list[dict]] = {}
+    changed = regenerate_docs(write=not args.check, used=used)
     for name, tabs in changed.items():
         print(f"{'differs' if args.check else 'rewrote'}: docs/{name}: {', '.join(tabs)}")
     if args.check:  # figures outside the marked tables (README.md, docs/**/*.md): listed
@@ -173,7 +178,12 @@ def cmd_report(args) -> int:
         if said:
             print(f"report: {sum(map(len, said.values()))} prose claim(s) contradict their tables or records "
                   "(rule: dobb_bench.reports.claims)")
-        if changed or claims or said or (figures and args.strict_figures):
+        mixed = [p for name, recs in used.items() for p in claims_check.mixed_dtypes(name, recs)]
+        for problem in mixed:  # a row whose runs ran their products in different dtypes
+            print(f"mixed-dtype row: {problem}")
+        if mixed:
+            print(f"report: {len(mixed)} table row(s) mix product dtypes (rule: dobb_bench.reports.claims.mixed_dtypes)")
+        if changed or claims or said or mixed or (figures and args.strict_figures):
             return 1
     if not changed:
         print("report: every docs table matches its records")

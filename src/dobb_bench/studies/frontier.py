@@ -5,13 +5,18 @@ every finished run was re-evaluated at its last checkpoint on 2,048 held-out win
 every run (``scripts/reeval_windows.py``, record ``docs/results/checks/reeval-windows/reeval.jsonl``).
 
 The protocol, applied here to whatever has been run:
-- a row's lr is chosen at seed 0 on the common windows; it is *bracketed* when a worse lr lies on
-  each side of it;
-- its loss is the mean over the seeds run at that lr (seeds 1 and 2 were run there);
+- a row's lr is chosen on the common windows by the one rule of ``lr_rule.choose`` (the seed-0
+  best, its close neighbours through seeds 0+1, a tie there through seed 2); a row the rule still
+  waits on is marked "lr not settled: needs <lr> seed <n>", a chosen lr at an end of the lrs run
+  "(edge)";
+- its loss is the mean over the seeds run at that lr;
 - its gap to owner-compute Muon (each at its own best lr) is paired by seed: a seed gives both
   rows the same initial weights, data order and windows. A gap is *beyond noise* under a 95%
   paired t-test over the seeds; because seed 0 also chose the lr, the verdict is repeated on the
-  seeds that did not (1 and 2) and a lead that holds only with seed 0 is said to rest on it;
+  seeds that did not (1 and 2): a lead that holds only with seed 0 is said to rest on it, one that
+  holds on the later seeds only is said so;
+- the loss / step frontier keeps ties (``pareto``): a row leaves it only when another is cheaper
+  beyond the spread of the step ratios between timing records and lower beyond paired noise;
 - step cost, bytes and state come from ``table:shard-local``'s timing run and formulas (GPT-2
   Small layer 0 over 4 gloo ranks, each ratio against owner-compute Muon measured side by side);
 - weight norms: each hidden matrix's top singular value and RMS at the first eval (the initial
@@ -20,14 +25,16 @@ The protocol, applied here to whatever has been run:
 """
 from __future__ import annotations
 
+import json
 import math
 import statistics
 
 from dobb_bench.reports import records as R
-from dobb_bench.reports.tables import paired
 from dobb_bench.studies import long_horizon as LH
-from dobb_bench.studies.define import beyond_noise, best_of
-from dobb_bench.studies.shard_local import OWNER, fmt_bytes, timing_ratios, communication, state_per_param
+from dobb_bench.studies.define import beyond_noise
+from dobb_bench.studies.lr_rule import Choice, bf16, choose  # noqa: F401 (the rule of this table)
+from dobb_bench.studies.shard_local import (OWNER, TIMING, communication, fmt_bytes, state_per_param,
+                                            timing_ratios)
 
 STEPS, WIDTH = 8300, 128
 # (row as labelled in the runs, spec whose step was timed in table:shard-local)
@@ -61,9 +68,7 @@ def _lr(r: dict) -> float:
     return float(f"{r['lr']:.4g}")
 
 
-def _bf16(r: dict) -> bool:
-    """A run made with bf16 products: outside this table's protocol (fp32 products on every row)."""
-    return "bfloat16" in str(r.get("hparams", {}))
+_bf16 = bf16
 
 
 def _common() -> dict[str, dict[float, dict[int, dict]]]:
@@ -75,30 +80,11 @@ def _common() -> dict[str, dict[float, dict[int, dict]]]:
     return out
 
 
-def choose(by_lr: dict[float, dict[int, dict]]) -> tuple[float | None, bool]:
-    """The row's lr and whether the seed-0 grid brackets it: the seed-0 best on the common windows,
-    or, where a neighbouring lr (one grid step, a factor sqrt 2) is worse than it by less than two
-    standard errors of the window noise (paired over the window groups), the one of them with the
-    lowest mean over seeds 0 and 1 once each has seed 1 (``define.chosen_j``, the driver's rule)."""
-    best, bracketed = best_of((lr, s[0]["common_val_loss"]) for lr, s in by_lr.items() if 0 in s)
-    if best is None or not bracketed:
-        return best, bracketed
-    ref = by_lr[best][0].get("common_groups")
-    cands = [best]
-    for lr in by_lr:
-        if lr != best and 0 in by_lr[lr] and abs(math.log2(lr / best)) < 0.51 and ref:
-            got = paired(by_lr[lr][0].get("common_groups") or [], ref)
-            if got is not None and got[0] < 2 * got[1]:
-                cands.append(lr)
-    if len(cands) == 1 or any(1 not in by_lr[lr] for lr in cands):
-        return best, bracketed
-    means = [(by_lr[lr][0]["common_val_loss"] + by_lr[lr][1]["common_val_loss"]) / 2 for lr in cands]
-    return cands[means.index(min(means))], bracketed
-
-
 def verdict(gaps: dict[int, float]) -> tuple[float, str]:
     """The mean of per-seed gaps and the noise verdict: a 95% paired t-test over every seed, then
-    over the seeds other than 0 (which chose the lr); with fewer than three seeds no verdict."""
+    over the seeds other than 0 (which chose the lr); with fewer than three seeds no verdict.
+    Four words: beyond noise (both tests), beyond noise only with seed 0 (every seed only), beyond
+    noise on the seeds that did not choose the lr only (the later seeds only), within noise."""
     seeds = sorted(gaps)
     d = [gaps[s] for s in seeds]
     mean = statistics.fmean(d)
@@ -112,10 +98,13 @@ def verdict(gaps: dict[int, float]) -> tuple[float, str]:
     all_ok, t_all = beyond(d)
     later = [gaps[s] for s in seeds if s != 0]
     later_ok, t_later = beyond(later) if len(later) >= 2 else (False, 0.0)
+    ts = f"t = {t_all:.1f}; seeds 1+ alone t = {t_later:.1f}"
     if all_ok and later_ok:
-        return mean, f"beyond noise (t = {t_all:.1f}; seeds 1+ alone t = {t_later:.1f})"
+        return mean, f"beyond noise ({ts})"
     if all_ok:
-        return mean, f"beyond noise only with seed 0, which chose the lr (t = {t_all:.1f}; seeds 1+ alone t = {t_later:.1f})"
+        return mean, f"beyond noise only with seed 0, which chose the lr ({ts})"
+    if later_ok:
+        return mean, f"beyond noise on the seeds that did not choose the lr only ({ts})"
     return mean, f"within noise (t = {t_all:.1f})"
 
 
@@ -144,22 +133,62 @@ def _run_records(study: str = LH.STUDY) -> dict[tuple[str, float, int], dict]:
     return out
 
 
-def pareto(points: dict[str, tuple[float, float]]) -> set[str]:
-    """Rows on the loss / step-cost frontier: no other row is both cheaper (or as cheap) and lower
-    in loss (or as low), one of them strictly."""
+# timing records whose ratios are not repeats of one step's measure: fsdp4-splus times SPlus's whole
+# 100-step cycle (fsdp4 one step)
+NOT_REPEATS = ("cost/shard-local/fsdp4-splus/timing.jsonl",)
+SMALL_STEP = 0.05  # ratios below this (AdamW's, 0.003-0.013) sit at the timer's resolution: no spread from them
+
+
+def timing_spread() -> tuple[float, list[tuple[str, list[float]]]]:
+    """The spread of a step ratio between timing runs: the largest ``max / min - 1`` over the specs
+    timed (against owner-compute Muon, one ratio per record: the median over its repeats) in more
+    than one record, and those specs with their ratios. 0.0 when no spec was timed twice."""
+    seen: dict[str, list[float]] = {}
+    for rel in TIMING:
+        path = R.DOCS / "results" / rel
+        if rel in NOT_REPEATS or not path.exists():
+            continue
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            if rec.get("kind") == "run":
+                for spec, row in rec["ratio_matrix"].items():
+                    if spec != OWNER and OWNER in row and row[OWNER] >= SMALL_STEP:
+                        seen.setdefault(spec, []).append(row[OWNER])
+    twice = [(spec, v) for spec, v in seen.items() if len(v) > 1]
+    return max((max(v) / min(v) - 1 for _, v in twice), default=0.0), twice
+
+
+def _beyond_paired(a: dict[int, float], b: dict[int, float]) -> bool:
+    """``a`` lower than ``b`` beyond paired noise: a 95% paired t-test over their common seeds (at
+    least three)."""
+    d = [a[sd] - b[sd] for sd in sorted(set(a) & set(b))]
+    if len(d) < 3:
+        return False
+    m, se = statistics.fmean(d), statistics.stdev(d) / len(d) ** 0.5
+    return m < 0 and beyond_noise(m, se, len(d))
+
+
+def pareto(points: dict[str, tuple[dict[int, float], float]], spread: float = 0.0) -> set[str]:
+    """Rows on the loss / step-cost frontier, ties kept: a row leaves it only when another row is
+    cheaper beyond the timing ``spread`` (its ratio times ``1 + spread`` below this row's) and lower
+    in loss beyond paired noise (a 95% paired t-test over their common seeds). ``points``: row ->
+    ({seed: loss}, step ratio)."""
     on = set()
     for a, (la, ca) in points.items():
-        dominated = any((lb <= la and cb <= ca) and (lb < la or cb < ca) for b, (lb, cb) in points.items() if b != a)
-        if not dominated:
+        if not any(cb * (1 + spread) < ca and _beyond_paired(lb, la) for b, (lb, cb) in points.items() if b != a):
             on.add(a)
     return on
+
+
+def level(points: dict[str, tuple[dict[int, float], float]], a: str, b: str) -> bool:
+    """``a`` and ``b`` within paired noise of each other on loss (neither lower beyond it)."""
+    return not _beyond_paired(points[a][0], points[b][0]) and not _beyond_paired(points[b][0], points[a][0])
 
 
 def frontier_20() -> tuple[str, list[dict]]:
     common, runs, reruns = _common(), _run_records(), _run_records(NORMS_STUDY)
     ratios, _ = timing_ratios()
-    ref_lr, _ = choose(common.get(REF, {}))
-    ref = common.get(REF, {}).get(ref_lr, {})
+    ref = common.get(REF, {}).get(choose(common.get(REF, {})).lr, {})
     head = ("| row | communication under `Shard(0)` | lrs run: seed-0 loss, common windows | best lr | "
             "seeds at best: loss | mean ± std (n) | gap to Muon, paired by seed | bytes per step | "
             "FSDP2 step / owner-compute Muon | state B/param | largest top singular value, end | growth: end / initial "
@@ -167,7 +196,7 @@ def frontier_20() -> tuple[str, list[dict]]:
     lines = [head, "|" + "---|" * 12]
     used: list[dict] = []
     summary: dict[str, tuple] = {}
-    compared = 0
+    compared, choices = 0, {}
     for group, rows in (("zero step communication", ROWS), ("references", REFS)):
         lines.append(f"| *{group}* |" + " |" * 11)
         for name, spec in rows:
@@ -176,7 +205,8 @@ def frontier_20() -> tuple[str, list[dict]]:
             ratio = ratios.get("torch-adamw" if spec == "adamw" else spec)
             cost = (f" | {fmt_bytes(nbytes)} | {'—' if ratio is None else f'{ratio:.2f}'} | "
                     f"{state_per_param(spec):.1f}")
-            lr, bracketed = choose(by_lr)
+            choice = choices[name] = choose(by_lr)
+            lr = choice.lr
             if lr is None:
                 lines.append(f"| {name} | {when} | not run yet | | | |{cost} | | |")
                 continue
@@ -204,17 +234,18 @@ def frontier_20() -> tuple[str, list[dict]]:
                 ns, mark = norm_stats([reruns[(name, lr, sd)] for sd in at if (name, lr, sd) in reruns]), " (rerun)"
             norms = " | — | —" if ns is None else f" | {ns[0]:.2f}{mark} | {ns[1]:.2f}x ({ns[2]:.2f}x)"
             summary[name] = (m, ratio, losses, when)
-            lines.append(f"| {name} | {when} | {grid} | {lr:.3g}{'' if bracketed else ' (edge)'} | {per_seed} | "
+            lines.append(f"| {name} | {when} | {grid} | {choice.cell()} | {per_seed} | "
                          f"{m:.3f}{sd_txt} ({len(vals)}) | {gap}{cost}{norms} |")
     text = "\n".join(lines) + "\n"
-    points = {k: (v[0], v[1]) for k, v in summary.items() if v[1] is not None and len(v[2]) >= 3}
-    on = sorted(pareto(points), key=lambda k: points[k][1]) if points else []
-    text += (f"\n{compared} rows were compared with Muon by a paired t-test over at least three seeds, each at 95% "
-             "and not corrected for the number of comparisons. ")
-    if on:
-        text += ("On the loss / FSDP2-step frontier (rows with three seeds and a timed step; mean loss): "
-                 + ", ".join(f"{k} ({points[k][0]:.3f}, {points[k][1]:.2f}x)" for k in on) + ".")
-    text += "\n"
+    text += f"\n{compared} rows were compared with Muon by a paired t-test over at least three seeds, each at 95% " \
+            "and not corrected for the number of comparisons. " + frontier_line(summary, choices) + "\n"
+    open_ = {k: c for k, c in choices.items() if c.lr is not None and not c.settled}
+    if open_:
+        text += ("\nThe lr rule (`lr_rule.choose`: the seed-0 best, its close neighbours through seeds 0+1, a tie "
+                 "there through seed 2, the chosen lr bracketed) is not settled for "
+                 + "; ".join(f"{k} (" + ", ".join(f"{x:.3g} seed {sd}" for x, sd in c.needs) + ")"
+                             for k, c in open_.items())
+                 + ": their rows show the lr the rule holds so far, and the runs named are the ones it needs.\n")
     revs = sorted({(r.get("provenance") or {}).get("git_rev", "")[:7] for r in used})
     text += (f"\nLosses: 2,048 common windows at the last checkpoint (record "
              f"`docs/results/checks/reeval-windows/reeval.jsonl`, re-evaluated at {', '.join(revs) or '—'}); "
@@ -222,6 +253,36 @@ def frontier_20() -> tuple[str, list[dict]]:
              f"\"(rerun)\": from a rerun of the seed-0 run at the same settings (study `{NORMS_STUDY}`), whose "
              "loss is not used.\n")
     return text, used + [runs[k] for k in runs if k[0] in summary]
+
+
+def frontier_line(summary: dict[str, tuple], choices: dict[str, Choice]) -> str:
+    """The loss / step frontier in words, ties shown: rows with three seeds and a timed step; a row
+    is off it only when another is cheaper beyond the timing spread and lower beyond paired noise
+    (``pareto``); each row on it names the rows on it level with it on loss (within paired noise)
+    and on step (ratios within the spread)."""
+    points = {k: (v[2], v[1]) for k, v in summary.items() if v[1] is not None and len(v[2]) >= 3}
+    if not points:
+        return ""
+    spread, twice = timing_spread()
+    on = sorted(pareto(points, spread), key=lambda k: points[k][1])
+    mean = {k: summary[k][0] for k in points}
+
+    def entry(k):
+        cheaper = [x for x in on if points[x][1] < points[k][1] or (points[x][1] == points[k][1] and x < k)]
+        loss = [x for x in cheaper if level(points, k, x)]
+        step = [x for x in cheaper if points[k][1] <= points[x][1] * (1 + spread)]
+        marks = ([f"level on loss with {', '.join(loss)}"] if loss else []) + \
+                ([f"on step with {', '.join(step)}"] if step else []) + \
+                (["lr not settled"] if not choices[k].settled else [])
+        return f"{k} ({mean[k]:.3f}, {points[k][1]:.2f}x" + (f"; {'; '.join(marks)}" if marks else "") + ")"
+
+    timed = "; ".join(f"{spec} " + " and ".join(f"{v:.3f}" for v in vs) for spec, vs in twice)
+    return ("On the loss / FSDP2-step frontier (rows with three seeds and a timed step; mean loss, step ratio), a "
+            "row is off only where another row is both cheaper beyond the timing spread and lower beyond paired "
+            "noise (95% paired t-test over the seeds); each row names the cheaper rows on it that it is level "
+            "with, within paired noise (loss) or within the spread (step): " + ", ".join(entry(k) for k in on) + ". Timing spread: each timing record gives one "
+            "ratio per spec (the median over its repeats), so the spread is the one measured between records, "
+            f"{100 * spread:.0f}% (the largest max / min over the specs timed in two or more: {timed}).")
 
 
 TABLES = {"frontier-20": frontier_20}

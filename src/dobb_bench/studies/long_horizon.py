@@ -20,6 +20,7 @@ import statistics
 from dobb_bench.reports import records as R
 from dobb_bench.reports.tables import final_loss, paired, setting_line
 from dobb_bench.studies.define import beyond_noise
+from dobb_bench.studies.lr_rule import bf16, choose
 from dobb_bench.studies.shard_local import best_lr, runs_of
 
 STUDY = "long-horizon"
@@ -148,10 +149,13 @@ reeval_path, reeval_records = R.reeval_path, R.reeval_records
 
 
 def common_windows() -> tuple[str, list[dict]]:
-    """Every re-evaluated checkpoint on its own 64 windows and on the common ones, with its gap to
+    """Every re-evaluated checkpoint with fp32 products (a bf16 run is named below the table, not
+    mixed into its row) on its own 64 windows and on the common ones, with its gap to
     Muon (at the lr it was run at with the most seeds) of the same setting and seed (paired over
     the 32 window groups, +- 2 standard errors), then the spread of a 64-window eval and the seed-to-seed differences."""
-    recs = reeval_records()
+    every = reeval_records()
+    recs = [r for r in every if not bf16(r)]  # one product dtype per row: fp32, this setting's protocol
+    left = [r for r in every if bf16(r)]
     order = {label: i for i, (label, *_) in enumerate(ROWS)}
     key = lambda r: (-r["steps"], r["model"]["width"], r["seed"], order.get(r["run"], 99))
     recs.sort(key=key)
@@ -203,6 +207,11 @@ def common_windows() -> tuple[str, list[dict]]:
     runs = sorted({r.get("run_git_rev", "")[:7] for r in recs})
     out.append(f"Record `docs/results/checks/reeval-windows/reeval.jsonl` (`scripts/reeval_windows.py`, "
                f"--windows 2048 --window-seed 12345, at revision(s) {', '.join(revs)}; runs at {', '.join(runs)}).")
+    if left:
+        out.append("Left out, so that no row mixes product dtypes: " + "; ".join(
+            f"{r['run']} lr {r['lr']:.3g} seed {r['seed']} ({r['steps']} steps, width {r['model']['width']}: "
+            f"{r['common_val_loss']:.3f} on the common windows)" for r in left)
+                   + ", run with bf16 products; every other run here has fp32 ones. It stays in the record.")
     return "\n".join(out) + "\n", recs
 
 
@@ -254,23 +263,30 @@ def _later_seeds(later: dict, steps: int, width: int, best: dict, muon: dict | N
 
 
 def best_on_common() -> tuple[str, list[dict]]:
-    """Each row at its own best lr, judged on the common windows at seed 0, against Muon at its own
-    best lr (paired over the 32 window groups, +- 2 standard errors of the window sampling), and
-    how that gap compares with the row's 800-step, width-128 gap (each at its own best lr, seed 0).
+    """Each row at its own best lr, chosen on the common windows by the one rule of
+    ``lr_rule.choose`` (the one ``table:frontier-20`` uses: one best lr per row across the tables),
+    against Muon at its own (paired over the 32 window groups, +- 2 standard errors of the window
+    sampling), and how that gap compares with the row's 800-step, width-128 gap (each at its own
+    best lr, seed 0). Runs with bf16 products are left out (every other run here has fp32 ones).
 
     A 64-window eval moves the differences between a row's lrs by about 0.01 nats, as much as the
     lr steps themselves change the loss here, so a row's best lr is chosen on the 2,048 windows.
-    A best lr is bracketed when a worse lr lies on each side of it. Where the row and Muon both ran
-    another seed at their seed-0 best lrs, that seed's paired gap and the mean over seeds follow."""
-    every = reeval_records()
-    recs = [r for r in every if r["seed"] == 0]
-    # other seeds, by (setting, row, lr): paired with Muon's at the seed-0 best lrs of both
+    Where the row and Muon both ran another seed at their chosen lrs, that seed's paired gap and
+    the mean over seeds follow."""
+    every = [r for r in reeval_records() if not bf16(r)]
+    lr_of = lambda r: float(f"{r['lr']:.4g}")
+    # {setting: {row: {lr: {seed: record}}}}: the one lr rule reads every seed
+    grid: dict = {}
+    for r in every:
+        grid.setdefault((r["steps"], r["model"]["width"]), {}).setdefault(r["run"], {}).setdefault(
+            lr_of(r), {})[r["seed"]] = r
+    # other seeds, by (setting, row, lr): paired with Muon's at the chosen lrs of both
     later: dict = {}
     for r in every:
         if r["seed"] != 0:
-            later.setdefault((r["steps"], r["model"]["width"], r["run"], float(f"{r['lr']:.4g}")), {})[r["seed"]] = r
+            later.setdefault((r["steps"], r["model"]["width"], r["run"], lr_of(r)), {})[r["seed"]] = r
     order = {label: i for i, (label, *_) in enumerate(ROWS)}
-    settings = sorted({(r["steps"], r["model"]["width"]) for r in recs}, key=lambda k: (-k[0], k[1]))
+    settings = sorted(grid, key=lambda k: (-k[0], k[1]))
     out = ["| setting | row | lrs run: loss on the common windows (seed 0) | best lr | rank | "
            "gap to Muon at its best lr [+- 2 SE] | other seeds at both best lrs: gap to Muon; mean over seeds | "
            "gap to Muon: 800 steps, width 128 -> here |",
@@ -278,21 +294,18 @@ def best_on_common() -> tuple[str, list[dict]]:
     used = []
     short = {label: _short(ref_label, studies)[1] for label, ref_label, studies in ROWS}
     for steps, width in settings:
-        rows: dict = {}
-        for r in recs:
-            if (r["steps"], r["model"]["width"]) == (steps, width):
-                rows.setdefault(r["run"], {})[float(f"{r['lr']:.4g}")] = r
-        best = {run: min(by.values(), key=lambda r: r["common_val_loss"]) for run, by in rows.items()}
+        rows = {run: {lr: s[0] for lr, s in by.items() if 0 in s} for run, by in grid[(steps, width)].items()}
+        rows = {run: by for run, by in rows.items() if by}
+        choice = {run: choose(grid[(steps, width)][run]) for run in rows}
+        best = {run: rows[run][choice[run].lr] for run in rows}
         ranks = _ranks({run: r["common_val_loss"] for run, r in best.items()})
         muon = best.get("Muon")
         here = {run: r["common_val_loss"] for run, r in best.items()}
         for run in sorted(rows, key=lambda k: order.get(k, 99)):
             by, b = rows[run], best[run]
-            lrs = sorted(by)
-            blr = float(f"{b['lr']:.4g}")
+            blr = lr_of(b)
             cells = ", ".join(f"{x:.3g}: " + (f"**{by[x]['common_val_loss']:.3f}**" if x == blr
-                                             else f"{by[x]['common_val_loss']:.3f}") for x in lrs)
-            edge = "" if lrs[0] < blr < lrs[-1] else " (edge)"
+                                             else f"{by[x]['common_val_loss']:.3f}") for x in sorted(by))
             if muon is None or b is muon:
                 gap = "" if b is muon else "—"
             else:
@@ -300,7 +313,7 @@ def best_on_common() -> tuple[str, list[dict]]:
                 gap = f"{g:+.3f} [{g - 2 * se:+.3f}, {g + 2 * se:+.3f}]"
             change = "" if run == "Muon" else _gap_change(run, short, here)
             seeds, more = _later_seeds(later, steps, width, b, muon)
-            out.append(f"| {steps} steps, width {width} | {run} | {cells} | {blr:.3g}{edge} | {ranks[run]} | {gap} "
+            out.append(f"| {steps} steps, width {width} | {run} | {cells} | {choice[run].cell()} | {ranks[run]} | {gap} "
                        f"| {seeds} | {change} |")
             used += list(by.values()) + more
     revs = sorted({(r.get("provenance") or {}).get("git_rev", "")[:7] for r in used})

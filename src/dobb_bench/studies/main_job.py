@@ -93,7 +93,7 @@ def _variant_records() -> list[dict]:
 
 
 def variants_table(recs: list[dict], ref: str = "Muon-fp32") -> str:
-    """Seed-0 loss per lr, the best seed-0 lr, every seed there, and the difference from ``ref`` at
+    """Seed-0 loss per lr, the best seed-0 lr ("(edge)" at an end of the row's lrs), every seed there, and the difference from ``ref`` at
     its own best lr (beyond noise: over 2 std of the noisier row, 0.1 nats for a one-seed row)."""
     by = group_by(recs, lambda r: r["run"])
     labels = [k for k in VARIANT_ORDER if k in by] + [k for k in by if k not in VARIANT_ORDER]
@@ -117,7 +117,9 @@ def variants_table(recs: list[dict], ref: str = "Muon-fp32") -> str:
         if label != ref and ref in at_best and at_best[ref][2] and n:
             d = m - at_best[ref][0]
             vs = f"{d:+.3f} ({'beyond' if abs(d) > noise(sd, at_best[ref][1]) else 'within'} noise)"
-        rows.append(f"| {label} | " + " | ".join(cells) + f" | {'' if best[label] is None else f'{best[label]:.3g}'} | "
+        ran = [lr for lr in s0 if s0[lr] is not None]
+        edge = " (edge)" if best[label] is not None and best[label] in (min(ran), max(ran)) else ""
+        rows.append(f"| {label} | " + " | ".join(cells) + f" | {'' if best[label] is None else f'{best[label]:.3g}{edge}'} | "
                     f"{seeds} | {fmt_ms(m, sd, n)} | {vs} |")
     return "\n".join(rows) + "\n" + setting_line(recs)
 

@@ -126,8 +126,9 @@ def test_the_docs_pass():
 def test_report_check_fails_on_a_best_row_claim(monkeypatch, capsys):
     from dobb_bench.studies import docs_tables as D
 
-    monkeypatch.setattr(D, "regenerate_docs", lambda write=True: {})
+    monkeypatch.setattr(D, "regenerate_docs", lambda write=True, used=None: {})
     monkeypatch.setattr(D, "scan", lambda: {})
+    monkeypatch.setattr(D.claims_check, "scan", lambda: {})  # this test is about best_row's claims only
     monkeypatch.setattr(D.best_row, "scan", lambda: {"results.md": [(106, "Muon is the best row.", "table 'h': ...")]})
     args = SimpleNamespace(docs=None, plots=None, collect=None, check=True, strict_figures=False)
     assert D.cmd_report(args) == 1

@@ -163,10 +163,11 @@ def test_reeval_scores_an_iterate_average_and_the_raw_weights(tmp_path, text_dir
 
 
 def test_best_on_common_picks_each_rows_lr_on_the_common_windows(tmp_path, monkeypatch):
-    """Best lr per row and setting on the common windows (seed 0 only), edges marked, ranks within a
+    """Best lr per row and setting on the common windows (the one rule, lr_rule.choose: here the
+    seed-0 best, no neighbour being close), edges marked with the run they need, ranks within a
     setting, and the paired gap to Muon at Muon's own best lr."""
     recs = [_re("Muon", 0, 1.30, [1.2, 1.4, 1.3, 1.3], lr=0.01),
-            _re("Muon", 0, 1.33, [1.3, 1.4, 1.3, 1.3], lr=0.0141),
+            _re("Muon", 0, 1.33, [1.3, 1.5, 1.4, 1.4], lr=0.0141),  # worse by 0.1 in every group: not close
             _re("Muon", 0, 1.35, [1.3, 1.4, 1.35, 1.35], lr=0.00707),
             _re("Muon", 1, 1.10, [1.1, 1.1, 1.1, 1.1], lr=0.0141),  # seed 1 off Muon's best lr: not used
             _re("Muon", 1, 1.32, [1.3, 1.3, 1.3, 1.38], lr=0.01),
@@ -186,12 +187,13 @@ def test_best_on_common_picks_each_rows_lr_on_the_common_windows(tmp_path, monke
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines()[2:6]]
     # AdamW: 2.0 - 1.6 = +0.4 at 800 steps; 1.40 - 1.30 = +0.1 here
     # seed 1 at both best lrs: 1.36 - 1.32 = +0.04, mean with seed 0's +0.1 is +0.07
-    assert rows[0] == ["8300 steps, width 128", "AdamW", "0.005: **1.400**, 0.00707: 1.450", "0.005 (edge)", "3",
+    assert rows[0] == ["8300 steps, width 128", "AdamW", "0.005: **1.400**, 0.00707: 1.450",
+                       "0.005 (edge) (lr not settled: needs 0.00354 seed 0)", "3",
                        "+0.100 [+0.088, +0.112]", "seed 1: +0.040; mean +0.070", "+0.400 -> +0.100 (shrank)"]
     assert rows[1] == ["8300 steps, width 128", "Muon", "0.00707: 1.350, 0.01: **1.300**, 0.0141: 1.330", "0.01", "2",
                        "", "seed 1, seed 2, seed 3", ""]
     # SOAP's gaps -0.05, -0.04, -0.04, -0.005: mean -0.034, SE 0.0103, t(3) 3.182 -> 0.033: beyond
-    assert rows[2][1:] == ["SOAP", "0.005: **1.250**", "0.005 (edge)", "1", "-0.050 [-0.050, -0.050]",
+    assert rows[2][1:] == ["SOAP", "0.005: **1.250**", "0.005 (edge) (lr not settled: needs 0.00707 seed 0)", "1", "-0.050 [-0.050, -0.050]",
                            "seed 1: -0.040, seed 2: -0.040, seed 3: -0.005; mean -0.034 over 4 seeds, beyond seed noise",
                            "—"]
     assert rows[3][:2] == ["3200 steps, width 256", "Muon"] and rows[3][4:] == ["1", "", "—", ""]
@@ -275,3 +277,23 @@ def test_driver_third_seed_goes_to_rows_that_lead_muon_at_both_seeds(tmp_path):
     d = D.Driver(m, "wt", H.SETTINGS)
     picks = [H.next_close(d) for _ in range(2)]
     assert [(t[1].label, t[2], t[3]) for t in picks] == [("Muon", 1, 2), ("SOAP", 1, 2)]
+
+
+def test_a_bf16_run_is_named_under_the_tables_not_mixed_into_a_row(tmp_path, monkeypatch):
+    """Issue 55: table:common-windows held Dobb-Muon's bf16 run beside its fp32 runs, and
+    table:long-horizon-best could take it as the row's seed-0 point; both leave it out now, and
+    common-windows names it under the table."""
+    from dobb_bench.reports import claims as C
+    bf = dict(_re("Dobb-Muon B=4 Bo=4", 0, 1.20, [1.2] * 4, lr=0.005), hparams={"product_dtype": "torch.bfloat16"})
+    fp = [dict(_re("Dobb-Muon B=4 Bo=4", 0, 1.278, [1.278] * 4, lr=0.005), hparams={"product_dtype": "torch.float32"}),
+          dict(_re("Dobb-Muon B=4 Bo=4", 0, 1.276, [1.276] * 4, lr=0.003536), hparams={"product_dtype": "torch.float32"})]
+    recs = [_re("Muon", 0, 1.30, [1.2, 1.4, 1.3, 1.3]), bf, *fp]
+    _write_reeval(tmp_path, monkeypatch, recs)
+    text, used = L.common_windows()
+    assert bf not in used and C.mixed_dtypes("common-windows", used) == []
+    assert "Left out, so that no row mixes product dtypes: Dobb-Muon B=4 Bo=4 lr 0.005 seed 0" in text
+    assert C.mixed_dtypes("common-windows", recs)  # as the table was: the check fails on it
+    monkeypatch.setattr(L, "runs_of", lambda label, studies: {})
+    text, used = L.best_on_common()
+    row = next(line for line in text.splitlines() if "| Dobb-Muon B=4 Bo=4 |" in line)
+    assert "0.005: 1.278" in row and "1.200" not in row and bf not in used

@@ -21,9 +21,9 @@ def test_best_lr_seeds_and_difference_from_muon_at_its_own_best():
     text = main_job.variants_table(recs)
     muon = next(x for x in text.splitlines() if x.startswith("| Muon-fp32"))
     sam = next(x for x in text.splitlines() if x.startswith("| SAMuon-fp32"))
-    assert "| **1.800** | 0.002 | 0,1 | 1.850 ± 0.071 | — |" in muon
+    assert "| **1.800** | 0.002 (edge) | 0,1 | 1.850 ± 0.071 | — |" in muon  # best at an end of its two lrs
     # SAMuon at 1e-3: mean 1.6, std 0.1; Muon at 2e-3: 1.85; -0.25 against 2 x 0.1 = 0.2: beyond noise
-    assert "| **1.500** | 1.700 | 0.001 | 0,1,2 | 1.600 ± 0.100 | -0.250 (beyond noise) |" in sam
+    assert "| **1.500** | 1.700 | 0.001 (edge) | 0,1,2 | 1.600 ± 0.100 | -0.250 (beyond noise) |" in sam
 
 
 def _record(run, loss, seed=0, dirty=False, optimizer="adamw", hparams=None):
