@@ -113,13 +113,14 @@ def test_report_check_fails_on_a_contradicted_claim(tmp_path, monkeypatch, capsy
     monkeypatch.setattr(R, "DOCS", R.DOCS)  # report --docs moves them; restored after the test
     monkeypatch.setattr(R, "RECORDS", R.RECORDS)
     shutil.copytree(R.DOCS, tmp_path / "docs")
-    readme = (R.DOCS.parent / "README.md").read_text()
-    assert "varies by 0.047" in readme
-    (tmp_path / "README.md").write_text(readme.replace("varies by 0.047", "varies by 0.048"))
+    shutil.copy(R.DOCS.parent / "README.md", tmp_path / "README.md")
+    results = (R.DOCS / "results.md").read_text()
+    assert "varies by 0.047" in results
+    (tmp_path / "docs" / "results.md").write_text(results.replace("varies by 0.047", "varies by 0.048", 1))
     assert main(["report", "--check", "--docs", str(tmp_path / "docs")]) == 1
     out = capsys.readouterr().out
-    assert "prose claim: README.md:" in out and "quotes 0.048 for the spread of a 64-window eval" in out
-    (tmp_path / "README.md").write_text(readme)
+    assert "prose claim: docs/results.md:" in out and "quotes 0.048 for the spread of a 64-window eval" in out
+    (tmp_path / "docs" / "results.md").write_text(results)
     assert main(["report", "--check", "--docs", str(tmp_path / "docs")]) == 0
 
 
