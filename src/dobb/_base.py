@@ -123,12 +123,17 @@ def apply_protocol(params: Sequence[torch.Tensor], targets: Sequence[torch.Tenso
         return
     if isinstance(weight_decay, torch.Tensor) or weight_decay != 0:
         torch._foreach_mul_(list(params), 1.0 - lr * weight_decay)
-    by_scale: dict[float, tuple[list, list]] = defaultdict(lambda: ([], []))
+    # grouped by comparing scales, never hashing them: a scale that varies with the step count (SOAP's
+    # bias correction) stays symbolic in a compiled step instead of making a graph per value
+    by_scale: list[tuple[float, list, list]] = []
     for t, u, s in zip(targets, updates, scales):
-        ts, us = by_scale[s]
-        ts.append(t)
-        us.append(u if u.dtype == t.dtype else u.to(t.dtype))
-    for s, (ts, us) in by_scale.items():
+        entry = next((e for e in by_scale if e[0] == s), None)
+        if entry is None:
+            entry = (s, [], [])
+            by_scale.append(entry)
+        entry[1].append(t)
+        entry[2].append(u if u.dtype == t.dtype else u.to(t.dtype))
+    for s, ts, us in by_scale:
         if isinstance(lr, torch.Tensor):  # a tensor lr cannot be an ``alpha``
             torch._foreach_add_(ts, torch._foreach_mul(us, -lr * s))
         else:
