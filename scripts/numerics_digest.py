@@ -14,6 +14,10 @@ equal digests mean the two revisions compute the same numbers, bit for bit.
 the AdamW part, the default before the fused kernel became it): it compares a revision with the
 fused default against one from before it, every other number bit for bit.
     python scripts/numerics_digest.py --compare before.json after.json
+
+``--decay-all`` builds every matrix optimizer with ``decay_names`` = every parameter name (the 1-D
+parameters of the AdamW part decay, as before issue 53 made them undecayed by default, and as the
+bench keeps them): it compares a revision from before that change against one after it.
 """
 from __future__ import annotations
 
@@ -141,12 +145,15 @@ def digest(value) -> str:
     return h.hexdigest()[:24]
 
 
-def run(name: str, hparams: dict, experts: bool, steps: int, adamw_foreach: bool = False) -> dict:
+def run(name: str, hparams: dict, experts: bool, steps: int, adamw_foreach: bool = False,
+        decay_all: bool = False) -> dict:
     import dobb
 
     torch.manual_seed(0)
     model = Net(experts)
     grouping = {"experts": ["moe.w"]} if experts else {}
+    if decay_all and dobb.registry.get(name).is_matrix:
+        grouping["decay_names"] = [n for n, _ in model.named_parameters()]
     if adamw_foreach:
         hparams = dict(hparams, foreach=True)
     opt = dobb.build_optimizer(name, model, lr=0.02, weight_decay=0.01, **grouping, **hparams)
@@ -176,6 +183,9 @@ def main() -> int:
     parser.add_argument("--only", help="comma-separated labels")
     parser.add_argument("--adamw-foreach", action="store_true",
                         help="foreach=True for every optimizer (torch's foreach AdamW kernel in the AdamW part)")
+    parser.add_argument("--decay-all", action="store_true",
+                        help="every AdamW-part parameter decays, the 1-D ones included (decay_names = every "
+                             "name): the default before issue 53, and what the bench passes")
     parser.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two JSON files and exit")
     args = parser.parse_args()
     if args.compare:
@@ -194,7 +204,7 @@ def main() -> int:
     for label, name, hparams, experts in variants():
         if only and label not in only:
             continue
-        runs[label] = run(name, hparams, experts, args.steps, args.adamw_foreach)
+        runs[label] = run(name, hparams, experts, args.steps, args.adamw_foreach, args.decay_all)
         print(f"{label}: loss {runs[label]['loss']:.6f}", file=sys.stderr)
     text = json.dumps({"torch": torch.__version__, "steps": args.steps,
                        "adamw_foreach": args.adamw_foreach, "runs": runs}, indent=1, sort_keys=True)

@@ -161,7 +161,8 @@ def _beside_torch_adamw(model, opt, parts, steps: int, *, foreach: bool):
 @pytest.mark.parametrize("name", MATRIX_NAMES)
 def test_complex_parameter_of_the_adamw_part_steps_as_torch_adamw(name):
     model = Net(complex_gain=True)
-    opt = build(name, model)
+    # every name decays: one AdamW group, the complex one's foreach kernel (the reference's)
+    opt = build(name, model, decay_names=[n for n, _ in model.named_parameters()])
     parts = [g for g in opt.param_groups if g["algorithm"] == "adamw"]
     assert any(p is model.gain for g in parts for p in g["params"])
     clones, refs = _beside_torch_adamw(model, opt, parts, 3, foreach=True)
@@ -417,7 +418,7 @@ def test_adamw_part_without_a_fused_kernel_falls_back_to_foreach(monkeypatch):
 
     seen = _spied_flags(monkeypatch)
     model = Net(complex_gain=True)
-    opt = build("muon", model)
+    opt = build("muon", model, decay_names=[n for n, _ in model.named_parameters()])  # one AdamW group
     opt.zero_grad()
     backward(model, 0)
     opt.step()
@@ -519,3 +520,68 @@ def test_a_step_rebinds_and_fills_no_attribute_of_the_optimizer(name):
     first = attributes(opt)
     train(model, opt, 2, start=1)
     assert attributes(opt) == first
+
+
+# ----------------------------------------------------------------------------- the AdamW part (issue 53, item 8)
+def _adamw_part_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 24), nn.LayerNorm(24), nn.Linear(24, 32))
+
+
+@pytest.mark.parametrize("name", ["muon", "dobb", "soap"])
+def test_adamw_part_has_its_own_lr_and_no_decay_on_1d_params_bitwise_as_torch_adamw(name):
+    """``adamw_lr`` is the AdamW groups' ``lr``; by default the 1-D parameters (biases, norm weights)
+    get no weight decay and the 2-D ones (embedding, head) the group's: bitwise what
+    torch.optim.AdamW does with those two param groups, under a LambdaLR that scales every group."""
+    model = _adamw_part_model()
+    ref_model = _adamw_part_model()
+    opt = dobb.build_optimizer(name, model, lr=0.05, weight_decay=0.1, adamw_lr=3e-3)
+    by_name = dict(ref_model.named_parameters())
+    two_d, one_d = ["0.weight", "3.weight"], ["1.bias", "2.weight", "2.bias", "3.bias"]
+    ref = torch.optim.AdamW([{"params": [by_name[n] for n in two_d]},
+                             {"params": [by_name[n] for n in one_d], "weight_decay": 0.0}],
+                            lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+    assert [g["lr"] for g in opt.param_groups if g["algorithm"] != "adamw"] == [0.05]
+    assert [(g["lr"], g["weight_decay"]) for g in opt.param_groups if g["algorithm"] == "adamw"] == [
+        (3e-3, 0.1), (3e-3, 0.0)]
+    factor = lambda s: 0.5 ** s  # noqa: E731
+    sched, ref_sched = torch.optim.lr_scheduler.LambdaLR(opt, factor), torch.optim.lr_scheduler.LambdaLR(ref, factor)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        for (n, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters()):
+            p.grad = torch.randn(p.shape, generator=gen)
+            q.grad = p.grad.clone()
+        opt.step()
+        ref.step()
+        sched.step()
+        ref_sched.step()
+    for n in two_d + one_d:
+        assert torch.equal(dict(model.named_parameters())[n], by_name[n]), n
+    # the scheduler scaled the AdamW part from adamw_lr, the matrices from lr: their ratio is kept
+    lrs = sorted(float(g["lr"]) for g in opt.param_groups)
+    assert lrs == sorted([0.05 * 0.5**4] + [3e-3 * 0.5**4] * 2)
+    getattr(opt, "remove_hooks", lambda: None)()
+
+
+def test_adamw_lr_none_is_the_matrix_lr_and_a_group_lr_wins():
+    model = _adamw_part_model()
+    opt = dobb.build_optimizer("muon", model, lr=0.05)
+    assert {g["lr"] for g in opt.param_groups} == {0.05}
+    groups = dobb.param_groups(model, "muon")
+    groups[1]["lr"] = 1e-4  # an explicit lr of an AdamW group is kept
+    opt = dobb.Muon(groups, lr=0.05, adamw_lr=2e-3)
+    assert [g["lr"] for g in opt.param_groups] == [0.05, 1e-4, 2e-3]
+
+
+@pytest.mark.parametrize("value", [-1.0, float("inf"), "3e-3", True])
+def test_bad_adamw_lr_is_a_value_error_naming_it(value):
+    model = _adamw_part_model()
+    with pytest.raises(ValueError, match="adamw_lr"):
+        dobb.build_optimizer("muon", model, lr=0.05, adamw_lr=value)
+    with pytest.raises(ValueError, match="adamw_lr"):
+        dobb.Muon(dobb.param_groups(model, "muon"), lr=0.05, adamw_lr=value)
+
+
+def test_every_matrix_name_takes_adamw_lr():
+    for name, entry in dobb.registry.OPTIMIZERS.items():
+        assert ("adamw_lr" in dobb.valid_hparams(name)) == entry.is_matrix, name

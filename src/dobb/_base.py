@@ -85,6 +85,20 @@ def adamw_kernel_flags(group: dict[str, Any], params: list[torch.Tensor]) -> tup
     return False, not any(is_dtensor(p) for p in params) and not isinstance(lr, torch.Tensor)
 
 
+def _adamw_group_lr(group: dict[str, Any], defaults: dict[str, Any]) -> None:
+    """An ``"adamw"`` group that sets no ``lr`` of its own starts at ``adamw_lr`` (the group's, else
+    the optimizer's) when that is given; ``None`` leaves it the matrix ``lr`` (torch fills it from
+    the defaults). The AdamW part's rate is then the group's own ``lr``, the one key every torch
+    scheduler reads and writes: ``LambdaLR`` records it as the group's ``initial_lr`` and scales it
+    by the same factor as the matrix groups', so the ratio ``adamw_lr / lr`` stays fixed."""
+    if group.get("algorithm") != "adamw" or "lr" in group:
+        return
+    adamw_lr = group.get("adamw_lr", defaults.get("adamw_lr"))
+    if adamw_lr is not None:
+        _check_rate("adamw_lr", adamw_lr)
+        group["lr"] = adamw_lr
+
+
 def _name_of(param: torch.Tensor, names: dict[int, str] | None, index: int) -> str:
     if names and id(param) in names:
         return names[id(param)]
@@ -109,12 +123,17 @@ def apply_protocol(params: Sequence[torch.Tensor], targets: Sequence[torch.Tenso
         return
     if isinstance(weight_decay, torch.Tensor) or weight_decay != 0:
         torch._foreach_mul_(list(params), 1.0 - lr * weight_decay)
-    by_scale: dict[float, tuple[list, list]] = defaultdict(lambda: ([], []))
+    # grouped by comparing scales, never hashing them: a scale that varies with the step count (SOAP's
+    # bias correction) stays symbolic in a compiled step instead of making a graph per value
+    by_scale: list[tuple[float, list, list]] = []
     for t, u, s in zip(targets, updates, scales):
-        ts, us = by_scale[s]
-        ts.append(t)
-        us.append(u if u.dtype == t.dtype else u.to(t.dtype))
-    for s, (ts, us) in by_scale.items():
+        entry = next((e for e in by_scale if e[0] == s), None)
+        if entry is None:
+            entry = (s, [], [])
+            by_scale.append(entry)
+        entry[1].append(t)
+        entry[2].append(u if u.dtype == t.dtype else u.to(t.dtype))
+    for s, ts, us in by_scale:
         if isinstance(lr, torch.Tensor):  # a tensor lr cannot be an ``alpha``
             torch._foreach_add_(ts, torch._foreach_mul(us, -lr * s))
         else:
@@ -169,6 +188,7 @@ class MatrixOptimizer(Copies, torch.optim.Optimizer):
                 self._param_names[id(p)] = name
             params = [p for _, p in params]
         param_group["params"] = params
+        _adamw_group_lr(param_group, self.defaults)
         unknown = set(param_group) - set(self.defaults) - _BUILDER_KEYS
         if unknown:
             raise ValueError(f"param group has unknown key(s) {sorted(unknown)}{self._why_unknown(unknown)}; "
@@ -340,6 +360,11 @@ class MatrixOptimizer(Copies, torch.optim.Optimizer):
         """Run before any update: raise here to leave every weight and state untouched."""
 
     def _matrix_step(self, group: dict[str, Any], active: list[torch.Tensor]) -> None:
+        """Update ``active`` (the matrices of ``group`` with a gradient). Read every ``p.grad``
+        before looking ``p`` up in ``self.state``: when ``torch.compile`` compiles this frame on its
+        own (after a graph break in ``step()``), a gradient first reached through a state key is
+        guarded by its identity, and ``zero_grad()`` (``set_to_none=True``) makes a new gradient
+        every step, so each step recompiled it until Dynamo's limit (tests/integrations/test_compile.py)."""
         raise NotImplementedError
 
     def _after_step(self) -> None:

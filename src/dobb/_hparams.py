@@ -190,7 +190,10 @@ class Options:
     """The options of every group of every ``MatrixOptimizer``, AdamW groups included.
 
     ``lr``/``weight_decay``: finite numbers >= 0 (or one-element tensors, as schedulers keep
-    them); ``adamw_betas``/``adamw_eps``: the AdamW part's; ``fused``/``foreach``: torch's AdamW
+    them); ``adamw_lr``: the AdamW part's learning rate (``None``: the matrix ``lr``; given, it is
+    the ``lr`` every ``"adamw"`` group that sets none of its own starts with, so a torch scheduler,
+    which scales each group's own ``lr``, scales it like any group's); ``adamw_betas``/``adamw_eps``:
+    the AdamW part's; ``fused``/``foreach``: torch's AdamW
     kernel flags, honoured by ``"adamw"`` groups as ``torch.optim.AdamW`` honours them (both
     ``None``: torch's fused kernel where it has one for the parameters' device and dtype, else its
     foreach kernel; ``dobb._base.adamw_kernel_flags``); a matrix group refuses ``fused=True`` (no matrix step
@@ -199,6 +202,7 @@ class Options:
     """
     lr: float = option(rule=rate, adamw=True, hparam=False, kind=0.0)
     weight_decay: float = option(0.0, rate, adamw=True, hparam=False)
+    adamw_lr: float | None = option(None, optional(rate), adamw=True)
     adamw_betas: tuple[float, float] = option((0.9, 0.95), betas, adamw=True)
     adamw_eps: float = option(1e-8, positive, adamw=True)
     fused: bool | None = option(None, optional(boolean), adamw=True)

@@ -13,6 +13,16 @@ The rule (Muon/Dion convention):
   go to the matrix group when the algorithm is ``"dobb"`` (Dobb optimizes them as ``E`` matrices;
   feed their routed rows with ``Dobb.capture`` or use ``source="grad_gram"``), to AdamW for the
   other algorithms (they update 2-D matrices only). Undeclared 3-D parameters go to AdamW;
+- ``nn.MultiheadAttention``'s input projections (every ``nn.Transformer`` layer's): its fused
+  ``in_proj_weight`` ``(3E, E)`` (q, k and v stacked by rows, each ``x @ W_part.T``) and, when
+  ``kdim``/``vdim`` differ from ``E``, its ``q_proj_weight``/``k_proj_weight``/``v_proj_weight``
+  go to the matrix update (its ``out_proj`` is an ``nn.Linear``). Where the algorithm cuts fused
+  weights (its options have ``split_sizes``: Muon, CMuon, Owner Muon, Block Muon, NorMuon) the
+  fused weights get a matrix group of their own with ``split_sizes=(E, E, E)``: q, k and v are
+  updated as three matrices, exactly as three ``nn.Linear`` layers would be (a ``split_sizes``
+  given to ``param_groups`` wins). The other algorithms update the fused weight as one
+  ``(3E, E)`` matrix, as they do any fused q/k/v linear layer (GPT-2's ``c_attn``), and
+  ``param_groups`` says so in a ``UserWarning`` naming every such parameter (``mha_warning``);
 - AdamW: everything else — embeddings (``nn.Embedding``), the output head, norms, biases, scalars,
   and parameters of other module types. ``nn.Conv2d`` weights ``(out, in, kh, kw)`` go to AdamW
   too: the statistic that describes them is the second moment of unfolded input patches
@@ -27,6 +37,7 @@ model of width 256), and position tables have the context's. Override with ``is_
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 from torch import nn
@@ -70,6 +81,43 @@ def transposed_parameters(model: nn.Module) -> set[int]:
             if is_transposed_layer(m) and isinstance(getattr(m, "weight", None), nn.Parameter)}
 
 
+MHA_PROJECTIONS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")
+
+
+def is_mha_projection(module: nn.Module, p: nn.Parameter) -> bool:
+    """Whether ``p`` is an input projection of ``nn.MultiheadAttention`` ``module`` (stored
+    ``(out, in)`` as ``nn.Linear``'s weight; ``in_proj_weight`` holds q, k, v stacked by rows)."""
+    return isinstance(module, nn.MultiheadAttention) and p.dim() == 2 and any(
+        getattr(module, k, None) is p for k in MHA_PROJECTIONS)
+
+
+def fused_mha_weights(model: nn.Module) -> dict[int, int]:
+    """``{id(in_proj_weight): E}`` for every ``nn.MultiheadAttention`` of ``model`` with a fused
+    ``(3E, E)`` input projection."""
+    return {id(m.in_proj_weight): m.embed_dim for m in model.modules()
+            if isinstance(m, nn.MultiheadAttention) and isinstance(m.in_proj_weight, nn.Parameter)}
+
+
+def takes_split(algorithm: str) -> bool:
+    """Whether every optimizer class of ``algorithm`` cuts fused weights (``split_sizes`` among its
+    options, see ``dobb.baselines.muon_family._split``)."""
+    from .registry import OPTIMIZERS
+
+    classes = [e.cls for e in OPTIMIZERS.values() if e.is_matrix and e.cls.algorithm == algorithm]
+    return bool(classes) and all("split_sizes" in c.Options.names() for c in classes)
+
+
+def mha_warning(names: list[str], algorithm: str) -> str:
+    """The ``UserWarning`` of ``param_groups`` for fused q/k/v weights an algorithm cannot cut."""
+    dobb_note = (" (Dobb's heads=<num_heads> cuts the output-side blocks of side='both' and norm='muon' "
+                 "per head)") if algorithm == "dobb" else ""
+    return (f"nn.MultiheadAttention's fused q/k/v projection(s) {', '.join(names)} go to the {algorithm!r} "
+            f"matrix update as one (3E, E) matrix each: {algorithm!r} cannot cut q, k and v apart. To update "
+            f"them as three matrices use 'muon', 'cmuon', 'block-muon' or 'normuon' (they get "
+            f"split_sizes=(E, E, E)){dobb_note}; to keep them in AdamW (as before), pass an is_matrix that returns "
+            f"False for them; to silence this, filter this UserWarning")
+
+
 def split_parameters(model: nn.Module, *, head_names=DEFAULT_HEAD_NAMES,
                      is_matrix: Callable[[str, nn.Module, nn.Parameter], bool] | None = None,
                      experts=(), stacks: bool = True):
@@ -93,6 +141,8 @@ def split_parameters(model: nn.Module, *, head_names=DEFAULT_HEAD_NAMES,
     def default_is_matrix(name: str, module: nn.Module, p: nn.Parameter) -> bool:
         if is_expert_stack(name, module, p, experts):
             return stacks
+        if is_mha_projection(module, p):
+            return True
         if not _is_linear(module) or p is not module.weight or p.dim() != 2:
             return False
         if id(p) in embedding_weights or name.rsplit(".", 1)[0].rsplit(".", 1)[-1] in head_names:
@@ -122,20 +172,34 @@ def param_groups(model: nn.Module, algorithm: str = "dobb", *, head_names=DEFAUL
     names of 3-D expert stacks besides those declared by ``dobb_experts`` (see the module docstring).
     ``decay_names``: names of the AdamW-part parameters that get weight decay (Hugging Face's
     ``Trainer.get_decay_parameter_names``); the others go to a second AdamW group with
-    ``weight_decay=0``. ``None``: all of them decay. Matrices always decay (the paper's protocol).
+    ``weight_decay=0``. ``None``: those of two or more dimensions decay (embeddings, the head),
+    the 1-D and 0-D ones do not (biases, norm weights, scalars), as Hugging Face and nanoGPT do;
+    pass every name (``[n for n, _ in model.named_parameters()]``) to decay them all, as before.
+    Matrices always decay (the paper's protocol). ``nn.MultiheadAttention``'s fused q/k/v weights:
+    see the module docstring (a group with ``split_sizes=(E, E, E)``, or a ``UserWarning``).
     """
     matrix, other = split_parameters(model, head_names=head_names, is_matrix=is_matrix, experts=experts,
                                      stacks=takes_expert_stacks(algorithm))
     transposed = transposed_parameters(model)
+    fused = fused_mha_weights(model)
+    fused_names = [name for name, p in matrix if id(p) in fused]
+    split = fused_names and takes_split(algorithm) and "split_sizes" not in matrix_overrides
+    if fused_names and not split and "split_sizes" not in matrix_overrides:
+        warnings.warn(mha_warning(fused_names, algorithm), UserWarning, stacklevel=2)
     groups = []
-    plain = [np for np in matrix if id(np[1]) not in transposed]
+    plain = [np for np in matrix if id(np[1]) not in transposed and not (split and id(np[1]) in fused)]
     flipped = [np for np in matrix if id(np[1]) in transposed]
     if plain:
         groups.append({"params": plain, "algorithm": algorithm, **matrix_overrides})
     if flipped:
         groups.append({"params": flipped, "algorithm": algorithm, **matrix_overrides, "transposed": True})
+    if split:  # one group per width E: q, k and v of each fused weight updated as three matrices
+        for width in dict.fromkeys(fused[id(p)] for name, p in matrix if id(p) in fused):
+            params = [np for np in matrix if fused.get(id(np[1])) == width]
+            groups.append({"params": params, "algorithm": algorithm, **matrix_overrides,
+                           "split_sizes": (width,) * 3})
     if decay_names is None:
-        decay_names = {name for name, _ in other}
+        decay_names = {name for name, p in other if p.dim() >= 2}
     decay_names = set(decay_names)
     decayed = [np for np in other if np[0] in decay_names]
     if decayed:

@@ -21,7 +21,7 @@ import torch
 import dobb.registry
 
 __all__ = ["OptimizerSpec", "parse_spec", "parse_hparams", "parse_value", "default_label", "PRETTY", "registry_entry",
-           "refreshes"]
+           "refreshes", "recorded_adamw_part"]
 
 # Display names: each optimizer's label in dobb.registry (declared there once).
 PRETTY = {name: entry.label for name, entry in dobb.registry.OPTIMIZERS.items()}
@@ -124,3 +124,16 @@ def refreshes(name: str) -> bool:
     """Whether ``name`` is Dobb or one of its presets (a basis refreshed every ``refresh_every`` steps)."""
     entry = registry_entry(name)
     return entry is not None and entry.refreshes
+
+
+def recorded_adamw_part(name: str, model, hparams=None) -> dict:
+    """The AdamW-part options the bench's records were made with, made explicit for
+    ``dobb.build_optimizer(name, model, ...)``: every AdamW-part parameter decays, the 1-D ones
+    (biases, norm weights) included (``decay_names`` = every trainable name; the library's default
+    since issue 53 leaves 1-D parameters undecayed), at the matrix lr (``adamw_lr`` left ``None``).
+    Empty for ``adamw`` (``torch.optim.AdamW``: every parameter decays by default, unchanged), for
+    names outside the registry, and when ``hparams`` sets ``decay_names`` itself."""
+    entry = dobb.registry.OPTIMIZERS.get(name)
+    if entry is None or not entry.is_matrix or "decay_names" in (hparams or {}):
+        return {}
+    return {"decay_names": [n for n, p in model.named_parameters() if p.requires_grad]}

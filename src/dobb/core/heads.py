@@ -2,7 +2,8 @@
 
 With ``heads = H`` a matrix is recognised by its parameter name (the module path of its layer):
 
-- **query / key / value** (a fused ``qkv``, ``c_attn``, ``query_key_value``, ``Wqkv`` or ``in_proj``, or
+- **query / key / value** (a fused ``qkv``, ``c_attn``, ``query_key_value``, ``Wqkv`` or ``in_proj``
+  (``nn.MultiheadAttention``'s ``in_proj_weight`` and ``q_proj_weight``... too), or
   separate ``q``, ``k``, ``v``, ``q_proj``, ``k_proj``, ``v_proj``, ``query``, ``key``, ``value``): its
   output side (rows) is cut into ``m / d_head`` blocks, ``d_head = n / H``: one block per head of each
   of q, k and v (fewer key/value heads, as in grouped-query attention, follow from ``m``);
@@ -34,6 +35,8 @@ def role(name: str | None) -> str | None:
     parts = name.lower().split(".")
     if parts[-1] in ("weight", "bias"):
         parts = parts[:-1]
+    elif parts[-1].endswith("_weight"):  # nn.MultiheadAttention's in_proj_weight, q_proj_weight, ...
+        parts[-1] = parts[-1].removesuffix("_weight")
     if not parts:
         return None
     leaf, parent = parts[-1], parts[-2] if len(parts) > 1 else ""

@@ -418,10 +418,11 @@ class Dobb(MatrixOptimizer):
         self._rearm()
 
     def _matrix_step(self, group: dict[str, Any], active: list[torch.Tensor]) -> None:
+        raw = [p.grad for p in active]  # before the plans and state: see dobb._base.MatrixOptimizer._matrix_step
         plans = [self._plans[p] for p in active]
         layouts = [plan.layout for plan in plans]
         states = [self.state[p] for p in active]
-        grads = [lay.local(p.grad) for lay, p in zip(layouts, active)]
+        grads = [lay.local(g) for lay, g in zip(layouts, raw)]
         moms = [lay.local(s["momentum"]) for lay, s in zip(layouts, states)]
         mu = group["momentum"]
         # EMA form, one fused pass: M_ema = (1-mu) * M with M = mu M + G of docs/algorithm.md step 1, and the

@@ -214,7 +214,9 @@ def _build(name: str, hp: dict, bank: Bank):
         return torch.optim.Muon(bank.parameters(), lr=1e-3, weight_decay=WEIGHT_DECAY, **hp)
     from dobb.factory import build_optimizer
 
-    return build_optimizer(name, bank, lr=1e-3, weight_decay=WEIGHT_DECAY, **hp)
+    from dobb_bench.specs import recorded_adamw_part
+
+    return build_optimizer(name, bank, lr=1e-3, weight_decay=WEIGHT_DECAY, **hp, **recorded_adamw_part(name, bank, hp))
 
 
 def step_ops(label: str, shapes, on_device: bool | None = None, **override) -> dict[str, list]:

@@ -19,7 +19,7 @@ from dobb.meter import state_bytes
 
 from dobb_bench.cost.roofline import set_cost, write_record
 from dobb_bench.provenance import provenance
-from dobb_bench.specs import ADAMW_REFERENCES, parse_spec, refreshes, registry_entry
+from dobb_bench.specs import ADAMW_REFERENCES, parse_spec, recorded_adamw_part, refreshes, registry_entry
 
 _MATMUL_OPS = ("bmm", "mm", "matmul", "baddbmm", "addmm", "addbmm", "linalg_", "geqrf", "orgqr",
                "householder_product", "cholesky", "triangular_solve", "eigh", "_linalg")
@@ -50,7 +50,8 @@ def build(spec_text: str, model, lr: float, weight_decay: float):
     hp = dict(spec.hparams)
     if refreshes(spec.name):  # Dobb and its presets (dobb.registry)
         hp.setdefault("blocks", 16)
-    return spec, dobb.build_optimizer(spec.name, model, lr=lr, weight_decay=weight_decay, **hp)
+    return spec, dobb.build_optimizer(spec.name, model, lr=lr, weight_decay=weight_decay, **hp,
+                                      **recorded_adamw_part(spec.name, model, hp))
 
 
 def _matrix_split(opt) -> tuple[list[tuple[int, int]], int]:

@@ -14,6 +14,7 @@ import torch
 import dobb
 
 from dobb_bench.errors import CliError
+from dobb_bench.specs import recorded_adamw_part
 from dobb_bench.spectral.spectral_tables import F64, spectrum_rows, table2_rows
 
 
@@ -77,11 +78,12 @@ def make_optimizer(name: str, model, lr: float, weight_decay: float):
     independent of the library's shape-based default split."""
     if name == "dobb":
         ids = {id(m.weight) for m in hidden_linears(model).values()}
-        groups = dobb.param_groups(model, is_matrix=lambda _n, _m, p: id(p) in ids)
+        groups = dobb.param_groups(model, is_matrix=lambda _n, _m, p: id(p) in ids,
+                                   **recorded_adamw_part("dobb", model))
         return dobb.Dobb(groups, model, lr=lr, weight_decay=weight_decay)
     if name == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
-    return dobb.build_optimizer(name, model, lr=lr, weight_decay=weight_decay)
+    return dobb.build_optimizer(name, model, lr=lr, weight_decay=weight_decay, **recorded_adamw_part(name, model))
 
 
 def setup_run(preset: str, data, batch_size: int, seed: int):
@@ -274,7 +276,7 @@ def checkpoint_momentum(ckpt: dict, model) -> dict | None:
     if (ckpt.get("fingerprint") or {}).get("optimizer") == "adamw":
         order = [name for name, _ in model.named_parameters()]
     else:
-        order = [name for g in dobb.param_groups(model) for name, _ in g["params"]]
+        order = [name for g in dobb.param_groups(model, **recorded_adamw_part("dobb", model)) for name, _ in g["params"]]
     ids = [i for g in opt["param_groups"] for i in g["params"]]
     if len(ids) != len(order):
         return None

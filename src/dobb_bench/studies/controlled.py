@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 import dobb
+from dobb_bench.specs import recorded_adamw_part
 
 KINDS = ("rotated", "aligned", "misaligned", "diagonal", "lowrank")
 
@@ -137,7 +138,8 @@ def train(problem: Problem, optimizer: str, hparams: dict, lr: float, *, steps: 
     model = nn.Linear(n, m, bias=False)
     with torch.no_grad():
         model.weight.zero_()
-    opt = dobb.build_optimizer(optimizer, model, lr=lr, weight_decay=0.0, **hparams)
+    opt = dobb.build_optimizer(optimizer, model, lr=lr, weight_decay=0.0, **hparams,
+                               **recorded_adamw_part(optimizer, model, hparams))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, steps, warmup))
     gen = torch.Generator().manual_seed(seed)
     chol = torch.linalg.cholesky(problem.sigma_x).float()

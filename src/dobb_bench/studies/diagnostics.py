@@ -27,6 +27,7 @@ import torch
 
 import dobb
 from dobb import functional as F
+from dobb_bench.specs import recorded_adamw_part
 
 
 # ----------------------------------------------------------------------------- pure measures
@@ -227,7 +228,8 @@ def _run_cell(job: dict) -> dict:
     box = {}
 
     def factory(model):
-        opt = dobb.build_optimizer(job["optimizer"], model, lr=cfg.lr, weight_decay=cfg.weight_decay, **hp)
+        opt = dobb.build_optimizer(job["optimizer"], model, lr=cfg.lr, weight_decay=cfg.weight_decay, **hp,
+                                   **recorded_adamw_part(job["optimizer"], model, hp))
         box["diag"] = StepDiagnostics.attach(opt, model)
         return opt
 

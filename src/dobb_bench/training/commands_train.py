@@ -61,7 +61,10 @@ def make_optimizer(name: str, hparams: dict, lr: float, weight_decay: float, mod
     ``dobb.build_optimizer`` (the one builder) with the model last."""
     import dobb  # the library's public entry point is the only way optimizers are made
 
-    return dobb.build_optimizer(name, model, lr=lr, weight_decay=weight_decay, **hparams)
+    from dobb_bench.specs import recorded_adamw_part
+
+    return dobb.build_optimizer(name, model, lr=lr, weight_decay=weight_decay, **hparams,
+                                **recorded_adamw_part(name, model, hparams))
 
 
 def run_hparams(spec: OptimizerSpec, steps: int) -> dict:

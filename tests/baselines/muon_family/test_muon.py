@@ -21,7 +21,11 @@ def test_muon_matches_torch_muon_bitwise(nesterov):
     mats = [ref[0].weight, ref[2].weight, ref[4].weight]
     rest = [p for p in ref.parameters() if all(p is not q for q in mats)]
     a = torch.optim.Muon(mats, lr=0.02, weight_decay=0.1, nesterov=nesterov, adjust_lr_fn="match_rms_adamw")
-    b = torch.optim.AdamW(rest, lr=0.02, weight_decay=0.1, betas=(0.9, 0.95), fused=True)  # ours: fused by default
+    # the AdamW part: its 1-D parameters (biases) without weight decay, by default; fused by default
+    rest_groups = [{"params": [p for p in rest if p.dim() >= 2]},
+                   {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
+    b = torch.optim.AdamW([g for g in rest_groups if g["params"]], lr=0.02, weight_decay=0.1, betas=(0.9, 0.95),
+                          fused=True)
     opt = Muon(dobb.param_groups(ours, algorithm="muon", **ALL_2D), lr=0.02, weight_decay=0.1, nesterov=nesterov,
                ns_dtype="bfloat16")  # torch's Muon always runs NS5 in bf16
     X, Y = data()

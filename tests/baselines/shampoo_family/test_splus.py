@@ -275,3 +275,13 @@ def test_adamw_lr_ratio_steps_the_other_parameters_as_torch_adamw_at_the_scaled_
         assert torch.equal(p.detach(), ref_params[names[id(p)]].detach())
     with pytest.raises(ValueError, match="adamw_lr_ratio"):
         dobb.build_optimizer("splus", _model(), lr=0.2, adamw_lr_ratio=0.0)
+
+
+def test_adamw_lr_and_adamw_lr_ratio_together_are_a_value_error():
+    """The AdamW part's rate is given once: ``adamw_lr`` (its own rate, issue 53) or SPlus's
+    ``adamw_lr_ratio`` (a multiple of ``lr``); alone, ``adamw_lr`` is the AdamW groups' lr."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4))
+    with pytest.raises(ValueError, match="adamw_lr=0.001 and adamw_lr_ratio=0.02"):
+        dobb.build_optimizer("splus", model, lr=0.2, adamw_lr=1e-3, adamw_lr_ratio=0.02)
+    opt = dobb.build_optimizer("splus", model, lr=0.2, adamw_lr=1e-3)
+    assert [(g["algorithm"], g["lr"]) for g in opt.param_groups] == [("splus", 0.2), ("adamw", 1e-3)]

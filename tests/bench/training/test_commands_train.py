@@ -147,3 +147,36 @@ def test_the_bench_gives_samuon_the_runs_length():
     assert run_hparams(parse_spec("samuon:gamma=4"), 800) == {"gamma": 4, "total_steps": 800}
     assert run_hparams(parse_spec("samuon-lite:total_steps=50"), 800) == {"total_steps": 50}
     assert run_hparams(parse_spec("muon:split_sizes=qkv"), 800) == {"split_sizes": "qkv"}
+
+
+def test_the_bench_keeps_the_adamw_part_its_records_were_made_with():
+    """Issue 53 left the 1-D parameters of the library's AdamW part undecayed by default and gave it
+    an ``adamw_lr``; the bench's rows keep what their records were made with: every parameter that
+    is not a hidden matrix (embeddings, every LayerNorm weight) in one AdamW group with the run's
+    weight decay and the matrix lr. Checked against the groups built by hand, for every row of the
+    default compare and every registry name."""
+    import torch
+
+    import dobb
+    from dobb_bench.specs import parse_spec
+    from dobb_bench.training.model import GPT, ModelConfig
+
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(layers=2, width=32, heads=2, seq_len=8))
+    names = {id(p): n for n, p in model.named_parameters()}
+    hidden = [f"blocks.{i}.{m}.weight" for i in (0, 1) for m in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")]
+    rest = [n for n, _ in model.named_parameters() if n not in hidden]
+    assert any(p.dim() == 1 for n, p in model.named_parameters() if n in rest)  # the case that changed
+    specs = [parse_spec(s) for s in C.split_specs(C.DEFAULT_COMPARE)]
+    specs += [parse_spec(n) for n in dobb.OPTIMIZER_NAMES if n not in {s.name for s in specs}]
+    for spec in specs:
+        opt = C.make_optimizer(spec.name, C.run_hparams(spec, 10), 3e-3, 0.1, model)
+        got = [(g.get("algorithm", "adamw"), [names[id(p)] for p in g["params"]], g["lr"], g["weight_decay"])
+               for g in opt.param_groups]
+        if spec.name == "adamw":
+            want = [("adamw", [n for n, _ in model.named_parameters()], 3e-3, 0.1)]
+        else:
+            algo = opt.algorithm
+            want = [(algo, hidden, 3e-3, 0.1), ("adamw", rest, 3e-3, 0.1)]
+        assert got == want, spec.label
+        getattr(opt, "remove_hooks", lambda: None)()

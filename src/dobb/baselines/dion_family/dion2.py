@@ -122,10 +122,11 @@ class Dion2(MatrixOptimizer):
         frac, tau = group["fraction"], group["tau"]
         work, batches = [], defaultdict(list)  # work: (i, b, rows of b, local); batches by block shape
         full_b: dict[int, Tensor] = {}  # gathered M + G of the matrices whose columns are sharded
+        grads = [to_local(p.grad) for p in active]  # before the state: see dobb._base.MatrixOptimizer._matrix_step
         for i, p in enumerate(active):
             lay = self._plans[p]
             local = lay.local_shape[1] == lay.shape[1]  # whole rows here: the blocks are local
-            b = to_local(self.state[p]["momentum"]) + to_local(p.grad)
+            b = to_local(self.state[p]["momentum"]) + grads[i]
             if not local:
                 b = full_b[i] = C.gather_full(b, p)
             start = 0
@@ -171,8 +172,9 @@ def gathered_lookahead(state, active):
     """Whole ``momentum + grad`` of each active matrix (gathered when sharded), and the indices of
     equal (shape, dtype, device) matrices, so a row-subset step runs batched over each shape."""
     fulls, batches = [], defaultdict(list)
+    grads = [to_local(p.grad) for p in active]  # before the state: see dobb._base.MatrixOptimizer._matrix_step
     for i, p in enumerate(active):
-        b = C.gather_full(to_local(state[p]["momentum"]) + to_local(p.grad), p)
+        b = C.gather_full(to_local(state[p]["momentum"]) + grads[i], p)
         fulls.append(b)
         batches[(tuple(b.shape), b.dtype, b.device)].append(i)
     return fulls, batches

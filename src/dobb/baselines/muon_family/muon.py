@@ -85,8 +85,9 @@ class _MuonFamily(MatrixOptimizer):
                     state["step"] = 0
 
     def _matrix_step(self, group: dict[str, Any], active: list[Tensor]) -> None:
-        states = [self.state[p] for p in active]
+        # gradients read before the state: see dobb._base.MatrixOptimizer._matrix_step
         grads = [to_local(p.grad) for p in active]
+        states = [self.state[p] for p in active]
         bufs = [to_local(s["momentum"]) for s in states]
         mu = group["momentum"]
         torch._foreach_lerp_(bufs, grads, 1 - mu)

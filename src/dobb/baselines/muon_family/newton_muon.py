@@ -255,6 +255,7 @@ class NewtonMuon(_MuonFamily):
         return out  # type: ignore[return-value]
 
     def _matrix_step(self, group: dict[str, Any], active: list[Tensor]) -> None:
+        [p.grad for p in active]  # read before the state: see dobb._base.MatrixOptimizer._matrix_step
         self._refresh(group, active)
         states = [self.state[p] for p in active]
         grads = self._preconditioned(active, states)

@@ -270,13 +270,21 @@ class SOAP(MatrixOptimizer):
         """SOAP's step on whole matrices ``ps`` held here, with gradients ``grads``: the
         ``(params, updates, scales)`` of those that have an update this step."""
         b = group["blocks"]
-        buckets: dict[tuple, list[int]] = defaultdict(list)
+        buckets: dict[tuple, list[tuple[int, list[int]]]] = defaultdict(list)
         for i, p in enumerate(ps):
             # equal block shapes at the same step count share one batch (the step sets the bias
-            # correction and the refresh; all matrices of a group normally share it)
-            buckets[(p.shape[0], p.shape[1] // b, _state_dtype(p), grads[i].device, self.state[p]["step"])].append(i)
+            # correction and the refresh; all matrices of a group normally share it). The count is
+            # compared, never hashed: a compiled step (torch.compile) then keeps it symbolic instead
+            # of making a new graph for each value
+            step = self.state[p]["step"]
+            runs = buckets[(p.shape[0], p.shape[1] // b, _state_dtype(p), grads[i].device)]
+            run = next((r for r in runs if r[0] == step), None)
+            if run is None:
+                runs.append((step, [i]))
+            else:
+                run[1].append(i)
         params, updates, scales = [], [], []
-        for (m, nb, dtype, _, step), idx in buckets.items():
+        for (m, nb, dtype, _), step, idx in ((k, s, idx) for k, runs in buckets.items() for s, idx in runs):
             out = self._bucket_step(group, [ps[i] for i in idx], [grads[i] for i in idx], m, nb, dtype, step)
             if out is not None:
                 params += [ps[i] for i in idx]

@@ -86,6 +86,14 @@ class SPlusOptions(Options):
     out_blocks: int = option(1, integer(1))
     adamw_lr_ratio: float = option(1.0, positive, adamw=True)
 
+    @classmethod
+    def _check_together(cls, values) -> None:
+        super()._check_together(values)
+        if values["adamw_lr"] is not None and values["adamw_lr_ratio"] != 1.0:
+            raise ValueError(f"adamw_lr={values['adamw_lr']!r} and adamw_lr_ratio={values['adamw_lr_ratio']!r}: "
+                             f"give the AdamW part's lr once, as adamw_lr (its own rate) or adamw_lr_ratio "
+                             f"(a multiple of lr)")
+
 
 # ----------------------------------------------------------------------------- pure math
 def splus_direction(m: Tensor, out: tuple[Tensor, list[int]] | None, inp: tuple[Tensor, list[int]] | None) -> Tensor:
@@ -143,7 +151,8 @@ class SPlus(MatrixOptimizer):
     ``out_blocks`` (1: diagonal blocks of ``Q_L``), ``adamw_betas``, ``adamw_eps``,
     ``adamw_lr_ratio`` (1.0: the ``"adamw"`` groups step with ``lr * adamw_lr_ratio``; SPlus's
     ``lr`` is a per-sign-entry scale over ``(m + n) / 2``, so its good values (about 0.1-0.5) are far
-    above AdamW's, and a ratio lets the other parameters keep an AdamW lr); it takes no ``tau``.
+    above AdamW's, and a ratio lets the other parameters keep an AdamW lr; the shared ``adamw_lr``
+    gives that rate directly, and the two together are a ``ValueError``); it takes no ``tau``.
     """
 
     algorithm = "splus"
