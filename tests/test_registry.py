@@ -37,6 +37,8 @@ def _by_hand(entry, model, lr, wd):
         return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd, betas=(0.9, 0.95), fused=True)
     groups = dobb.param_groups(model, algorithm=entry.cls.algorithm)
     extra = {"model": model} if "model" in inspect.signature(entry.cls.__init__).parameters else {}
+    if entry.name == "dobb-muon":  # the library Muon's Nesterov momentum, Dobb-Muon's builder default
+        extra["nesterov"] = True
     return entry.cls(groups, lr=lr, weight_decay=wd, **dict(entry.preset), **extra)
 
 

@@ -123,8 +123,9 @@ _ENTRIES = (
     Entry("dobb-l2", Dobb, "Dobb-l2", preset={"norm": "l2"}),
     Entry("dobb-g", Dobb, "Dobb-G", preset=_SIDE_OUT),
     Entry("dobb-g-l2", Dobb, "Dobb-G-l2", preset={**_SIDE_OUT, "norm": "l2"}),
-    # Dobb-preconditioned Muon: Adam in the input-side bases, then NS5 of each of out_blocks row blocks
-    Entry("dobb-muon", Dobb, "Dobb-Muon", preset={"norm": "muon"}),
+    # Dobb-preconditioned Muon: Adam in the input-side bases, then NS5 of each of out_blocks row blocks;
+    # Nesterov momentum by default, as the library's Muon (dobb.Dobb itself keeps plain momentum)
+    Entry("dobb-muon", Dobb, "Dobb-Muon", preset={"norm": "muon"}, defaults={"nesterov": True}),
     # block Shampoo as DASH does it (tiles within shards: no cross-shard exchange); Shampoo = one tile per matrix
     Entry("dash", Dash, "DASH"),
     Entry("shampoo", Shampoo, "Shampoo"),

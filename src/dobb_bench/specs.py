@@ -126,14 +126,24 @@ def refreshes(name: str) -> bool:
     return entry is not None and entry.refreshes
 
 
+# Builder defaults that changed after records were made, pinned to what those records ran: the bench
+# keeps reproducing its records, and a spec that sets the option itself still wins.
+RECORDED_DEFAULTS = {"dobb-muon": {"nesterov": False}}  # Nesterov became Dobb-Muon's default (issue 55)
+
+
 def recorded_adamw_part(name: str, model, hparams=None) -> dict:
     """The AdamW-part options the bench's records were made with, made explicit for
     ``dobb.build_optimizer(name, model, ...)``: every AdamW-part parameter decays, the 1-D ones
     (biases, norm weights) included (``decay_names`` = every trainable name; the library's default
     since issue 53 leaves 1-D parameters undecayed), at the matrix lr (``adamw_lr`` left ``None``).
-    Empty for ``adamw`` (``torch.optim.AdamW``: every parameter decays by default, unchanged), for
-    names outside the registry, and when ``hparams`` sets ``decay_names`` itself."""
+    Empty for ``adamw`` (``torch.optim.AdamW``: every parameter decays by default, unchanged) and
+    for names outside the registry; ``decay_names`` left out when ``hparams`` sets it itself. Also
+    the builder defaults of ``RECORDED_DEFAULTS`` that ``hparams`` does not set (Dobb-Muon's plain
+    momentum, its default before Nesterov)."""
     entry = dobb.registry.OPTIMIZERS.get(name)
-    if entry is None or not entry.is_matrix or "decay_names" in (hparams or {}):
+    if entry is None or not entry.is_matrix:
         return {}
-    return {"decay_names": [n for n, p in model.named_parameters() if p.requires_grad]}
+    out = {k: v for k, v in RECORDED_DEFAULTS.get(name, {}).items() if k not in (hparams or {})}
+    if "decay_names" not in (hparams or {}):
+        out["decay_names"] = [n for n, p in model.named_parameters() if p.requires_grad]
+    return out

@@ -180,3 +180,26 @@ def test_the_bench_keeps_the_adamw_part_its_records_were_made_with():
             want = [(algo, hidden, 3e-3, 0.1), ("adamw", rest, 3e-3, 0.1)]
         assert got == want, spec.label
         getattr(opt, "remove_hooks", lambda: None)()
+
+
+def test_the_bench_keeps_dobb_muons_plain_momentum_its_records_were_made_with():
+    """Issue 55 made Nesterov momentum Dobb-Muon's builder default (the library Muon's); the bench's
+    Dobb-Muon rows keep the plain momentum their records ran with, and a spec that asks for
+    Nesterov still gets it. The library default is checked too, so the pin is not a no-op."""
+    import torch
+
+    import dobb
+    from dobb_bench.specs import parse_spec
+    from dobb_bench.training.model import GPT, ModelConfig
+
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(layers=2, width=32, heads=2, seq_len=8))
+    lib = dobb.build_optimizer("dobb-muon", model, lr=3e-3, blocks=2, out_blocks=2)
+    assert [g["nesterov"] for g in lib.param_groups if g["algorithm"] != "adamw"] == [True]
+    lib.remove_hooks()
+    for spec_text, want in (("dobb-muon:blocks=2:out_blocks=2", False),
+                            ("dobb-muon:blocks=2:out_blocks=2:nesterov=true", True)):
+        spec = parse_spec(spec_text)
+        opt = C.make_optimizer(spec.name, C.run_hparams(spec, 10), 3e-3, 0.1, model)
+        assert [g["nesterov"] for g in opt.param_groups if g["algorithm"] != "adamw"] == [want], spec_text
+        opt.remove_hooks()
