@@ -377,8 +377,16 @@ class Dobb(MatrixOptimizer):
                              f"this check)")
         self._refresh_all(agreed.stats, idle)
 
-    def _after_skip(self) -> None:  # a skipped step's counts are back: arm the hooks by them
-        self._rearm()
+    def _skip_finish(self, flag, weights, tensors, skipped) -> None:
+        """``nonfinite="skip"``: whether this step counts is read only at the next one, after the forward
+        passes in between; so the hooks are armed for both outcomes: also where the counts before this
+        step say a refresh is due (a capture nobody needs is dropped by the next step's ``_rearm``)."""
+        super()._skip_finish(flag, weights, tensors, skipped)
+        if self._hooks is not None:
+            for p in self._hooks.groups:
+                old = skipped.host.get(p, {})
+                if "step" in old and "captures" in old and any(due(old["step"], old["captures"], self._plans[p])):
+                    self._hooks.armed.add(p)
 
     def _idle_matrices(self) -> list[torch.Tensor]:
         """Matrices with a statistic shared across ranks (hook sources) but no gradient on this rank: a
