@@ -222,23 +222,12 @@ def test_older_checkpoint_without_the_record():
     fresh_model = Net()
     fresh = build("dobb", fresh_model)
     fresh.load_state_dict(copy.deepcopy(sd))
-    assert_same(everything(fresh_model, fresh)[1:], everything(model, opt)[1:]) if False else None
     assert fresh.state_dict()["param_groups"] == opt.state_dict()["param_groups"]
     other = build("dobb-muon", Net())
     with pytest.raises(ValueError, match=r"^Dobb-Muon cannot load this state dict: it was saved by Dobb \(Dobb with "
                                          r".*norm='sign'"):
         other.load_state_dict(copy.deepcopy(sd))
     assert other.param_groups[0]["norm"] == "muon"
-
-
-def test_a_layout_option_that_differs_is_refused_before_loading():
-    model, opt = _stepped("block-muon")
-    sd = copy.deepcopy(opt.state_dict())
-    other = dobb.build_optimizer("block-muon", Net(), lr=0.01, weight_decay=0.1, blocks=2)
-    with pytest.raises(ValueError, match=r"^Block Muon cannot load this state dict: param group 0 was saved with "
-                                         r"blocks=\d+, this optimizer has blocks=2"):
-        other.load_state_dict(sd)
-    assert other.param_groups[0]["blocks"] == 2
 
 
 def test_newton_muon_names_a_sparse_gradient():

@@ -515,17 +515,17 @@ class MatrixOptimizer(Copies, torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._settle_skipped()
-        # another optimizer's, preset's or layout's state: refused, naming both, before anything loads
-        _safety.check_saved_optimizer(self, state_dict["param_groups"])
-        state_dict = {**state_dict, "param_groups": [{k: v for k, v in g.items() if k not in _safety.RECORD_KEYS}
-                                                     for g in state_dict["param_groups"]]}
-        state_dict = _rename_legacy_keys(state_dict)
         # checked before anything loads (torch loads group values unchecked): a bad rate refused here
         # leaves this optimizer as it was
         for i, saved in enumerate(state_dict["param_groups"]):
             for key in ("lr", "weight_decay"):
                 if key in saved:
                     _check_rate(f"{key} of saved param group {i}", saved[key])
+        # another optimizer's, preset's or layout's state: refused, naming both, before anything loads
+        _safety.check_saved_optimizer(self, state_dict["param_groups"])
+        state_dict = {**state_dict, "param_groups": [{k: v for k, v in g.items() if k not in _safety.RECORD_KEYS}
+                                                     for g in state_dict["param_groups"]]}
+        state_dict = _rename_legacy_keys(state_dict)
         self._check_saved_shapes(state_dict)
         own = {key: saved_state_by_param(self, state_dict, key) for key in self._own_dtype_keys}
         layouts = {(p, key): self.state[p][key] for key, saved in own.items() for p in saved

@@ -23,9 +23,12 @@ Foreign state (``check_saved_optimizer``): ``MatrixOptimizer.state_dict`` record
 param group the optimizer that saved it (``RECORD_LABEL``: its registry label, ``RECORD_CLASS``: its
 class). ``load_state_dict`` refuses, before anything loads and with a ``ValueError`` naming the saved
 and the current optimizer, a state dict of another class or registry name (another preset, e.g.
-Dobb and Dobb-Muon, ``norm``), of another ``algorithm``, one whose options that fix the state's
-layout (``LAYOUT_OPTIONS``) differ, and one without ``algorithm`` (torch's own optimizers). An older
-checkpoint of this package (no record) is told apart by its groups' options.
+Dobb and Dobb-Muon, ``norm``), of another ``algorithm``, one without ``algorithm`` (torch's own
+optimizers), and one whose saved group values (which torch's load restores: a state saved with
+``blocks=2`` resumes with ``blocks=2``) the parameters here cannot take (a block count that must fit
+the shards, saved on another number of ranks): those are checked on a trial group, by the class' own
+checks and plans. An older checkpoint of this package (no record) is told apart by its groups' options.
+The state tensors' shapes are checked next by ``MatrixOptimizer._check_saved_shapes``.
 """
 from __future__ import annotations
 
@@ -42,12 +45,6 @@ RECORD_LABEL = "optimizer"
 RECORD_CLASS = "optimizer_class"
 RECORD_KEYS = (RECORD_LABEL, RECORD_CLASS)
 
-# Options that fix the layout of the state (its blocks, tiles, sides, ranks) or what it means: a
-# saved state with another value cannot be loaded as it is, and loading it would silently switch the
-# optimizer to the saved value (torch restores the saved group values).
-LAYOUT_OPTIONS = ("blocks", "out_blocks", "side", "sides", "source", "norm", "axis", "block_size", "heads",
-                  "split_sizes", "num_heads", "max_dim", "max_precondition_dim", "rank_fraction", "fraction",
-                  "top_k", "topk_method")
 
 
 # ----------------------------------------------------------------------------- non-finite: "skip"
@@ -225,20 +222,30 @@ def check_saved_optimizer(opt, saved_groups: list[Mapping], where: str = "this s
                 f"{me}: build {old} to resume it")
     if len(saved_groups) != len(opt.param_groups):
         return  # torch's own load names the group counts
-    names = set(opt.Options.names()) if hasattr(opt, "Options") else set()
     for i, (g, cur) in enumerate(zip(saved_groups, opt.param_groups)):
         if g["algorithm"] != cur.get("algorithm"):
             raise ValueError(
                 f"{mine} cannot load {where}: saved param group {i} is an {g['algorithm']!r} group, this "
                 f"optimizer's group {i} is {cur.get('algorithm')!r} (saved with other param groups)")
-        if cur.get("algorithm") == "adamw":
+        if cur.get("algorithm") == "adamw" or not hasattr(opt, "_check_group"):
             continue
-        for k in LAYOUT_OPTIONS:
-            if k in names and k in g and k in cur and not _same(_plain(g[k]), _plain(cur[k])):
-                raise ValueError(
-                    f"{mine} cannot load {where}: param group {i} was saved with {k}={g[k]!r}, this optimizer "
-                    f"has {k}={cur[k]!r} ({k} fixes the layout of the state; loading would switch it to the "
-                    f"saved {g[k]!r}): build {mine} with {k}={g[k]!r} to resume, or start a new state")
+        # torch's load takes the saved group values: the parameters here must take them (a block count
+        # that follows the shards, e.g.), checked on a trial group before anything loads
+        values = {k: v for k, v in g.items() if k != "params" and k not in RECORD_KEYS and k in cur}
+        trial = {**cur, **values}
+        try:
+            opt._check_group(trial)
+            with opt._logical(trial) as logical:
+                opt._group_plans(logical)
+        except ValueError as exc:
+            diff = [k for k in values if not _same(_plain(values[k]), _plain(cur[k]))]
+            saved = ", ".join(f"{k}={values[k]!r}" for k in diff) or "its options"
+            now = ", ".join(f"{k}={cur[k]!r}" for k in diff)
+            raise ValueError(
+                f"{mine} cannot load {where}: param group {i} was saved with {saved}"
+                f"{f' (this optimizer has {now})' if now else ''}, which its parameters here cannot take "
+                f"(torch's load would restore the saved values): {exc}. Resume with the saved layout (the "
+                f"saved number of ranks), or load the model's weights alone and start a new {mine} state") from None
 
 
 def _preset_keys(cls) -> list[str]:
