@@ -177,15 +177,16 @@ def resume(rank, world, root):
         out["check_resume"] = None
     except ValueError as exc:
         out["check_resume"] = str(exc)
+    out["weights_kept"] = all(torch.equal(a, _full(p)) for a, p in zip(weights, model.parameters()))
     sd = _sd(model, opt)
-    dcp.load(sd, checkpoint_id=path)  # (check_resume is what keeps the weights from loading)
+    # dcp.load writes the weights (and the state tensors) in place: check_resume is what runs first
+    dcp.load(sd, checkpoint_id=path)
     try:
         set_optimizer_state_dict(model, opt, sd["optim"])
         out["load"] = None
     except ValueError as exc:
         out["load"] = str(exc)
     out["out_blocks"] = [g["out_blocks"] for g in opt.param_groups if g["algorithm"] != "adamw"]
-    out["weights_kept"] = all(torch.equal(a, _full(p)) for a, p in zip(weights, model.parameters()))
     dobb_model, dobb_opt = _make("dobb", world)
     try:
         check_resume(dobb_model, dobb_opt, os.path.join(root, "muon"))
