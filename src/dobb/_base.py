@@ -128,6 +128,9 @@ class MatrixOptimizer(Copies, torch.optim.Optimizer):
     # The typed options of this optimizer's groups (one frozen dataclass, see dobb._hparams): their
     # defaults fill every group, their rules check it. Subclasses set their own.
     Options: type = ScaledOptions
+    # The last step run under nonfinite="skip" whose flag is unread (``dobb._safety.Skipped``); set per
+    # instance, the class' None serves copies pickled before it existed.
+    _skipped = None
     # The defaults of the options ``Options`` adds to the shared ones, read from it (never written).
     matrix_defaults: dict[str, Any] = {}
 
@@ -150,6 +153,7 @@ class MatrixOptimizer(Copies, torch.optim.Optimizer):
         self._views: dict[torch.Tensor, torch.Tensor] = {}
         # one plan per matrix (derived state, see the module docstring): built with its group
         self._plans: dict[torch.Tensor, Any] = {}
+        self._skipped: _safety.Skipped | None = None  # the last step run under nonfinite="skip", unread
         super().__init__(params, defaults)
 
     def _why_unknown(self, unknown: set[str]) -> str:
@@ -278,7 +282,8 @@ class MatrixOptimizer(Copies, torch.optim.Optimizer):
         with torch.autocast(device_type=self._device_type(), enabled=False):
             # Every group is checked before any weight changes (torch.optim.AdamW checks group by
             # group, so its earlier groups are already stepped when a later one fails).
-            self._settle_skipped()  # a step skipped under nonfinite="skip": its host-side state back
+            if self._skipped is not None:  # a step run under nonfinite="skip": read its flag (a graph
+                self._settle_skipped()  # break under torch.compile) and put its host-side state back if skipped
             adamw_work = [self._adamw_inputs(g) for g in self.param_groups if g["algorithm"] == "adamw"]
             self._check_matrix_grads()
             if not self._agrees_finiteness:  # Dobb decides it with its statistics (_prepare_step)
@@ -368,7 +373,7 @@ class MatrixOptimizer(Copies, torch.optim.Optimizer):
     def _settle_skipped(self) -> None:
         """Read the flag of the last step run under ``"skip"`` (long computed by now) and, if it was
         skipped, put its host-side state back (``dobb._safety.Skipped``)."""
-        skipped = getattr(self, "_skipped", None)
+        skipped = self._skipped
         if skipped is None:
             return
         self._skipped = None
