@@ -338,9 +338,10 @@ class MatrixOptimizer(Copies, torch.optim.Optimizer):
         group = self._finite_group()
         if group is not None:
             collectives.all_reduce_sum_(flags, group, "finite")
-        bad = [i for i, v in enumerate(flags.tolist()) if v > 0]
+        values = flags.tolist()  # the one host read
+        bad = [i for i, v in enumerate(values) if v > 0]
         if bad:
-            self._raise_nonfinite(params, bad[0], int(flags[bad[0]]))
+            self._raise_nonfinite(params, bad[0], int(values[bad[0]]))
 
     def _raise_nonfinite(self, params: list[torch.Tensor], index: int, ranks: int) -> None:
         from .collectives import group_ranks

@@ -184,10 +184,12 @@ def _plain(v):
     return list(v) if isinstance(v, tuple) else v
 
 
-def check_saved_optimizer(opt, saved_groups: list[Mapping], where: str = "this state dict") -> None:
+def check_saved_optimizer(opt, saved_groups: list[Mapping], where: str = "this state dict", *,
+                          trial: bool = True) -> None:
     """Raise ``ValueError`` naming both optimizers when ``saved_groups`` (a state dict's param groups,
     or those of a distributed checkpoint) were not saved by an optimizer like ``opt``: see the module
-    docstring. Reads the groups' values only."""
+    docstring. Reads the groups' values only. ``trial=False``: which optimizer saved them only, not
+    whether the parameters here take the saved values."""
     cls = type(opt)
     mine_group = next((g for g in opt.param_groups if g.get("algorithm") != "adamw"), None)
     mine = label_of(cls, mine_group)
@@ -220,7 +222,7 @@ def check_saved_optimizer(opt, saved_groups: list[Mapping], where: str = "this s
                 f"{mine} cannot load {where}: it was saved by {old} ({cls.__name__} with "
                 f"{', '.join(f'{k}={saved_matrix.get(k)!r}' for k in _preset_keys(cls))}), this optimizer is "
                 f"{me}: build {old} to resume it")
-    if len(saved_groups) != len(opt.param_groups):
+    if len(saved_groups) != len(opt.param_groups) or not trial:
         return  # torch's own load names the group counts
     for i, (g, cur) in enumerate(zip(saved_groups, opt.param_groups)):
         if g["algorithm"] != cur.get("algorithm"):

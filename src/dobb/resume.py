@@ -34,15 +34,10 @@ __all__ = ["check_resume", "optimizer_label"]
 def optimizer_label(opt: torch.optim.Optimizer) -> str:
     """The registry label of ``opt`` (``"DASH"``, ``"Dobb-G"``): the entry of its class whose preset
     its first matrix group matches most closely; the class name for an optimizer not registered."""
-    from .registry import OPTIMIZERS
+    from ._safety import label_of
 
     group = next((g for g in opt.param_groups if g.get("algorithm") != "adamw"), opt.defaults)
-    best, score = type(opt).__name__, -1
-    for entry in OPTIMIZERS.values():
-        if entry.cls is type(opt) and all(group.get(k) == v for k, v in entry.preset.items()):
-            if len(entry.preset) > score:
-                best, score = entry.label, len(entry.preset)
-    return best
+    return label_of(type(opt), group)
 
 
 def _shards(t: torch.Tensor) -> int:
