@@ -18,6 +18,11 @@ implement
 and may override ``_prepare_step()`` (before any update: raising there leaves every weight and
 state untouched), ``_after_step()`` and ``_after_load()``. Every optimizer keeps its momentum under the state key ``"momentum"``.
 
+Shared by every subclass (``dobb._safety``): the ``nonfinite`` group option ("raise": a NaN/Inf
+gradient refuses the step with a ``ValueError`` naming the parameter, all ranks agreeing; "skip":
+the step is undone on the device; "off"), and ``state_dict``/``load_state_dict``'s record of the
+optimizer that saved a state, so that another optimizer's or preset's state is refused at load.
+
 What a subclass reads of each matrix at every step and that the group and the parameter fix (its
 layouts, its tiles, its route to an owner rank) is its *plan*, built once by ``_group_plans(group)``
 when the matrix's group is added (before ``_init_matrix_state``, which may read it) and kept in
@@ -41,7 +46,7 @@ from .layout import is_dtensor, to_local
 from ._hparams import ScaledOptions, _check_rate
 from ._torch_private import adamw_init_group, fused_adamw_devices
 
-_UNSET = object()
+_UNSET = object()  # no attribute (``_finite_group``)
 # Keys that builders add to every group (torch schedulers: initial_lr; torchtitan: param_names).
 _BUILDER_KEYS = frozenset({"params", "param_names", "initial_lr"})
 
@@ -383,7 +388,8 @@ class MatrixOptimizer(Copies, torch.optim.Optimizer):
             self._after_skip()
 
     def _after_skip(self) -> None:
-        """Run when a skipped step's host-side state was put back (Dobb re-arms its capture hooks)."""
+        """Run when a skipped step's host-side state was put back (a subclass' host caches that follow
+        it; Dobb arms its capture hooks for both outcomes in ``_skip_finish`` instead)."""
 
     # Whether the subclass handles transposed=True groups itself (Dobb flips its layout's axis).
     _native_transposed = False
