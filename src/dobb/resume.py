@@ -14,10 +14,11 @@ a tensor size only. Call this on every rank before ``dcp.load``::
     dcp.load(sd, checkpoint_id=path)
 
 It first reads the optimizer's saved param groups (small pickled values: which optimizer saved them
-and with which options, no tensor) and refuses another optimizer, preset or a saved layout the
-parameters here cannot take (``dobb._safety.check_saved_optimizer``, what ``load_state_dict`` checks
-too, but before the weights load); then the checkpoint's metadata (no tensor is read, no collective
-beyond those of ``get_optimizer_state_dict``), and raises a ``ValueError`` naming the optimizer, the state, the saved
+and with which options, no tensor, no collective) and refuses another optimizer or preset
+(``dobb._safety.check_saved_optimizer``, what ``load_state_dict`` checks too, but before the weights
+load); then the checkpoint's metadata (no tensor is read, no collective beyond those of
+``get_optimizer_state_dict``); last, saved group values the parameters here cannot take (a block
+count that must fit the shards, saved on another number of ranks: Dobb-Muon's ``out_blocks``). It raises a ``ValueError`` naming the optimizer, the state, the saved
 and the current layout, and what works.
 """
 from __future__ import annotations
@@ -60,10 +61,12 @@ def check_resume(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint_
         storage_reader = FileSystemReader(os.fspath(checkpoint_id))
     saved = storage_reader.read_metadata().state_dict_metadata
     groups = _saved_param_groups(saved, storage_reader)
-    if groups is not None and hasattr(optimizer, "_check_group"):  # a MatrixOptimizer: which saved it, how
+    mine = groups is not None and hasattr(optimizer, "_check_group")  # a MatrixOptimizer's checkpoint
+    where = f"checkpoint {checkpoint_id or storage_reader!s}"
+    if mine:  # which optimizer saved it, first: the state's keys and shapes are that optimizer's
         from ._safety import check_saved_optimizer
 
-        check_saved_optimizer(optimizer, groups, where=f"checkpoint {checkpoint_id or storage_reader!s}")
+        check_saved_optimizer(optimizer, groups, where=where, trial=False)
     current = get_optimizer_state_dict(model, optimizer)
     label = optimizer_label(optimizer)
     notes = ""
@@ -92,6 +95,8 @@ def check_resume(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint_
                 f"What works: resume on {before} ranks (the saved sharding), or load the model's weights "
                 f"alone and start a new {label} state here"
             )
+    if mine:  # the same shapes: the saved group values must still fit the parameters here
+        check_saved_optimizer(optimizer, groups, where=where)
 
 
 _GROUP_KEY = re.compile(r"^(?:(.*)\.)?param_groups\.(\d+)\.([^.]+)$")
