@@ -221,6 +221,20 @@ class NewtonMuon(_MuonFamily):
     def _after_step(self) -> None:
         self._rearm()
 
+    def _skip_finish(self, flag, weights, tensors, skipped) -> None:
+        """``nonfinite="skip"``: the step's counts come back (if it was skipped) only when its flag is
+        read, at the next step, after the forward passes in between: the hooks are armed for both
+        outcomes, also where the counts before this step say a refresh is due."""
+        super()._skip_finish(flag, weights, tensors, skipped)
+        if self._hooks is None:
+            return
+        for g in self.param_groups:
+            if g["algorithm"] == self.algorithm:
+                for p in g["params"]:
+                    old = skipped.host.get(p, {})
+                    if "step" in old and "captures" in old and self._due(old, g):
+                        self._hooks.armed.add(p)
+
     def _after_load(self) -> None:
         self._install_hooks()  # the hooks read the rebuilt plans and the loaded groups; it rearms them:
         # a loaded step count moves the refresh schedule
