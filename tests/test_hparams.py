@@ -124,7 +124,8 @@ def test_options_are_a_validated_typed_config():
 def test_defaults_hparams_and_groups_read_the_one_declaration():
     assert _Opts.defaults() == {"weight_decay": 0.0, "adamw_lr": None, "adamw_betas": (0.9, 0.95), "adamw_eps": 1e-8,
                                 "fused": None,
-                                "foreach": None, "transposed": False, "tau": 0.2, "blocks": 4, "mode": "a",
+                                "foreach": None, "transposed": False, "nonfinite": "raise", "tau": 0.2, "blocks": 4,
+                                "mode": "a",
                                 "ratio": 1.0, "hidden": False}
     assert set(_Opts.hparam_defaults()) == set(_Opts.defaults()) - {"weight_decay", "transposed", "hidden"}
     assert _Opts.own_defaults() == {"blocks": 4, "mode": "a", "ratio": 1.0, "hidden": False}

@@ -18,6 +18,11 @@ implement
 and may override ``_prepare_step()`` (before any update: raising there leaves every weight and
 state untouched), ``_after_step()`` and ``_after_load()``. Every optimizer keeps its momentum under the state key ``"momentum"``.
 
+Shared by every subclass (``dobb._safety``): the ``nonfinite`` group option ("raise": a NaN/Inf
+gradient refuses the step with a ``ValueError`` naming the parameter, all ranks agreeing; "skip":
+the step is undone on the device; "off"), and ``state_dict``/``load_state_dict``'s record of the
+optimizer that saved a state, so that another optimizer's or preset's state is refused at load.
+
 What a subclass reads of each matrix at every step and that the group and the parameter fix (its
 layouts, its tiles, its route to an owner rank) is its *plan*, built once by ``_group_plans(group)``
 when the matrix's group is added (before ``_init_matrix_state``, which may read it) and kept in
@@ -35,11 +40,13 @@ from typing import Any
 import torch
 from torch.optim.adamw import adamw as _torch_adamw
 
+from . import _safety
 from ._copies import Copies
 from .layout import is_dtensor, to_local
 from ._hparams import ScaledOptions, _check_rate
 from ._torch_private import adamw_init_group, fused_adamw_devices
 
+_UNSET = object()  # no attribute (``_finite_group``)
 # Keys that builders add to every group (torch schedulers: initial_lr; torchtitan: param_names).
 _BUILDER_KEYS = frozenset({"params", "param_names", "initial_lr"})
 
@@ -145,6 +152,9 @@ class MatrixOptimizer(Copies, torch.optim.Optimizer):
     # The typed options of this optimizer's groups (one frozen dataclass, see dobb._hparams): their
     # defaults fill every group, their rules check it. Subclasses set their own.
     Options: type = ScaledOptions
+    # The last step run under nonfinite="skip" whose flag is unread (``dobb._safety.Skipped``); set per
+    # instance, the class' None serves copies pickled before it existed.
+    _skipped = None
     # The defaults of the options ``Options`` adds to the shared ones, read from it (never written).
     matrix_defaults: dict[str, Any] = {}
 
@@ -167,6 +177,7 @@ class MatrixOptimizer(Copies, torch.optim.Optimizer):
         self._views: dict[torch.Tensor, torch.Tensor] = {}
         # one plan per matrix (derived state, see the module docstring): built with its group
         self._plans: dict[torch.Tensor, Any] = {}
+        self._skipped: _safety.Skipped | None = None  # the last step run under nonfinite="skip", unread
         super().__init__(params, defaults)
 
     def _why_unknown(self, unknown: set[str]) -> str:
@@ -296,8 +307,13 @@ class MatrixOptimizer(Copies, torch.optim.Optimizer):
         with torch.autocast(device_type=self._device_type(), enabled=False):
             # Every group is checked before any weight changes (torch.optim.AdamW checks group by
             # group, so its earlier groups are already stepped when a later one fails).
+            if self._skipped is not None:  # a step run under nonfinite="skip": read its flag (a graph
+                self._settle_skipped()  # break under torch.compile) and put its host-side state back if skipped
             adamw_work = [self._adamw_inputs(g) for g in self.param_groups if g["algorithm"] == "adamw"]
             self._check_matrix_grads()
+            if not self._agrees_finiteness:  # Dobb decides it with its statistics (_prepare_step)
+                self._refuse_nonfinite()
+            skip = self._skip_setup()
             self._prepare_step()
             for lists, kwargs in adamw_work:
                 if lists[0]:
@@ -309,7 +325,91 @@ class MatrixOptimizer(Copies, torch.optim.Optimizer):
                         with self._logical(group) as logical:
                             self._matrix_step(logical, [self._views.get(p, p) for p in active])
             self._after_step()
+            if skip is not None:
+                self._skip_finish(*skip)
         return loss
+
+    # ------------------------------------------------------------------ non-finite gradients
+    # Whether the subclass takes the "raise" decision itself, in its own collectives (Dobb: agree).
+    _agrees_finiteness = False
+
+    def _nonfinite_params(self, mode: str) -> list[torch.Tensor]:
+        """Every parameter of the groups whose ``nonfinite`` is ``mode`` (the same list on every rank)."""
+        return [p for g in self.param_groups if g.get("nonfinite", "raise") == mode for p in g["params"]]
+
+    def _finite_group(self):
+        """The ranks that share this optimizer's step and decide finiteness together: the meshes of its
+        DTensor parameters (None: plain parameters, whose gradients a DDP-like wrapper already averaged)."""
+        group = getattr(self, "_step_group", _UNSET)  # Dobb's (core.optimizer: with its statistic groups)
+        if group is _UNSET:  # not cached: a process group would make the optimizer uncopyable
+            from .collectives import common_group
+            from .sharding import mesh_group
+
+            meshes = {id(p.device_mesh): p.device_mesh for g in self.param_groups for p in g["params"]
+                      if is_dtensor(p)}
+            group = common_group([mesh_group(m) for m in meshes.values()])
+        return group
+
+    def _refuse_nonfinite(self) -> None:
+        """``nonfinite="raise"``: a ``ValueError`` naming the first parameter with a NaN/Inf gradient on
+        any rank, before any weight or state changes (one all-reduce of the flags, one host read)."""
+        params = self._nonfinite_params("raise")
+        if not params:
+            return
+        from . import collectives
+        from .core.statistics import local_nonfinite
+
+        flags = local_nonfinite(params)
+        group = self._finite_group()
+        if group is not None:
+            collectives.all_reduce_sum_(flags, group, "finite")
+        values = flags.tolist()  # the one host read
+        bad = [i for i, v in enumerate(values) if v > 0]
+        if bad:
+            self._raise_nonfinite(params, bad[0], int(values[bad[0]]))
+
+    def _raise_nonfinite(self, params: list[torch.Tensor], index: int, ranks: int) -> None:
+        from .collectives import group_ranks
+
+        p = params[index]
+        i = next(i for g in self.param_groups for i, q in enumerate(g["params"]) if q is p)
+        group = self._finite_group()
+        where = "" if group is None else f" on {ranks} of {len(group_ranks(group))} ranks"
+        raise ValueError(
+            f"non-finite gradient (NaN or Inf) in {_name_of(p, self._param_names, i)}{where}; "
+            f"{type(self).__name__} changed no weight or optimizer state on any rank (nonfinite='skip' "
+            f"skips such steps, nonfinite='off' turns this check off)")
+
+    def _skip_setup(self):
+        """``nonfinite="skip"``: the flag (on the device), the gradients masked by it and a snapshot of
+        every weight and state (``dobb._safety``); None when no group skips."""
+        params = self._nonfinite_params("skip")
+        if not params:
+            return None
+        flag = _safety.skip_flag(params, self._finite_group())
+        everything = [p for g in self.param_groups for p in g["params"]]
+        _safety.mask_grads_(everything, flag)
+        return (flag, *_safety.snapshot(everything, self.state, flag))
+
+    def _skip_finish(self, flag, weights, tensors, skipped) -> None:
+        _safety.restore_where(flag, weights, tensors, self.state, skipped)
+        self._skipped = _safety.defer(skipped)
+
+    @torch.compiler.disable
+    def _settle_skipped(self) -> None:
+        """Read the flag of the last step run under ``"skip"`` (long computed by now) and, if it was
+        skipped, put its host-side state back (``dobb._safety.Skipped``)."""
+        skipped = self._skipped
+        if skipped is None:
+            return
+        self._skipped = None
+        if skipped.was_skipped():
+            skipped.restore(self.state)
+            self._after_skip()
+
+    def _after_skip(self) -> None:
+        """Run when a skipped step's host-side state was put back (a subclass' host caches that follow
+        it; Dobb arms its capture hooks for both outcomes in ``_skip_finish`` instead)."""
 
     # Whether the subclass handles transposed=True groups itself (Dobb flips its layout's axis).
     _native_transposed = False
@@ -430,19 +530,39 @@ class MatrixOptimizer(Copies, torch.optim.Optimizer):
             if group["algorithm"] != "adamw":
                 yield from group["params"]
 
+    def __getstate__(self) -> dict[str, Any]:
+        self._settle_skipped()  # a copy starts from settled state
+        return super().__getstate__()
+
     # ------------------------------------------------------------------ state dict
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state dict, every param group recording the optimizer that saved it
+        (``dobb._safety.RECORD_KEYS``: its registry label and class), read by ``load_state_dict``."""
+        self._settle_skipped()
+        sd = super().state_dict()
+        record = {_safety.RECORD_LABEL: _safety.label_of(type(self), next(
+            (g for g in self.param_groups if g["algorithm"] != "adamw"), None)),
+            _safety.RECORD_CLASS: type(self).__name__}
+        sd["param_groups"] = [dict(g, **record) for g in sd["param_groups"]]
+        return sd
+
     # State tensors that keep their own dtype on load (torch casts floating state to the
     # parameter's dtype, e.g. a bf16 model would otherwise resume with a bf16 basis).
     _own_dtype_keys: tuple[str, ...] = ()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state_dict = _rename_legacy_keys(state_dict)
+        self._settle_skipped()
         # checked before anything loads (torch loads group values unchecked): a bad rate refused here
         # leaves this optimizer as it was
         for i, saved in enumerate(state_dict["param_groups"]):
             for key in ("lr", "weight_decay"):
                 if key in saved:
                     _check_rate(f"{key} of saved param group {i}", saved[key])
+        # another optimizer's, preset's or layout's state: refused, naming both, before anything loads
+        _safety.check_saved_optimizer(self, state_dict["param_groups"])
+        state_dict = {**state_dict, "param_groups": [{k: v for k, v in g.items() if k not in _safety.RECORD_KEYS}
+                                                     for g in state_dict["param_groups"]]}
+        state_dict = _rename_legacy_keys(state_dict)
         self._check_saved_shapes(state_dict)
         own = {key: saved_state_by_param(self, state_dict, key) for key in self._own_dtype_keys}
         layouts = {(p, key): self.state[p][key] for key, saved in own.items() for p in saved

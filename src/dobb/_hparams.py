@@ -39,7 +39,7 @@ import torch
 
 __all__ = ["check_kind", "check_kinds", "option", "Options", "ScaledOptions", "Rule", "unit_interval",
            "closed_unit_interval", "fraction", "positive", "non_negative", "integer", "boolean", "one_of",
-           "optional", "rate", "betas", "floating_dtype", "numbers_tuple"]
+           "optional", "rate", "betas", "floating_dtype", "numbers_tuple", "NONFINITE_MODES"]
 
 
 def _is_real(v) -> bool:
@@ -172,6 +172,10 @@ rate = _RateRule(_rate_ok, "be a finite number >= 0")
 
 
 # ----------------------------------------------------------------------------- options
+# What a step does with a non-finite gradient (``Options.nonfinite``).
+NONFINITE_MODES = ("raise", "skip", "off")
+
+
 def option(default: Any = MISSING, rule: Rule | None = None, *, adamw: bool = False,
            hparam: bool = True, kind: Any = MISSING) -> Any:
     """A typed option: its ``default``, its ``rule`` and where it applies.
@@ -198,7 +202,10 @@ class Options:
     ``None``: torch's fused kernel where it has one for the parameters' device and dtype, else its
     foreach kernel; ``dobb._base.adamw_kernel_flags``); a matrix group refuses ``fused=True`` (no matrix step
     has a fused kernel) and ``foreach=False`` (every matrix step is its foreach implementation). ``transposed``: the group's weights are stored ``(in, out)`` (set per group by
-    ``dobb.param_groups``).
+    ``dobb.param_groups``). ``nonfinite``: what a step does with a NaN/Inf gradient of the group
+    (``"raise"``: refuse the step with a ``ValueError`` naming the parameter, every rank agreeing;
+    ``"skip"``: skip the whole step on the device, without a host read; ``"off"``: no check; see
+    ``dobb._base.MatrixOptimizer.step``).
     """
     lr: float = option(rule=rate, adamw=True, hparam=False, kind=0.0)
     weight_decay: float = option(0.0, rate, adamw=True, hparam=False)
@@ -208,6 +215,7 @@ class Options:
     fused: bool | None = option(None, optional(boolean), adamw=True)
     foreach: bool | None = option(None, optional(boolean), adamw=True)
     transposed: bool = option(False, boolean, hparam=False)
+    nonfinite: str = option("raise", one_of(*NONFINITE_MODES), adamw=True)
 
     def __post_init__(self):
         self.check(vars(self))

@@ -9,7 +9,7 @@ builds, validates and steps it. The bench's fields of each name (its cost formul
 axis) are in its own table, outside this package (docs/CONTRIBUTING.md, "Adding an optimizer").
 
 An entry's accepted hyperparameters, with their defaults, are read from its class' ``Options``
-(the shared ones, ``tau``, ``adamw_betas``, ``adamw_eps``, ``fused``, ``foreach``, among them) and
+(the shared ones, ``tau``, ``adamw_betas``, ``adamw_eps``, ``fused``, ``foreach``, ``nonfinite``, among them) and
 its other constructor keywords, plus the grouping ones passed to ``dobb.param_groups``
 (``head_names``, ``is_matrix``, ``experts``, ``decay_names``), less the ``preset`` (fixed by the
 variant: ``dobb-l2`` is ``Dobb`` with ``norm="l2"``, and asking it for another ``norm`` is an

@@ -13,13 +13,18 @@ a tensor size only. Call this on every rank before ``dcp.load``::
     sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
     dcp.load(sd, checkpoint_id=path)
 
-It reads the checkpoint's metadata only (no tensor is read, no collective beyond those of
-``get_optimizer_state_dict``) and raises a ``ValueError`` naming the optimizer, the state, the saved
+It first reads the optimizer's saved param groups (small pickled values: which optimizer saved them
+and with which options, no tensor, no collective) and refuses another optimizer or preset
+(``dobb._safety.check_saved_optimizer``, what ``load_state_dict`` checks too, but before the weights
+load); then the checkpoint's metadata (no tensor is read, no collective beyond those of
+``get_optimizer_state_dict``); last, saved group values the parameters here cannot take (a block
+count that must fit the shards, saved on another number of ranks: Dobb-Muon's ``out_blocks``). It raises a ``ValueError`` naming the optimizer, the state, the saved
 and the current layout, and what works.
 """
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 from torch import nn
@@ -30,15 +35,10 @@ __all__ = ["check_resume", "optimizer_label"]
 def optimizer_label(opt: torch.optim.Optimizer) -> str:
     """The registry label of ``opt`` (``"DASH"``, ``"Dobb-G"``): the entry of its class whose preset
     its first matrix group matches most closely; the class name for an optimizer not registered."""
-    from .registry import OPTIMIZERS
+    from ._safety import label_of
 
     group = next((g for g in opt.param_groups if g.get("algorithm") != "adamw"), opt.defaults)
-    best, score = type(opt).__name__, -1
-    for entry in OPTIMIZERS.values():
-        if entry.cls is type(opt) and all(group.get(k) == v for k, v in entry.preset.items()):
-            if len(entry.preset) > score:
-                best, score = entry.label, len(entry.preset)
-    return best
+    return label_of(type(opt), group)
 
 
 def _shards(t: torch.Tensor) -> int:
@@ -60,6 +60,13 @@ def check_resume(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint_
             raise ValueError("check_resume needs checkpoint_id (a path) or storage_reader")
         storage_reader = FileSystemReader(os.fspath(checkpoint_id))
     saved = storage_reader.read_metadata().state_dict_metadata
+    groups = _saved_param_groups(saved, storage_reader)
+    mine = groups is not None and hasattr(optimizer, "_check_group")  # a MatrixOptimizer's checkpoint
+    where = f"checkpoint {checkpoint_id or storage_reader!s}"
+    if mine:  # which optimizer saved it, first: the state's keys and shapes are that optimizer's
+        from ._safety import check_saved_optimizer
+
+        check_saved_optimizer(optimizer, groups, where=where, trial=False)
     current = get_optimizer_state_dict(model, optimizer)
     label = optimizer_label(optimizer)
     notes = ""
@@ -88,3 +95,36 @@ def check_resume(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint_
                 f"What works: resume on {before} ranks (the saved sharding), or load the model's weights "
                 f"alone and start a new {label} state here"
             )
+    if mine:  # the same shapes: the saved group values must still fit the parameters here
+        check_saved_optimizer(optimizer, groups, where=where)
+
+
+_GROUP_KEY = re.compile(r"^(?:(.*)\.)?param_groups\.(\d+)\.([^.]+)$")
+
+
+def _saved_param_groups(saved: dict, storage_reader) -> list[dict] | None:
+    """The optimizer's saved param groups (every value but ``params``), or None when the checkpoint
+    holds none. DCP keeps a group's values as pickled bytes (``BytesStorageMetadata``: the metadata
+    names them, without their values); they are read here alone, on this rank (``no_dist``: no
+    collective), no tensor with them. A checkpoint holding several optimizers' groups (prefixes) is left
+    to DCP's load."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    found = {}
+    for key, meta in saved.items():
+        m = _GROUP_KEY.match(key)
+        if m and isinstance(meta, BytesStorageMetadata) and m.group(3) != "params":
+            found[key] = (m.group(1), int(m.group(2)), m.group(3))
+    prefixes = {prefix for prefix, _, _ in found.values()}
+    if not found or len(prefixes) != 1:
+        return None
+    values = dict.fromkeys(found)
+    storage_reader.reset() if hasattr(storage_reader, "reset") else None
+    dcp.load(values, storage_reader=storage_reader, no_dist=True)
+    groups: dict[int, dict] = {}
+    for key, (_, index, name) in found.items():
+        groups.setdefault(index, {})[name] = values[key]
+    if sorted(groups) != list(range(len(groups))):
+        return None
+    return [groups[i] for i in range(len(groups))]

@@ -282,18 +282,21 @@ def test_momentum_forms_match_spec_sum_form(nesterov, norm):
         torch.testing.assert_close(layer.weight.detach(), expected, atol=1e-12, rtol=0)
 
 
-@pytest.mark.parametrize("saved,loaded,key", [
-    (dict(blocks=4), dict(blocks=2), "stat"),            # (16, 4) vs (16, 8)
-    (dict(blocks=2), dict(blocks=2, side="output", source="output_grad"), "stat"),  # (16, 8) vs (12, 6)
+@pytest.mark.parametrize("saved,loaded,key,preset", [
+    (dict(blocks=4), dict(blocks=2), "stat", None),            # (16, 4) vs (16, 8)
+    # (16, 8) vs (12, 6); Dobb-G is another registry name: refused naming both, before the shapes
+    (dict(blocks=2), dict(blocks=2, side="output", source="output_grad"), "stat", "Dobb-G"),
 ])
-def test_loading_state_of_another_layout_names_parameter_and_shapes(saved, loaded, key):
+def test_loading_state_of_another_layout_names_parameter_and_shapes(saved, loaded, key, preset):
     layer = _one_layer(12, 16)
     opt = dobb.Dobb([("fc.weight", layer.weight)], layer, lr=0.1, **saved)
     layer(torch.randn(3, 16, dtype=torch.float64)).sum().backward()
     opt.step()
     other = dobb.Dobb([("fc.weight", layer.weight)], layer, lr=0.1, **loaded)
     want, got = tuple(opt.state[layer.weight][key].shape), tuple(other.state[layer.weight][key].shape)
-    with pytest.raises(ValueError, match=rf"fc\.weight: saved state '{key}' has shape \({want[0]}, {want[1]}\).*needs \({got[0]}, {got[1]}\)"):
+    match = (rf"fc\.weight: saved state '{key}' has shape \({want[0]}, {want[1]}\).*needs \({got[0]}, {got[1]}\)"
+             if preset is None else rf"^{preset} cannot load this state dict: it was saved by Dobb \(Dobb\)")
+    with pytest.raises(ValueError, match=match):
         other.load_state_dict(opt.state_dict())
     assert other.state[layer.weight]["step"] == 0  # nothing was loaded
 

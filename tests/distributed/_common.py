@@ -246,15 +246,25 @@ def sharded_problem(mesh, cases, steps: int):
     return params, grads
 
 
+def exchange(meter) -> list:
+    """The records of ``meter`` less the finiteness check's all-reduce (kind ``"finite"``: every
+    optimizer's ``nonfinite="raise"``, one float per parameter, checked in test_safety_sharded.py):
+    the optimizer's own exchange, which the payload tests derive."""
+    return [r for r in meter.records if r.kind != "finite"]
+
+
 def metered_steps(opt, params, grads):
-    """Steps ``opt`` through every gradient; per step ``(collectives, bytes, ops)`` of the payload meter."""
+    """Steps ``opt`` through every gradient; per step ``(collectives, bytes, ops)`` of the payload meter,
+    less the finiteness check's own all-reduce (kind ``"finite"``: ``nonfinite="raise"``, one float per
+    parameter; tests/distributed/test_safety_sharded.py checks it), so the optimizer's exchange is counted."""
     log = []
     for t in range(len(grads[0]) if grads else 0):
         for p, gs in zip(params, grads):
             p.grad = gs[t]
         with PayloadMeter() as m:
             opt.step()
-        log.append((m.collectives, m.bytes, [r.op for r in m.records]))
+        records = exchange(m)
+        log.append((len(records), sum(r.bytes for r in records), [r.op for r in records]))
     return log
 
 

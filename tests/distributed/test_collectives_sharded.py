@@ -59,9 +59,12 @@ def worker(rank, world):
     return out
 
 
-EXPECTED = {"owner-muon fsdp": {("all_to_all", "owner")}, "owner-muon ddp": {("all_gather", "owner")},
-            "muonbp full": {("all_to_all", "owner")}, "soap": {("all_to_all", "owner")},
-            "splus": {("all_reduce", "norm")}, "dion": {("all_reduce", "partial")}}
+# every sharded step also agrees on the gradients' finiteness (nonfinite="raise", the default): one
+# all-reduce of kind "finite" over the parameters' mesh; plain parameters (DDP) need none
+_FINITE = ("all_reduce", "finite")
+EXPECTED = {"owner-muon fsdp": {("all_to_all", "owner"), _FINITE}, "owner-muon ddp": {("all_gather", "owner")},
+            "muonbp full": {("all_to_all", "owner"), _FINITE}, "soap": {("all_to_all", "owner"), _FINITE},
+            "splus": {("all_reduce", "norm"), _FINITE}, "dion": {("all_reduce", "partial"), _FINITE}}
 
 
 @pytest.fixture(scope="module")

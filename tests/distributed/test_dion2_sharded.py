@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from _baseline_refs import dion2_shard_reference
 import _common as C
-from _common import Net, checker, data, full_params, groups, max_diff, per_rank
+from _common import Net, checker, exchange, data, full_params, groups, max_diff, per_rank
 from _spawn import spawn_once
 from dobb.baselines import Dion2
 from dobb.functional import block_sizes
@@ -37,7 +37,8 @@ def weights_and_grads(shape, seed):
 def _metered(opt):
     with PayloadMeter() as m:
         opt.step()
-    return m.collectives, sorted({r.op for r in m.records})
+    rs = exchange(m)
+    return len(rs), sorted({r.op for r in rs})
 
 
 def _synthetic(rank, world, dim):

@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from _common import checker
+from _common import checker, exchange
 from _compare import max_diff
 from _spawn import spawn
 from dobb import Dion
@@ -73,7 +73,8 @@ def _run(mesh, placements_list, shapes, seeds, steps=STEPS, meter=False, **kw):
             p.grad = gs[t]
         with PayloadMeter() as m:
             opt.step()
-        log.append((m.collectives, m.bytes, sorted({r.op for r in m.records})))
+        rs = exchange(m)
+        log.append((len(rs), sum(r.bytes for r in rs), sorted({r.op for r in rs})))
     return {"W": [p.detach().full_tensor() for p in params],
             "M": [opt.state[p]["momentum"].full_tensor() for p in params],
             "Q": [opt.state[p]["Q"].full_tensor() for p in params],

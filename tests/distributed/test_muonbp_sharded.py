@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from _baseline_refs import muonbp_reference
 import _common as C
-from _common import Net, checker, data, full_params, groups, max_diff, per_rank
+from _common import Net, checker, exchange, data, full_params, groups, max_diff, per_rank
 from _spawn import spawn_once
 from dobb.baselines import MuonBP
 from dobb.functional import block_sizes
@@ -43,7 +43,8 @@ def weights_and_grads(shape, seed):
 def _metered(opt):
     with PayloadMeter() as m:
         opt.step()
-    return m.collectives, m.bytes, [r.op for r in m.records]
+    rs = exchange(m)
+    return len(rs), sum(r.bytes for r in rs), [r.op for r in rs]
 
 
 # ----------------------------------------------------------------------------- rank-side code

@@ -21,7 +21,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import _common as C
-from _common import Net, data, full_params, groups, max_diff, per_rank, train
+from _common import Net, data, exchange, full_params, groups, max_diff, per_rank, train
 from _spawn import spawn_once
 from dobb.baselines import Muon
 from dobb.baselines.muon_family.owner_muon import OwnerMuon
@@ -82,7 +82,8 @@ def _step_bytes(model, opt, rank, world):
     with PayloadMeter() as m:
         opt.step()
     opt.zero_grad()
-    return (m.bytes, sorted({r.op for r in m.records}))
+    rs = exchange(m)
+    return (sum(r.bytes for r in rs), sorted({r.op for r in rs}))
 
 
 def _ddp(rank, world):

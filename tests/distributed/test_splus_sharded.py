@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
+from _common import exchange
 from _spawn import spawn_once
 from dobb.baselines.shampoo_family.splus import SPlus
 from dobb.meter import PayloadMeter
@@ -33,7 +34,8 @@ def worker(rank, world):
             oa.step()
             with PayloadMeter() as meter:
                 ob.step()
-            counts.append((meter.collectives, sorted(meter.by_op)))
+            rs = exchange(meter)
+            counts.append((len(rs), sorted({r.op for r in rs})))
         diff = (a.detach() - b.detach().full_tensor()).abs().max().item()
         oa.eval(), ob.eval()
         avg = (a.detach() - b.detach().full_tensor()).abs().max().item()

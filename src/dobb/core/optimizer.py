@@ -98,7 +98,9 @@ class Dobb(MatrixOptimizer):
             matrices' work, same per-matrix period) to flatten the refresh-step spike. Default
             True: only the phase of each matrix's refresh moves, not its period (its effect on the
             loss and the spike: docs/timing.md, "Refresh spike").
-        check_finite: raise ``ValueError`` naming the parameter when a gradient holds NaN/Inf,
+        check_finite: False turns the ``nonfinite="raise"`` check off (the older spelling of
+            ``nonfinite="off"``; ``nonfinite`` is every optimizer's group option, ``dobb._safety``).
+            True (default): raise ``ValueError`` naming the parameter when a gradient holds NaN/Inf,
             before any state changes. The decision is taken by all ranks that share the step
             together (one flag all-reduce, folded into the statistic reduction on refresh steps), so
             every rank raises the same error. Costs one host synchronisation per step; False skips it.
@@ -124,6 +126,7 @@ class Dobb(MatrixOptimizer):
     """
 
     algorithm = "dobb"
+    _agrees_finiteness = True  # nonfinite="raise" rides on the statistics' reduction (_prepare_step)
     _native_transposed = True  # transposed groups flip the layout's blocked axis (see _init_matrix_state)
     _expert_stacks = True  # 3-D (E, out, in) parameters are E matrices (see core.experts)
     Options = DobbOptions  # the options, their defaults and value rules (core.options)
@@ -347,7 +350,7 @@ class Dobb(MatrixOptimizer):
         """What the ranks must decide together before any state changes (``statistics.agree``): the
         statistics of every matrix due for a refresh, whether or not its layer ran here, and the
         finiteness of all gradients. Raising here leaves every weight and state untouched."""
-        params = [p for g in self.param_groups for p in g["params"]]
+        params = self._nonfinite_params("raise")  # nonfinite="raise" groups (skip and off: MatrixOptimizer)
         idle = {id(p) for p in self._idle_matrices()}
         wanted = []
         for g in self._dobb_groups():
@@ -363,7 +366,7 @@ class Dobb(MatrixOptimizer):
                 unseen = any(0 in side for side in self.state[p]["captures"])
                 for i, (side, pending) in enumerate(zip(plan.sides, (self._hooks.pending, self._hooks.pending_out))):
                     wanted.append(DueStat(p, i, side.layout, pending.get(p), dtype, unseen))
-        agreed = agree(wanted, params, self._step_group, self.check_finite)
+        agreed = agree(wanted, params, self._step_group, self.check_finite and bool(params))
         if agreed.nonfinite is not None:
             self._rearm()  # the next forward passes capture afresh
             index, ranks = agreed.nonfinite
@@ -373,6 +376,17 @@ class Dobb(MatrixOptimizer):
                              f"no weight or optimizer state was changed on any rank (pass check_finite=False to skip "
                              f"this check)")
         self._refresh_all(agreed.stats, idle)
+
+    def _skip_finish(self, flag, weights, tensors, skipped) -> None:
+        """``nonfinite="skip"``: whether this step counts is read only at the next one, after the forward
+        passes in between; so the hooks are armed for both outcomes: also where the counts before this
+        step say a refresh is due (a capture nobody needs is dropped by the next step's ``_rearm``)."""
+        super()._skip_finish(flag, weights, tensors, skipped)
+        if self._hooks is not None:
+            for p in self._hooks.groups:
+                old = skipped.host.get(p, {})
+                if "step" in old and "captures" in old and any(due(old["step"], old["captures"], self._plans[p])):
+                    self._hooks.armed.add(p)
 
     def _idle_matrices(self) -> list[torch.Tensor]:
         """Matrices with a statistic shared across ranks (hook sources) but no gradient on this rank: a

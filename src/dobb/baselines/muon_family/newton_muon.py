@@ -177,10 +177,18 @@ class NewtonMuon(_MuonFamily):
         """One ``CaptureHooks`` over every matrix (keyed by the stored weight, as the hooks see the
         module's parameter; a transposed weight's layout is its logical ``(out, in)`` matrix's)."""
         watched = {}
+        # a sparse embedding's weight: its input is token ids, not features, and its gradient is sparse,
+        # which the step refuses naming the parameter (as every optimizer here does): not hooked, so the
+        # forward pass does not fail first on the ids' width
+        sparse = set() if self.model is None else {
+            id(m.weight) for m in self.model.modules()
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse}
         for g in self.param_groups:
             if g["algorithm"] != self.algorithm:
                 continue
             for p in g["params"]:
+                if id(p) in sparse:
+                    continue
                 # what the hooks read of a group: the capture policy, the source and the sum dtype
                 watched[p] = {"capture": g["capture"], "source": "activation", "stat_dtype": _state_dtype(p)}
         if self._hooks is not None:
@@ -212,6 +220,20 @@ class NewtonMuon(_MuonFamily):
 
     def _after_step(self) -> None:
         self._rearm()
+
+    def _skip_finish(self, flag, weights, tensors, skipped) -> None:
+        """``nonfinite="skip"``: the step's counts come back (if it was skipped) only when its flag is
+        read, at the next step, after the forward passes in between: the hooks are armed for both
+        outcomes, also where the counts before this step say a refresh is due."""
+        super()._skip_finish(flag, weights, tensors, skipped)
+        if self._hooks is None:
+            return
+        for g in self.param_groups:
+            if g["algorithm"] == self.algorithm:
+                for p in g["params"]:
+                    old = skipped.host.get(p, {})
+                    if "step" in old and "captures" in old and self._due(old, g):
+                        self._hooks.armed.add(p)
 
     def _after_load(self) -> None:
         self._install_hooks()  # the hooks read the rebuilt plans and the loaded groups; it rearms them:

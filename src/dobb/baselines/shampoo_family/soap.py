@@ -58,6 +58,7 @@ import torch
 from torch import Tensor
 
 from ..._base import MatrixOptimizer, _name_of
+from ..._safety import check_saved_optimizer
 from ...collectives import from_owners, plan_owners, to_owners
 from ...layout import is_dtensor, to_local
 from ..._hparams import Options, boolean, integer, one_of, option, optional, positive, unit_interval
@@ -421,6 +422,8 @@ class SOAP(MatrixOptimizer):
         return {**sd, "state": state}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # another optimizer's state is refused before the owners' gathers read it (checked again inside)
+        check_saved_optimizer(self, state_dict["param_groups"], trial=False)
         super().load_state_dict(self._owner_state(state_dict))
 
     def _owner_state(self, state_dict: dict[str, Any]) -> dict[str, Any]:
