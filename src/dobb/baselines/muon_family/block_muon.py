@@ -25,19 +25,23 @@ from dataclasses import dataclass
 
 from ... import functional as F
 from ..._base import _name_of
-from ...placement import layout_for
-from ..._hparams import integer, option
+from ...placement import follow_axis, follow_layout, layout_for
+from ..._hparams import integer, layout_option
 from .muon import AXIS, MuonSplitOptions, _MuonFamily, tiled_directions
 
 
 @dataclass(frozen=True, kw_only=True)
 class BlockMuonOptions(MuonSplitOptions):
-    blocks: int = option(4, integer(1))
-    axis: int = option(1, AXIS)
+    blocks: int = layout_option(4, integer(1))
+    axis: int = layout_option(1, AXIS)
 
 
 class BlockMuon(_MuonFamily):
-    """Block Muon. Args as ``Muon`` plus ``blocks`` (default 4) and ``axis`` (1 columns, 0 rows).
+    """Block Muon. Args as ``Muon`` plus ``blocks`` (default 4) and ``axis`` (1 columns, 0 rows;
+    default 1). Left ``None`` (the default), both follow each matrix's placement: a DTensor cut
+    along one axis (FSDP2 ``Shard(0)``, tensor parallel ``Shard(0)``/``Shard(1)``) with the other
+    whole is blocked along the cut axis, one block per shard (no communication); a plain tensor
+    takes ``axis=1, blocks=4``.
 
     With ``split_sizes``/``num_heads`` a split weight's parts are matrices of their own, each cut
     into ``blocks`` blocks (the parts x blocks tiles are gathered when the weight is sharded)."""
@@ -51,10 +55,12 @@ class BlockMuon(_MuonFamily):
         Blocks are computed on the local shard when the unblocked axis is whole on this rank (a block
         never straddles shards, ``block_sizes`` guarantees it); otherwise the matrix is gathered first.
         A split (CMuon) weight's parts are cut into blocks, gathered when sharded."""
-        axis, blocks = group["axis"], group["blocks"]
-        side = "input" if axis == 1 else "output"
         plans = []
         for i, p in enumerate(group["params"]):
+            # None (the default): follow the placement, one block per shard of the sharded axis
+            axis = follow_axis(group["axis"], p, 1)
+            blocks = follow_layout(group["blocks"], p, axis, 4)
+            side = "input" if axis == 1 else "output"
             try:
                 parts = self._row_parts(group, p)
                 if parts is not None:
