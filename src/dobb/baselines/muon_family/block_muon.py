@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from ... import functional as F
 from ..._base import _name_of
+from ...core.heads import head_blocks, role
 from ...placement import follow_axis, follow_layout, layout_for
 from ..._hparams import integer, layout_option
 from .muon import AXIS, MuonSplitOptions, _MuonFamily, tiled_directions
@@ -43,8 +44,12 @@ class BlockMuon(_MuonFamily):
     whole is blocked along the cut axis, one block per shard (no communication); a plain tensor
     takes ``axis=1, blocks=4``.
 
-    With ``split_sizes``/``num_heads`` a split weight's parts are matrices of their own, each cut
-    into ``blocks`` blocks (the parts x blocks tiles are gathered when the weight is sharded)."""
+    With ``heads`` (``dobb.core.heads``) each attention q/k/v matrix is cut into its per-head row
+    blocks and the output projection into its per-head column blocks (whatever ``axis`` and
+    ``blocks`` say; cut at shard boundaries, local when the other axis is whole here); the other
+    matrices keep ``axis`` and ``blocks``. With ``split_sizes``/``num_heads`` a split weight's parts
+    are matrices of their own, each cut into ``blocks`` blocks (the parts x blocks tiles are
+    gathered when the weight is sharded)."""
 
     algorithm = "block-muon"
     Options = BlockMuonOptions
@@ -60,19 +65,36 @@ class BlockMuon(_MuonFamily):
             # None (the default): follow the placement, one block per shard of the sharded axis
             axis = follow_axis(group["axis"], p, 1)
             blocks = follow_layout(group["blocks"], p, axis, 4)
-            side = "input" if axis == 1 else "output"
             try:
-                parts = self._row_parts(group, p)
-                if parts is not None:
-                    plans.append((_part_blocks(parts, p.shape[1], blocks, axis), False))
-                    continue
-                lay = layout_for(p, side, blocks, None)
+                cut = self._head_cut(group, p)
+                if cut is not None:  # an attention matrix with heads: one block per head
+                    axis, blocks = cut
+                else:
+                    parts = self._row_parts(group, p)
+                    if parts is not None:
+                        plans.append((_part_blocks(parts, p.shape[1], blocks, axis), False))
+                        continue
+                lay = layout_for(p, "input" if axis == 1 else "output", blocks, None)
             except ValueError as exc:
-                raise ValueError(f"{_name_of(p, self._param_names, i)}: {exc}") from None
+                name = self._matrix_name(p, group) or _name_of(p, self._param_names, i)
+                raise ValueError(f"{name}: {exc}") from None
             local_ok = lay.local_shape[1 - axis] == lay.shape[1 - axis]
             sizes = lay.local_sizes if local_ok else F.block_sizes(p.shape[axis], blocks)
             plans.append((_blocks(sizes, axis), local_ok))
         return plans
+
+    def _head_cut(self, group, p):
+        """``(axis, blocks)`` of an attention matrix under ``heads`` (``core.heads``: q/k/v rows per
+        head, the output projection's columns per head), None for any other matrix."""
+        if group["heads"] is None:
+            return None
+        rows = self._row_parts(group, p)  # q/k/v: the per-head rows (checked, named)
+        name, shape = self._matrix_name(p, group), tuple(p.shape)
+        if role(name) == "qkv":
+            return 0, len(rows) if rows else 1
+        if role(name) == "out":
+            return 1, head_blocks(name, shape, group["heads"], 1, 1, bool(group["transposed"]))[0]
+        return None
 
     def _directions(self, group, active, states, params, u):
         return tiled_directions(group, active, params, u, [self._plans[p] for p in active], self._ns(group))
