@@ -194,8 +194,10 @@ def layout_option(plain: Any, rule: Rule) -> Any:
     model steps exactly as with ``plain``. A value the user gives is kept and checked by ``rule``.
     The registry and ``matrix_defaults`` list ``plain`` (the value on an unsharded matrix).
     """
+    # None passes silently (the default); any other value gets the rule's own message, as before
+    follows = Rule(lambda v: v is None or rule.test(v), rule.what)
     return dataclasses.field(default=None, metadata={
-        "rule": optional(rule), "adamw": False, "hparam": True, "kind": None, "plain": plain})
+        "rule": follows, "adamw": False, "hparam": True, "kind": plain, "plain": plain})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -267,7 +269,7 @@ class Options:
             if f.name not in values or not (matrix or f.metadata["adamw"]):
                 continue
             value = values[f.name]
-            if f.metadata["kind"] is not MISSING:
+            if f.metadata["kind"] is not MISSING and not (value is None and "plain" in f.metadata):
                 check_kind(f.name, value, f.metadata["kind"])
             if f.metadata["rule"] is not None:
                 f.metadata["rule"](f.name, value)

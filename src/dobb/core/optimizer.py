@@ -36,13 +36,13 @@ from .._base import MatrixOptimizer, _name_of
 from ..capture import CaptureHooks
 from ..collectives import common_group, group_ranks, plain_stat_group
 from ..layout import ReducedStat, is_dtensor
-from ..placement import follow_layout, layout_for
+from ..placement import layout_for
 from .experts import expert_layout, expert_parts
-from .heads import check_heads_apply, head_blocks
+from ..attention_heads import check_heads_apply
 from .options import HOOK_SOURCES as _HOOK_SOURCES
 from .options import DobbOptions, check_params
-from .schedule import (MAX_CYCLE, Plan, Side, captures, cycle, due, ns_rows, queue_refresh, refresh_period,
-                       saved_captures, schedule_of, stagger_offsets, two_sided_layouts)
+from .schedule import (MAX_CYCLE, Plan, Side, block_counts, captures, cycle, due, ns_rows, queue_refresh,
+                       refresh_period, saved_captures, schedule_of, stagger_offsets, two_sided_layouts)
 from .statistics import DueStat, RefreshBatch, agree, solve
 from .update import (FUSE_MIN_BLOCK_WORK, DirectionCache, OneSided, TwoSided, apply_directions,
                      apply_preconditioned_muon, apply_prepared, apply_two_sided, apply_whole_steps, decay_in_update,
@@ -144,7 +144,7 @@ class Dobb(MatrixOptimizer):
         self._constructed = False
         super().__init__(params, lr=lr, weight_decay=weight_decay, **kwargs)
         self._constructed = True
-        for heads in {g["heads"] for g in self._dobb_groups() if g["heads"] is not None}:
+        for heads in {g["heads"] for g in self._dobb_groups()} - {None}:  # heads must cut some matrix
             check_heads_apply(heads, [self._matrix_name(p, g) for g in self._dobb_groups() if g["heads"] == heads
                                       for p in g["params"]])
         self._install_hooks()
@@ -163,7 +163,7 @@ class Dobb(MatrixOptimizer):
         sides, counts = [], []
         for i, p in enumerate(group["params"]):
             try:
-                blocks, out_blocks = self._counts(p, group)
+                blocks, out_blocks = block_counts(p, group, self._matrix_name(p, group))
                 counts.append((blocks, out_blocks))
                 mgroup = group if (blocks, out_blocks) == (group["blocks"], group["out_blocks"]) else \
                     {**group, "blocks": blocks, "out_blocks": out_blocks}
@@ -188,25 +188,6 @@ class Dobb(MatrixOptimizer):
         rows = [ns_rows(p, group, ob, _name_of(p, self._param_names, i), layout_for)
                 for i, (p, (_, ob)) in enumerate(zip(group["params"], counts))]
         return [Plan(ss, period, offset, r) for ss, period, offset, r in zip(sides, periods, offsets, rows)]
-
-    def _counts(self, p: torch.Tensor, group: dict) -> tuple[int, int]:
-        """``(blocks, out_blocks)`` of one matrix. Left ``None`` (the default) each follows the
-        placement of the axis it blocks (``placement.follow_layout``): one block per shard of an axis
-        a DTensor's placement cuts, 1 otherwise (an unsharded model: the plain defaults). ``blocks``
-        blocks the input axis (the output axis for ``side="output"``), ``out_blocks`` the output axis
-        (``side="both"``, ``norm="muon"``); a transposed weight's input axis is its dim 0. Then
-        ``heads`` sets the per-head counts of attention matrices (``core.heads``)."""
-        blocks, out_blocks = group["blocks"], group["out_blocks"]
-        if p.dim() == 2:
-            in_axis, out_axis = (0, 1) if group["transposed"] else (1, 0)
-            blocks = follow_layout(blocks, p, out_axis if group["side"] == "output" else in_axis, 1)
-            out_blocks = follow_layout(out_blocks, p, out_axis, 1)
-        blocks, out_blocks = 1 if blocks is None else blocks, 1 if out_blocks is None else out_blocks
-        shape = tuple(p.shape[-2:])
-        if group["transposed"]:
-            shape = shape[::-1]  # the logical (out, in) matrix of a weight stored (in, out)
-        return head_blocks(self._matrix_name(p, group), shape, group["heads"], blocks, out_blocks,
-                           group["transposed"])
 
     def _matrix_name(self, p: torch.Tensor, group: dict) -> str | None:
         """``p``'s name (named params, else the model's ``named_parameters``), read only with ``heads``."""

@@ -1,7 +1,7 @@
 """Fused matrices cut along functional boundaries before orthogonalizing (CMuon): the option and
 the tiles (the family's tiled update, ``tiled_directions``, is in ``muon``).
 
-``heads`` (the one head option of the package, Dobb's too: ``dobb.core.heads``) cuts every attention
+``heads`` (the one head option of the package, Dobb's too: ``dobb.attention_heads``) cuts every attention
 q/k/v matrix, found by its parameter name (fused ``c_attn``/``qkv`` or separate ``q_proj``, ...; a
 Hugging Face ``Conv1D`` weight read as its logical ``(out, in)`` matrix), into its per-head row
 blocks: ``m / d_head`` parts of ``d_head = n / heads`` rows; the other matrices follow

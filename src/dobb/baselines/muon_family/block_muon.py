@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from ... import functional as F
 from ..._base import _name_of
-from ...core.heads import head_blocks, role
+from ...attention_heads import head_blocks, role
 from ...placement import follow_axis, follow_layout, layout_for
 from ..._hparams import integer, layout_option
 from .muon import AXIS, MuonSplitOptions, _MuonFamily, tiled_directions
@@ -44,7 +44,7 @@ class BlockMuon(_MuonFamily):
     whole is blocked along the cut axis, one block per shard (no communication); a plain tensor
     takes ``axis=1, blocks=4``.
 
-    With ``heads`` (``dobb.core.heads``) each attention q/k/v matrix is cut into its per-head row
+    With ``heads`` (``dobb.attention_heads``) each attention q/k/v matrix is cut into its per-head row
     blocks and the output projection into its per-head column blocks (whatever ``axis`` and
     ``blocks`` say; cut at shard boundaries, local when the other axis is whole here); the other
     matrices keep ``axis`` and ``blocks``. With ``split_sizes``/``num_heads`` a split weight's parts
@@ -84,7 +84,7 @@ class BlockMuon(_MuonFamily):
         return plans
 
     def _head_cut(self, group, p):
-        """``(axis, blocks)`` of an attention matrix under ``heads`` (``core.heads``: q/k/v rows per
+        """``(axis, blocks)`` of an attention matrix under ``heads`` (``dobb.attention_heads``: q/k/v rows per
         head, the output projection's columns per head), None for any other matrix."""
         if group["heads"] is None:
             return None

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from ..._base import MatrixOptimizer, _name_of
-from ...core.heads import check_heads_apply, head_rows, shapes_note
+from ...attention_heads import check_heads_apply, head_rows, shapes_note
 from ..._hparams import Rule, ScaledOptions, boolean, option, unit_interval
 from ...layout import is_dtensor, to_local
 from .. import _common as C
