@@ -14,6 +14,8 @@ as periodic or as a guard:
   ``inverse_every`` is 100).
 
 Every other collective count is 0: no untagged all-gather (Muon's 65,536 bytes a step on main).
+The same holds under tensor parallelism (``fc1`` column-wise, ``fc2`` row-wise: the layouts follow
+each weight's own sharded axis) for the names that can step locally there.
 Not here: ``dobb-l2`` (its column norms span the row shards: the ``O(n)`` all-reduce of Table 7)
 and the Muon-type whole-matrix optimizers.
 
@@ -27,6 +29,7 @@ import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from _common import Net, checker, data, full_params, max_diff, per_rank
 from _spawn import spawn_once
@@ -37,6 +40,9 @@ pytestmark = pytest.mark.slow
 
 NAMES = ("block-muon", "muonbp", "dobb", "dobb-g", "dobb-g-l2", "dobb-muon", "two-sided", "splus", "dash", "dion2")
 DOBB_FORMS = ("dobb", "dobb-g", "dobb-g-l2", "dobb-muon", "two-sided")
+# tensor parallel (fc1 column-wise: rows sharded; fc2 row-wise: columns sharded). Not dion2 (fc2's rows
+# span the shards: its global selection gathers) nor dobb-muon (its row blocks need whole rows)
+TP_NAMES = ("block-muon", "muonbp", "dobb", "dobb-g", "two-sided", "splus", "dash")
 STEPS, ROWS, LR = 6, 16, 0.02
 F64 = dict(basis_dtype=torch.float64, stat_dtype=torch.float64, product_dtype=torch.float64, ns_dtype="float64")
 
@@ -96,6 +102,16 @@ def worker(rank, world):
             return {"log": log, "params": sum(1 for _ in model.parameters())}
         check(name, run)
 
+    tp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    for name in TP_NAMES:  # every TP rank sees the whole batch
+        def run_tp(name=name):
+            model = parallelize_module(Net(), tp_mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+            opt = build(name, model)
+            log = train(model, opt, batches, (0, 1), name)
+            getattr(opt, "remove_hooks", lambda: None)()
+            return {"log": log, "params": sum(1 for _ in model.parameters())}
+        check(f"tp {name}", run_tp)
+
     def same_as_single(name, explicit):
         batches = data(STEPS, rows=64)  # more rows than the widest statistic block: full-rank, unique bases
         model = fsdp(Net(), mesh)
@@ -118,9 +134,10 @@ def ranks(request):
     return spawn_once(worker, request.param, timeout_s=600)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", NAMES + tuple(f"tp {n}" for n in TP_NAMES))
 def test_default_step_is_shard_local(ranks, name):
     for res in per_rank(ranks, name):
+        name = name.removeprefix("tp ")
         flags = 8 * res["params"]  # the non-finite guard: one float64 flag per parameter
         assert len(res["log"]) == STEPS
         for t, (due, records) in enumerate(res["log"]):
