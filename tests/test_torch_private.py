@@ -99,3 +99,24 @@ def test_strided_shard_type_is_the_placement_sharding_reads():
     src = Path(dobb.__file__).parent
     users = [p.name for p in src.rglob("*.py") if "import _StridedShard" in p.read_text() and p.name != "_torch_private.py"]
     assert users == []
+
+
+def test_disable_dynamo_runs_eagerly_under_compile_and_imports_nothing_when_decorating():
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom dobb._torch_private import disable_dynamo\n"
+            "f = disable_dynamo(lambda x: x + 1)\nprint('torch._dynamo' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["False"]
+    from dobb._torch_private import disable_dynamo
+
+    seen = []
+
+    @disable_dynamo
+    def eager(x):
+        seen.append(torch.compiler.is_compiling())
+        return x * 2
+
+    out = torch.compile(lambda x: eager(x) + 1, backend="eager")(torch.ones(2))
+    assert torch.equal(out, torch.full((2,), 3.0)) and seen == [False]

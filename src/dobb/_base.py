@@ -44,7 +44,7 @@ from . import _safety
 from ._copies import Copies
 from .layout import is_dtensor, to_local
 from ._hparams import ScaledOptions, _check_rate
-from ._torch_private import adamw_init_group, fused_adamw_devices
+from ._torch_private import adamw_init_group, disable_dynamo, fused_adamw_devices
 
 _UNSET = object()  # no attribute (``_finite_group``)
 # Keys that builders add to every group (torch schedulers: initial_lr; torchtitan: param_names).
@@ -395,7 +395,7 @@ class MatrixOptimizer(Copies, torch.optim.Optimizer):
         _safety.restore_where(flag, weights, tensors, self.state, skipped)
         self._skipped = _safety.defer(skipped)
 
-    @torch.compiler.disable
+    @disable_dynamo
     def _settle_skipped(self) -> None:
         """Read the flag of the last step run under ``"skip"`` (long computed by now) and, if it was
         skipped, put its host-side state back (``dobb._safety.Skipped``)."""

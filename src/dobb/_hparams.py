@@ -39,7 +39,7 @@ import torch
 
 __all__ = ["check_kind", "check_kinds", "option", "Options", "ScaledOptions", "Rule", "unit_interval",
            "closed_unit_interval", "fraction", "positive", "non_negative", "integer", "boolean", "one_of",
-           "optional", "rate", "betas", "floating_dtype", "numbers_tuple", "NONFINITE_MODES"]
+           "optional", "rate", "betas", "floating_dtype", "numbers_tuple", "NONFINITE_MODES", "layout_option"]
 
 
 def _is_real(v) -> bool:
@@ -189,6 +189,21 @@ def option(default: Any = MISSING, rule: Rule | None = None, *, adamw: bool = Fa
         "rule": rule, "adamw": adamw, "hparam": hparam, "kind": default if kind is MISSING else kind})
 
 
+def layout_option(plain: Any, rule: Rule) -> Any:
+    """An option whose default follows each matrix's layout (``blocks``, ``axis``, ``select``, ...).
+
+    Its group default is ``None``: "follow the layout", resolved per matrix from the parameter's
+    placement when the optimizer plans it (``dobb.placement.follow_layout``): on a DTensor the
+    value that keeps the step on the local shard, on a plain tensor ``plain``, so an unsharded
+    model steps exactly as with ``plain``. A value the user gives is kept and checked by ``rule``.
+    The registry and ``matrix_defaults`` list ``plain`` (the value on an unsharded matrix).
+    """
+    # None passes silently (the default); any other value gets the rule's own message, as before
+    follows = Rule(lambda v: v is None or rule.test(v), rule.what)
+    return dataclasses.field(default=None, metadata={
+        "rule": follows, "adamw": False, "hparam": True, "kind": plain, "plain": plain})
+
+
 @dataclass(frozen=True, kw_only=True)
 class Options:
     """The options of every group of every ``MatrixOptimizer``, AdamW groups included.
@@ -228,15 +243,23 @@ class Options:
 
     @classmethod
     def hparam_defaults(cls) -> dict[str, Any]:
-        """The hyperparameters the registry lists (``None`` where the default has no checkable kind)."""
-        return {f.name: f.default for f in fields(cls) if f.metadata["hparam"] and f.default is not MISSING}
+        """The hyperparameters the registry lists (``None`` where the default has no checkable kind;
+        a ``layout_option`` with its value on an unsharded matrix)."""
+        return {f.name: f.metadata.get("plain", f.default) for f in fields(cls)
+                if f.metadata["hparam"] and f.default is not MISSING}
 
     @classmethod
     def own_defaults(cls) -> dict[str, Any]:
         """The defaults of the options a class adds to the shared ones (``Options``, ``tau``): its
-        ``matrix_defaults``."""
+        ``matrix_defaults`` (a ``layout_option`` with its value on an unsharded matrix)."""
         shared = {f.name for f in fields(ScaledOptions)}
-        return {k: v for k, v in cls.defaults().items() if k not in shared}
+        return {f.name: f.metadata.get("plain", f.default) for f in fields(cls)
+                if f.default is not MISSING and f.name not in shared}
+
+    @classmethod
+    def layout_names(cls) -> tuple[str, ...]:
+        """The options whose default follows each matrix's layout (``layout_option``)."""
+        return tuple(f.name for f in fields(cls) if "plain" in f.metadata)
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -258,7 +281,7 @@ class Options:
             if f.name not in values or not (matrix or f.metadata["adamw"]):
                 continue
             value = values[f.name]
-            if f.metadata["kind"] is not MISSING:
+            if f.metadata["kind"] is not MISSING and not (value is None and "plain" in f.metadata):
                 check_kind(f.name, value, f.metadata["kind"])
             if f.metadata["rule"] is not None:
                 f.metadata["rule"](f.name, value)

@@ -23,6 +23,10 @@ fails there, by name, instead of somewhere inside a step.
 - ``strided_shard_type``: ``torch.distributed.tensor.placement_types._StridedShard``, the placement
   FSDP2 and TP give an axis sharded twice (``dobb.sharding`` reads it); imported when first asked
   for, so ``import dobb`` does not load ``torch.distributed.tensor``.
+- ``disable_dynamo``: ``torch._disable_dynamo``, ``torch.compiler.disable`` that imports Dynamo when
+  the function is first called, not when it is decorated (``torch.compiler.disable`` at class
+  definition imports ``torch._dynamo``, which loads ``torch.distributed.tensor``: seconds on
+  ``import dobb``); torch.optim decorates its own optimizers with it.
 """
 from __future__ import annotations
 
@@ -39,7 +43,10 @@ except ImportError:  # pragma: no cover - depends on the installed torch
     torch_newton_schulz = None
 
 __all__ = ["adamw_init_group", "fused_adamw_devices", "current_graph_task_id", "HigherOrderOperator",
-           "TorchDispatchMode", "tree_flatten", "torch_newton_schulz", "mkldnn_native", "strided_shard_type"]
+           "TorchDispatchMode", "tree_flatten", "torch_newton_schulz", "mkldnn_native", "strided_shard_type",
+           "disable_dynamo"]
+
+disable_dynamo = torch._disable_dynamo
 
 
 def adamw_init_group(opt: torch.optim.Optimizer, group: dict[str, Any], params: list, grads: list,

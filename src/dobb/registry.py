@@ -190,8 +190,9 @@ def validate(name: str, hparams: Mapping[str, Any], *, lr=None, weight_decay=Non
     for key, value in (("lr", lr), ("weight_decay", weight_decay)):
         if value is not None:
             check_kind(key, value, 0.0)
+    follows = entry.cls.Options.layout_names() if entry.is_matrix else ()
     for key, value in hparams.items():
-        if accepted[key] is not None:
+        if accepted[key] is not None and not (value is None and key in follows):  # None: follow the layout
             check_kind(key, value, accepted[key])
     if entry.is_matrix:  # ranges, choices and combinations: the class' own rules, on its options
         options = entry.cls.Options

@@ -43,13 +43,43 @@ from .layout import MatrixLayout, is_dtensor, to_local
 
 __all__ = ["DTensorLayout", "dtensor_layout", "data_parallel_dims", "chunk_sizes", "mesh_group", "AxisSplit", "axis_split",
            "gather_full", "local_slice", "rows_are_local", "row_wise", "replicate_like", "shard_count",
-           "local_shapes", "per_shard_state"]
+           "local_shapes", "per_shard_state", "axis_shard_counts"]
 
 def chunk_sizes(length: int, parts: int) -> list[int]:
     """Shard lengths of an axis split ``torch.chunk``-style (DTensor ``Shard``): trailing shards may
     be shorter or empty (18 over 4 -> 5, 5, 5, 3; 2 over 4 -> 1, 1, 0, 0)."""
     chunk = -(-length // parts)
     return [max(0, min(chunk, length - i * chunk)) for i in range(parts)]
+
+
+def axis_shard_counts(param: torch.Tensor) -> tuple[int, int]:
+    """For each matrix axis of a 2-D DTensor (rows, columns): 1 when the axis is whole on every rank
+    (replicated, or over mesh dims of size 1), the number of non-empty ``torch.chunk`` shards when one
+    mesh dim cuts it with a plain ``Shard`` (a block count that many times over keeps every block
+    within one shard, ``block_sizes``), 0 when it is cut otherwise (``_StridedShard``, several mesh
+    dims: no block count keeps blocks within shards). Read from the mesh and placements alone: the
+    same on every rank, no communication."""
+    if param.dim() != 2:
+        raise ValueError(f"axis_shard_counts takes a 2-D parameter, got shape {tuple(param.shape)}")
+    mesh = param.device_mesh
+    dims: list[list[int]] = [[], []]
+    strided = [False, False]
+    for d, pl in enumerate(param.placements):
+        if pl.is_replicate() or mesh.size(d) == 1 or not (pl.is_shard() or isinstance(pl, strided_shard_type())):
+            continue  # Partial: the layouts refuse it with their own message
+        axis = pl.dim % 2
+        dims[axis].append(d)
+        strided[axis] |= type(pl) is not Shard
+    counts = []
+    for axis in (0, 1):
+        if not dims[axis]:
+            counts.append(1)
+        elif len(dims[axis]) > 1 or strided[axis]:
+            counts.append(0)
+        else:
+            sizes = chunk_sizes(int(param.shape[axis]), mesh.size(dims[axis][0]))
+            counts.append(sum(1 for n in sizes if n > 0))
+    return counts[0], counts[1]
 
 
 def data_parallel_dims(mesh) -> tuple[int, ...]:

@@ -59,7 +59,9 @@ CASES = {**{n: (n, {}) for n in OPTIMIZER_NAMES}, "dobb-g@shard-blocks": ("dobb-
 # state_dict round trip is checked below).
 NO_FSDP2 = {"newton-muon"}
 # State reshards exactly, but the steps after a world-size change follow the new shards.
-FOLLOWS_SHARDS_STATE_RESHARDS = {"muonbp"}
+# Block Muon and Dion2: their default layouts follow the placement (one block per shard), their state
+# is the weight-shaped momentum.
+FOLLOWS_SHARDS_STATE_RESHARDS = {"muonbp", "block-muon", "dion2"}
 # Refused on a world-size change: state laid out by the shards.
 REFUSED_ON_RESHARD = {"dash", "shampoo", "splus", "dobb-g@shard-blocks"}
 

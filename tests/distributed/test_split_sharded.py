@@ -21,7 +21,7 @@ SPLIT = dict(split_sizes=(5, 4, 4))
 CASES = [
     (Muon, dict(F64, **SPLIT)),
     (NorMuon, dict(F64, **SPLIT)),
-    (BlockMuon, dict(F64, blocks=2, **SPLIT)),
+    (BlockMuon, dict(F64, blocks=2, axis=1, **SPLIT)),  # axis given: its default follows the placement
     (BlockMuon, dict(F64, blocks=2, axis=0, **SPLIT)),
     (SAMuon, dict(F64, gamma=4.0, gamma_warmup=0.0, top_k=3)),
     (SAMuon, dict(F64, gamma=4.0, total_steps=4, top_k=1, topk_method="power")),

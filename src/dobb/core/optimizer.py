@@ -38,11 +38,11 @@ from ..collectives import common_group, group_ranks, plain_stat_group
 from ..layout import ReducedStat, is_dtensor
 from ..placement import layout_for
 from .experts import expert_layout, expert_parts
-from .heads import head_blocks
+from ..attention_heads import check_heads_apply
 from .options import HOOK_SOURCES as _HOOK_SOURCES
 from .options import DobbOptions, check_params
-from .schedule import (MAX_CYCLE, Plan, Side, captures, cycle, due, ns_rows, queue_refresh, refresh_period,
-                       saved_captures, schedule_of, stagger_offsets, two_sided_layouts)
+from .schedule import (MAX_CYCLE, Plan, Side, block_counts, captures, cycle, due, ns_rows, queue_refresh,
+                       refresh_period, saved_captures, schedule_of, stagger_offsets, two_sided_layouts)
 from .statistics import DueStat, RefreshBatch, agree, solve
 from .update import (FUSE_MIN_BLOCK_WORK, DirectionCache, OneSided, TwoSided, apply_directions,
                      apply_preconditioned_muon, apply_prepared, apply_two_sided, apply_whole_steps, decay_in_update,
@@ -147,6 +147,9 @@ class Dobb(MatrixOptimizer):
         self._constructed = False
         super().__init__(params, lr=lr, weight_decay=weight_decay, **kwargs)
         self._constructed = True
+        for heads in {g["heads"] for g in self._dobb_groups()} - {None}:  # heads must cut some matrix
+            check_heads_apply(heads, [self._matrix_name(p, g) for g in self._dobb_groups() if g["heads"] == heads
+                                      for p in g["params"]])
         self._install_hooks()
         self._step_group = self._find_step_group()
 
@@ -163,9 +166,7 @@ class Dobb(MatrixOptimizer):
         sides, counts = [], []
         for i, p in enumerate(group["params"]):
             try:
-                # heads: per-matrix block counts (core.heads); the group's counts otherwise
-                blocks, out_blocks = head_blocks(self._matrix_name(p, group), tuple(p.shape[-2:]), group["heads"],
-                                                 group["blocks"], group["out_blocks"])
+                blocks, out_blocks = block_counts(p, group, self._matrix_name(p, group))
                 counts.append((blocks, out_blocks))
                 mgroup = group if (blocks, out_blocks) == (group["blocks"], group["out_blocks"]) else \
                     {**group, "blocks": blocks, "out_blocks": out_blocks}
@@ -496,7 +497,8 @@ class Dobb(MatrixOptimizer):
         return sd
 
     def _layout_note(self, group) -> str:
-        return (f"blocks={group['blocks']} on the {group['side']} side are cut at the weight's shard "
+        blocks = "the default blocks" if group["blocks"] is None else f"blocks={group['blocks']}"
+        return (f"{blocks} on the {group['side']} side are cut at the weight's shard "
                 f"boundaries, so the block partition follows the shards")
 
     def _after_load(self) -> None:  # the plans are rebuilt by now (MatrixOptimizer.load_state_dict)

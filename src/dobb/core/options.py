@@ -16,8 +16,8 @@ from typing import Any, Callable
 import torch
 
 from .. import functional as F
-from .._hparams import (Rule, ScaledOptions, boolean, floating_dtype, integer, one_of, option, optional, positive,
-                       unit_interval)
+from .._hparams import (Rule, ScaledOptions, boolean, floating_dtype, integer, layout_option, one_of, option,
+                       optional, positive, unit_interval)
 
 __all__ = ["HOOK_SOURCES", "CHOICES", "DobbOptions", "check_group", "check_params"]
 
@@ -47,7 +47,7 @@ def _choice(key: str, default: Any) -> Any:
 @dataclass(frozen=True, kw_only=True)
 class DobbOptions(ScaledOptions):
     """Dobb's options (see ``dobb.Dobb`` for what each does)."""
-    blocks: int = option(1, integer(1))
+    blocks: int = layout_option(1, integer(1))
     refresh_every: int = option(9, integer(1))
     basis: str = _choice("basis", "orthogonal_iteration")
     ortho_steps: int = option(1, integer(1))
@@ -64,7 +64,7 @@ class DobbOptions(ScaledOptions):
     init_basis: str = _choice("init_basis", "eigh")
     stagger: bool = option(True, boolean)
     product_dtype: str | torch.dtype = option("auto", one_of(*F.PRODUCT_DTYPES))
-    out_blocks: int = option(1, integer(1))
+    out_blocks: int = layout_option(1, integer(1))
     beta2: float = option(0.95, unit_interval)
     eps: float = option(1e-8, positive)
     refresh_width: int | None = option(None, optional(integer(1)).hint("block width per period step"))

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..attention_heads import head_blocks
+from ..placement import follow_layout
 from .statistics import fold_side, gram_statistic, shared_group
 
 __all__ = ["Side", "Plan", "due", "captures", "saved_captures", "refresh_period", "cycle", "stagger_offsets",
@@ -174,6 +176,27 @@ def _load(cost: list[int], offset: int, period: int) -> tuple[int, int]:
 _WAY_OUT = ("side='both' blocks both axes, so each must be cut at its own shard boundaries: shard each axis "
             "with a plain Shard over at most one mesh dim and give each side a block count that divides its "
             "non-empty shards (or use side='input' / side='output')")
+
+
+def block_counts(p: Tensor, group: dict, name: str | None) -> tuple[int, int]:
+    """``(blocks, out_blocks)`` of one matrix (``name``: its parameter name, read with ``heads``).
+
+    Left ``None`` (the default) each follows the placement of the axis it blocks
+    (``placement.follow_layout``): one block per shard of an axis a DTensor's placement cuts, 1
+    otherwise (an unsharded model: the former defaults). ``blocks`` blocks the input axis (the
+    output axis for ``side="output"``), ``out_blocks`` the output axis (``side="both"``,
+    ``norm="muon"``); a transposed weight's input axis is its dim 0. Then ``heads`` sets the
+    per-head counts of attention matrices (``dobb.attention_heads``, on the logical ``(out, in)`` shape)."""
+    blocks, out_blocks = group["blocks"], group["out_blocks"]
+    if p.dim() == 2:
+        in_axis, out_axis = (0, 1) if group["transposed"] else (1, 0)
+        blocks = follow_layout(blocks, p, out_axis if group["side"] == "output" else in_axis, 1)
+        out_blocks = follow_layout(out_blocks, p, out_axis, 1)
+    blocks, out_blocks = 1 if blocks is None else blocks, 1 if out_blocks is None else out_blocks
+    shape = tuple(p.shape[-2:])
+    if group["transposed"]:
+        shape = shape[::-1]  # the logical (out, in) matrix of a weight stored (in, out)
+    return head_blocks(name, shape, group["heads"], blocks, out_blocks, group["transposed"])
 
 
 def two_sided_layouts(p: Tensor, group: dict, stat_group, transposed: bool, layout_for):

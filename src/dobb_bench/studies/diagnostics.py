@@ -113,7 +113,7 @@ class StepDiagnostics:
             return None
         side = group.get("side", "input")
         k = p.shape[1] if side == "input" else p.shape[0]
-        return side, F.block_sizes(k, group["blocks"])
+        return side, F.block_sizes(k, 1 if group["blocks"] is None else group["blocks"])  # None: plain default
 
     @torch.no_grad()
     def _before(self, optimizer, args, kwargs) -> None:

@@ -17,7 +17,10 @@ is ``(1 - mu)^-1`` times Muon's EMA, a factor NS5 removes). Ties in the ell1 nor
 
 Where the rows are selected (``select``):
 
-- ``"global"`` (default): the ``k`` rows are chosen over the whole matrix; sharded weights are
+- ``None`` (the default): ``"shard"`` with one block per shard for a DTensor whose rows are cut
+  into shards and whose columns are whole (FSDP2 ``Shard(0)``, column-parallel TP), ``"global"``
+  for every other matrix (plain tensors among them).
+- ``"global"``: the ``k`` rows are chosen over the whole matrix; sharded weights are
   gathered for it.
 - ``"shard"``: the matrix is cut into ``blocks`` contiguous row blocks (``dobb.functional.block_sizes``,
   cut at the row shards' boundaries first, the partition Block Muon and Dobb use) that stand for
@@ -40,9 +43,9 @@ from torch import Tensor
 
 from ..._base import MatrixOptimizer, _name_of
 from ...layout import to_local
-from ...placement import layout_for
+from ...placement import follow_layout, layout_for, shard_counts
 from .. import _common as C
-from ..._hparams import ScaledOptions, integer, one_of, option, unit_interval
+from ..._hparams import ScaledOptions, integer, layout_option, one_of, option, unit_interval
 from ..._hparams import fraction as fraction_rule
 from ..muon_family.newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_STEPS, NSOptions, ns_options, orthogonalize
 
@@ -71,8 +74,8 @@ def dion2_step(b: Tensor, k: int, mu: float, coefficients=NS_COEFFICIENTS, steps
 class Dion2Options(ScaledOptions, NSOptions):
     fraction: float = option(0.25, fraction_rule)
     momentum: float = option(0.95, unit_interval)
-    select: str = option("global", one_of(*SELECT))
-    blocks: int = option(4, integer(1))
+    select: str = layout_option("global", one_of(*SELECT))
+    blocks: int = layout_option(4, integer(1))
 
 
 class Dion2(MatrixOptimizer):
@@ -85,11 +88,17 @@ class Dion2(MatrixOptimizer):
     Options = Dion2Options
 
     def _group_plans(self, group):
-        """``select="shard"``: each matrix's row-block layout (``None`` for ``"global"``)."""
+        """``select="shard"``: each matrix's row-block layout (``None`` for ``"global"``). ``select``
+        and ``blocks`` left ``None`` (the default) follow the placement: a DTensor whose rows are cut
+        into shards and whose columns are whole (FSDP2 ``Shard(0)``, column-parallel TP) selects per shard, one block per shard;
+        any other matrix selects globally (``blocks`` 4 where ``select="shard"`` is given)."""
         plans = []
         for i, p in enumerate(group["params"]):
+            rows, cols = shard_counts(p)
+            select = group["select"] or ("shard" if rows > 1 and cols == 1 else "global")
             try:
-                plans.append(layout_for(p, "output", group["blocks"], None) if group["select"] == "shard" else None)
+                plans.append(layout_for(p, "output", follow_layout(group["blocks"], p, 0, 4), None)
+                             if select == "shard" else None)
             except ValueError as exc:
                 raise ValueError(f"{_name_of(p, self._param_names, i)}: {exc}") from None
         return plans
@@ -100,8 +109,16 @@ class Dion2(MatrixOptimizer):
                 self.state[p]["momentum"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
     def _matrix_step(self, group, active):
-        if group["select"] == "shard":
-            return self._shard_step(group, active)
+        # per matrix, as planned: a row-block layout selects per shard, None globally
+        shard = [p for p in active if self._plans[p] is not None]
+        if shard:
+            self._shard_step(group, shard)
+        active = [p for p in active if self._plans[p] is None]
+        if active:
+            self._global_step(group, active)
+
+    def _global_step(self, group, active):
+        """``select="global"``: the rule on each whole matrix (gathered when sharded)."""
         fulls, batches = gathered_lookahead(self.state, active)
         outs: list[Tensor | None] = [None] * len(active)
         scales = [0.0] * len(active)

@@ -1,6 +1,12 @@
 """Fused matrices cut along functional boundaries before orthogonalizing (CMuon): the option and
 the tiles (the family's tiled update, ``tiled_directions``, is in ``muon``).
 
+``heads`` (the one head option of the package, Dobb's too: ``dobb.attention_heads``) cuts every attention
+q/k/v matrix, found by its parameter name (fused ``c_attn``/``qkv`` or separate ``q_proj``, ...; a
+Hugging Face ``Conv1D`` weight read as its logical ``(out, in)`` matrix), into its per-head row
+blocks: ``m / d_head`` parts of ``d_head = n / heads`` rows; the other matrices follow
+``split_sizes``. ``num_heads`` is its deprecated former name with the former meaning (below).
+
 ``split_sizes`` names the row (output) sizes of the parts of a fused weight: ``(d, d, d)`` for a
 fused Q/K/V projection ``(3d, d)``; ``"qkv"`` means three equal parts of every matrix whose row
 count is three times its column count (the fused QKV of a width-``d`` model, and no MLP matrix).
@@ -36,6 +42,8 @@ class SplitOptions:
     """The fused-weight split (CMuon) of the classes that take it (``None``: every matrix whole)."""
     split_sizes: str | tuple[int, ...] | None = option(None, Rule(
         _split_sizes_ok, "be None, 'qkv' or a sequence of positive integers (the row sizes of a fused weight's parts)"))
+    heads: int | None = option(None, optional(integer(1)).hint("attention heads: per-head blocks"))
+    # deprecated (DeprecationWarning at construction): cuts every matrix of its group
     num_heads: int | None = option(None, optional(integer(1)))
 
 

@@ -25,22 +25,31 @@ from dataclasses import dataclass
 
 from ... import functional as F
 from ..._base import _name_of
-from ...placement import layout_for
-from ..._hparams import integer, option
+from ...attention_heads import head_blocks, role
+from ...placement import follow_axis, follow_layout, layout_for
+from ..._hparams import integer, layout_option
 from .muon import AXIS, MuonSplitOptions, _MuonFamily, tiled_directions
 
 
 @dataclass(frozen=True, kw_only=True)
 class BlockMuonOptions(MuonSplitOptions):
-    blocks: int = option(4, integer(1))
-    axis: int = option(1, AXIS)
+    blocks: int = layout_option(4, integer(1))
+    axis: int = layout_option(1, AXIS)
 
 
 class BlockMuon(_MuonFamily):
-    """Block Muon. Args as ``Muon`` plus ``blocks`` (default 4) and ``axis`` (1 columns, 0 rows).
+    """Block Muon. Args as ``Muon`` plus ``blocks`` (default 4) and ``axis`` (1 columns, 0 rows;
+    default 1). Left ``None`` (the default), both follow each matrix's placement: a DTensor cut
+    along one axis (FSDP2 ``Shard(0)``, tensor parallel ``Shard(0)``/``Shard(1)``) with the other
+    whole is blocked along the cut axis, one block per shard (no communication); a plain tensor
+    takes ``axis=1, blocks=4``.
 
-    With ``split_sizes``/``num_heads`` a split weight's parts are matrices of their own, each cut
-    into ``blocks`` blocks (the parts x blocks tiles are gathered when the weight is sharded)."""
+    With ``heads`` (``dobb.attention_heads``) each attention q/k/v matrix is cut into its per-head row
+    blocks and the output projection into its per-head column blocks (whatever ``axis`` and
+    ``blocks`` say; cut at shard boundaries, local when the other axis is whole here); the other
+    matrices keep ``axis`` and ``blocks``. With ``split_sizes``/``num_heads`` a split weight's parts
+    are matrices of their own, each cut into ``blocks`` blocks (the parts x blocks tiles are
+    gathered when the weight is sharded)."""
 
     algorithm = "block-muon"
     Options = BlockMuonOptions
@@ -51,22 +60,41 @@ class BlockMuon(_MuonFamily):
         Blocks are computed on the local shard when the unblocked axis is whole on this rank (a block
         never straddles shards, ``block_sizes`` guarantees it); otherwise the matrix is gathered first.
         A split (CMuon) weight's parts are cut into blocks, gathered when sharded."""
-        axis, blocks = group["axis"], group["blocks"]
-        side = "input" if axis == 1 else "output"
         plans = []
         for i, p in enumerate(group["params"]):
+            # None (the default): follow the placement, one block per shard of the sharded axis
+            axis = follow_axis(group["axis"], p, 1)
+            blocks = follow_layout(group["blocks"], p, axis, 4)
             try:
-                parts = self._row_parts(group, p)
-                if parts is not None:
-                    plans.append((_part_blocks(parts, p.shape[1], blocks, axis), False))
-                    continue
-                lay = layout_for(p, side, blocks, None)
+                cut = self._head_cut(group, p)
+                if cut is not None:  # an attention matrix with heads: one block per head
+                    axis, blocks = cut
+                else:
+                    parts = self._row_parts(group, p)
+                    if parts is not None:
+                        plans.append((_part_blocks(parts, p.shape[1], blocks, axis), False))
+                        continue
+                lay = layout_for(p, "input" if axis == 1 else "output", blocks, None)
             except ValueError as exc:
-                raise ValueError(f"{_name_of(p, self._param_names, i)}: {exc}") from None
+                name = self._matrix_name(p, group) or _name_of(p, self._param_names, i)
+                raise ValueError(f"{name}: {exc}") from None
             local_ok = lay.local_shape[1 - axis] == lay.shape[1 - axis]
             sizes = lay.local_sizes if local_ok else F.block_sizes(p.shape[axis], blocks)
             plans.append((_blocks(sizes, axis), local_ok))
         return plans
+
+    def _head_cut(self, group, p):
+        """``(axis, blocks)`` of an attention matrix under ``heads`` (``dobb.attention_heads``: q/k/v rows per
+        head, the output projection's columns per head), None for any other matrix."""
+        if group["heads"] is None:
+            return None
+        rows = self._row_parts(group, p)  # q/k/v: the per-head rows (checked, named)
+        name, shape = self._matrix_name(p, group), tuple(p.shape)
+        if role(name) == "qkv":
+            return 0, len(rows) if rows else 1
+        if role(name) == "out":
+            return 1, head_blocks(name, shape, group["heads"], 1, 1, bool(group["transposed"]))[0]
+        return None
 
     def _directions(self, group, active, states, params, u):
         return tiled_directions(group, active, params, u, [self._plans[p] for p in active], self._ns(group))

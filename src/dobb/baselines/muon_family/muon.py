@@ -13,13 +13,15 @@ when ``tau = 0.2`` and Newton-Schulz runs in bf16 as torch's does (``ns_dtype="b
 ``_MuonFamily`` holds steps 1, 2 and 4 for every baseline built on Muon's momentum (PR-Muon,
 Block Muon); subclasses only say how ``U`` becomes a direction (``_directions``).
 
-``split_sizes`` / ``num_heads`` (Muon, Block Muon, NorMuon; see ``_split``) cut a fused weight
+``heads`` / ``split_sizes`` (Muon, Block Muon, NorMuon; see ``_split``) cut a fused weight
 (Q/K/V, per head) into parts that are orthogonalized and scaled as separate matrices (CMuon).
 ``tiled_directions`` is the family's update of a matrix cut into tiles (CMuon's parts, Block
 Muon's and MuonBP's blocks): each tile a matrix of its own under the protocol.
 """
 from __future__ import annotations
 
+import contextlib
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +30,7 @@ import torch
 from torch import Tensor
 
 from ..._base import MatrixOptimizer, _name_of
+from ...attention_heads import check_heads_apply, head_rows, shapes_note
 from ..._hparams import Rule, ScaledOptions, boolean, option, unit_interval
 from ...layout import is_dtensor, to_local
 from .. import _common as C
@@ -58,17 +61,50 @@ class _MuonFamily(MatrixOptimizer):
     Options = MuonOptions
     _uses_step = False  # whether the state carries a step counter (schedules)
 
-    def _check_matrix_group(self, group: dict[str, Any]) -> None:
-        if "split_sizes" in self.matrix_defaults:
-            for i, p in enumerate(group["params"]):
-                try:
-                    row_parts(p.shape, group["split_sizes"], group["num_heads"])
-                except ValueError as exc:
-                    raise ValueError(f"{_name_of(p, self._param_names, i)}: {exc}") from None
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **kwargs)
+        groups = [g for g in self.param_groups if g["algorithm"] != "adamw" and g.get("heads") is not None]
+        for heads in {g["heads"] for g in groups}:  # heads that cut no matrix would silently do nothing
+            with contextlib.ExitStack() as stack:
+                logical = [stack.enter_context(self._logical(g)) for g in groups if g["heads"] == heads]
+                check_heads_apply(heads, [self._matrix_name(p, g) for g in logical for p in g["params"]])
 
-    @staticmethod
-    def _row_parts(group: dict[str, Any], p: Tensor) -> list[int] | None:
-        """Row sizes of ``p``'s parts under the group's split (``None``: whole)."""
+    def _check_matrix_group(self, group: dict[str, Any]) -> None:
+        if "split_sizes" not in self.matrix_defaults:
+            return
+        if group["num_heads"] is not None:
+            warnings.warn("num_heads is deprecated: use heads (per-head blocks of the attention matrices, found "
+                          "by name, as Dobb's heads); num_heads keeps its former meaning (every matrix of its "
+                          "group cut into num_heads row blocks)", DeprecationWarning, stacklevel=4)
+            if group["heads"] is not None:
+                raise ValueError(f"heads={group['heads']} and num_heads={group['num_heads']} given together: "
+                                 f"num_heads is the deprecated name of heads, give heads alone")
+        for i, p in enumerate(group["params"]):
+            try:
+                self._row_parts(group, p)
+            except ValueError as exc:
+                raise ValueError(f"{self._matrix_name(p, group) or _name_of(p, self._param_names, i)}: {exc}") from None
+
+    def _matrix_name(self, p: Tensor, group: dict[str, Any]) -> str | None:
+        """The name of matrix ``p`` (a transposed group's view: its weight's); None when unnamed."""
+        name = self._param_names.get(id(p))
+        if name is None and group.get("transposed"):
+            name = next((self._param_names.get(id(w)) for w, v in self._views.items() if v is p), None)
+        return name
+
+    def _row_parts(self, group: dict[str, Any], p: Tensor) -> list[int] | None:
+        """Row sizes of ``p``'s parts under the group's ``heads`` (an attention q/k/v matrix: one part
+        per head) or split (``None``: whole). ``p`` is the logical ``(out, in)`` matrix."""
+        heads = group.get("heads")
+        if heads is not None:
+            name = self._matrix_name(p, group)
+            if name is None:
+                raise ValueError(f"heads={heads} finds attention matrices by name: pass named parameters "
+                                 f"((name, tensor) pairs, as dobb.param_groups does) "
+                                 f"{shapes_note(tuple(p.shape), bool(group.get('transposed')))}")
+            rows = head_rows(name, tuple(p.shape), heads, bool(group.get("transposed")))
+            if rows is not None:
+                return rows if len(rows) > 1 else None
         return row_parts(p.shape, group.get("split_sizes"), group.get("num_heads"))
 
     def _ns(self, group: dict[str, Any]):
@@ -121,15 +157,16 @@ class Muon(_MuonFamily):
     iteration on the short side's Gram matrix, fewer FLOPs on non-square matrices; see
     ``gram_ns``), ``ns_dtype`` (``"auto"``: bf16 where the device has native bf16 products, as torch's
     Muon always does, fp32 on CPUs without them; ``"float64"`` for exact comparisons),
-    ``adamw_betas``, ``adamw_eps``; ``split_sizes`` and ``num_heads`` (``None``: CMuon's split of
-    fused weights, see ``_split``; ``split_sizes="qkv"`` cuts every ``3n x n`` matrix in three).
+    ``adamw_betas``, ``adamw_eps``; ``heads``, ``split_sizes`` (``None``: CMuon's split of fused
+    weights, see ``_split``; ``heads=H`` cuts every attention q/k/v matrix into its heads,
+    ``split_sizes="qkv"`` every ``3n x n`` matrix in three) and ``num_heads`` (deprecated: ``heads``).
     """
 
     algorithm = "muon"
     Options = MuonSplitOptions
 
     def _directions(self, group, active, states, params, u):
-        if group["split_sizes"] is None and group["num_heads"] is None:
+        if group["split_sizes"] is None and group["num_heads"] is None and group["heads"] is None:
             outs = self._orthogonalize(group, active, u)  # (OwnerMuon routes this one)
             return params, outs, [C.update_scale(*p.shape, group["tau"]) for p in active]
         # Whole matrices are one tile each (gathered when sharded); all tiles go to one batched NS5.

@@ -25,16 +25,18 @@ Choices where the paper is silent (stated in docs/baselines.md too):
   row-block ``BlockMuon`` exactly), ``period=1`` a full step every step (``Muon`` exactly);
 - phase: a parameter's full steps are its steps ``0, P, 2P, ...`` (its own step counter, kept in
   the state as PR-Muon does), so the first step is a full one;
-- defaults ``blocks=4``, ``axis=0`` (row blocks: the 4 shards of FSDP2's ``Shard(0)`` on 4 ranks).
+- defaults ``blocks=4``, ``axis=0`` (row blocks: the 4 shards of FSDP2's ``Shard(0)`` on 4 ranks);
+  ``blocks`` left ``None`` (the default) on a DTensor cut along its block axis by one mesh dim is
+  that axis' shard count (one block per shard, the paper's setting).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from ..._base import _name_of
-from ..._hparams import integer, option
+from ..._hparams import integer, layout_option, option
 from ...layout import is_dtensor
-from ...placement import layout_for
+from ...placement import follow_layout, layout_for
 from .. import _common as C
 from .block_muon import _blocks
 from .muon import AXIS, MuonOptions, tiled_directions
@@ -55,7 +57,7 @@ def block_axis(p, axis: int) -> int:
 @dataclass(frozen=True, kw_only=True)
 class MuonBPOptions(MuonOptions):
     period: int = option(5, integer(0))
-    blocks: int = option(4, integer(1))
+    blocks: int = layout_option(4, integer(1))
     axis: int = option(0, AXIS)
 
 
@@ -78,9 +80,10 @@ class MuonBP(OwnerMuon):
     def _group_plans(self, group):
         plans = []
         for i, (p, whole) in enumerate(zip(group["params"], super()._group_plans(group))):
-            side = "input" if block_axis(p, group["axis"]) == 1 else "output"
-            try:
-                lay = layout_for(p, side, group["blocks"], None)
+            axis = block_axis(p, group["axis"])
+            side = "input" if axis == 1 else "output"
+            try:  # blocks None (the default): one block per shard of a sharded axis, 4 otherwise
+                lay = layout_for(p, side, follow_layout(group["blocks"], p, axis, 4), None)
             except ValueError as exc:
                 raise ValueError(f"{_name_of(p, self._param_names, i)}: {exc}") from None
             axis = lay.blocked_axis

@@ -31,7 +31,9 @@ authors use ``sign(M)`` scaled by ``nonstandard_constant``. ``step()`` in eval m
 
 Shard-local form: ``out_blocks`` cuts ``Q_L`` into that many diagonal blocks (each the eigenbasis
 of a diagonal block ``G_b G_b^T`` of the row blocks ``G_b``), ``blocks`` likewise cuts ``Q_R``
-(diagonal blocks of ``G^T G`` over column blocks). ``blocks = out_blocks = 1`` is SPlus. Under
+(diagonal blocks of ``G^T G`` over column blocks). ``blocks = out_blocks = 1`` is SPlus, the
+value both take on a plain tensor; left ``None`` (the default) a side cut by a DTensor's placement
+takes one block per shard, so a sharded model steps locally with no options. Under
 sharding the blocks of each side are cut at its shard boundaries (``placement.layout_for``), so
 the rotation, sign and unrotation of every step use only local rows and columns: the step issues
 no collective. The statistic of the *other* side sums over the sharded axis (under FSDP2
@@ -64,9 +66,9 @@ from ... import functional as F
 from ...collectives import all_reduce_sum_
 from ..._base import MatrixOptimizer, _name_of
 from ...layout import to_local
-from ..._hparams import Options, integer, option, positive, unit_interval
+from ..._hparams import Options, integer, layout_option, option, positive, unit_interval
 from ...functional import blockwise
-from ...placement import layout_for
+from ...placement import follow_layout, layout_for
 from .. import _common as C
 
 __all__ = ["SPlus", "splus_direction"]
@@ -82,8 +84,8 @@ class SPlusOptions(Options):
     inverse_every: int = option(100, integer(1))
     max_dim: int = option(10000, integer(1))
     nonstandard_constant: float = option(0.001, positive)
-    blocks: int = option(1, integer(1))
-    out_blocks: int = option(1, integer(1))
+    blocks: int = layout_option(1, integer(1))
+    out_blocks: int = layout_option(1, integer(1))
     adamw_lr_ratio: float = option(1.0, positive, adamw=True)
 
     @classmethod
@@ -172,12 +174,14 @@ class SPlus(MatrixOptimizer):
         """Each matrix's plan: the layouts of its output (``Q_L``) and input (``Q_R``) sides."""
         plans = []
         for i, p in enumerate(group["params"]):
+            # None (the default): one block per shard of a sharded side, 1 (SPlus) otherwise
+            out_blocks = follow_layout(group["out_blocks"], p, 0, 1)
+            blocks = follow_layout(group["blocks"], p, 1, 1)
             try:
-                plans.append((layout_for(p, "output", group["out_blocks"], None),
-                              layout_for(p, "input", group["blocks"], None)))
+                plans.append((layout_for(p, "output", out_blocks, None), layout_for(p, "input", blocks, None)))
             except ValueError as exc:
                 raise ValueError(f"{_name_of(p, self._param_names, i)}: {exc} (out_blocks="
-                                 f"{group['out_blocks']}, blocks={group['blocks']})") from None
+                                 f"{out_blocks}, blocks={blocks})") from None
         return plans
 
     def _sides(self, group: dict, p: Tensor) -> tuple[bool, bool]:
