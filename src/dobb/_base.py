@@ -33,27 +33,24 @@ never saved nor copied, rebuilt from the param groups after ``load_state_dict`` 
 from __future__ import annotations
 
 import contextlib
-from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch.optim.adamw import adamw as _torch_adamw
 
 from . import _safety
+from ._safety import _ints, _rename_legacy_keys, saved_state_by_param  # noqa: F401 (re-exported)
 from ._copies import Copies
 from .layout import is_dtensor, to_local
 from ._hparams import ScaledOptions, _check_rate
-from ._torch_private import adamw_init_group, disable_dynamo, fused_adamw_devices
+from ._torch_private import adamw_init_group, fused_adamw_devices
 
-_UNSET = object()  # no attribute (``_finite_group``)
 # Keys that builders add to every group (torch schedulers: initial_lr; torchtitan: param_names).
 _BUILDER_KEYS = frozenset({"params", "param_names", "initial_lr"})
 
 # State keys kept as Python ints (a distributed checkpoint may hand them back as tensors).
 _INT_STATE_KEYS = ("step", "captures")
-# Earlier releases kept the Muon family's and RMNP's momentum under torch's key.
-_LEGACY_KEYS = {"momentum_buffer": "momentum"}
 
 
 def _adamw_kernel(lists: list, kwargs: dict) -> None:
@@ -112,42 +109,7 @@ def _name_of(param: torch.Tensor, names: dict[int, str] | None, index: int) -> s
     return f"parameter #{index} (shape {tuple(param.shape)})"
 
 
-def apply_protocol(params: Sequence[torch.Tensor], targets: Sequence[torch.Tensor], updates: Sequence[torch.Tensor],
-                   scales: Sequence[float], lr, weight_decay) -> None:
-    """The baselines' update: ``W <- (1 - lr*wd) W`` on ``params``, then ``T <- T - lr*s*O`` on ``targets``.
-
-    ``targets`` are the params or views of them (Block Muon adds each block with its own ``s``).
-    Updates are cast to the target dtype (exact for bf16 -> fp32) and added with ``alpha`` as
-    ``torch.optim.Muon`` does, grouped by scale so each group is one ``_foreach`` call.
-
-    Why not one apply shared with Dobb's (``core.update.apply_directions``): the Muon family
-    produces bf16 directions, and ``torch.optim.Muon`` adds them with ``param.add_(O, alpha=-lr*s)``,
-    one rounding per entry. Scaling ``O`` first and adding afterwards rounds twice (in bf16 even), so
-    the baselines add with ``alpha`` to stay bitwise equal to torch's Muon on CPU. It lives here, by
-    the loop that calls ``_matrix_step``, so a baseline's step reads one file less.
-    """
-    if not params:
-        return
-    if isinstance(weight_decay, torch.Tensor) or weight_decay != 0:
-        torch._foreach_mul_(list(params), 1.0 - lr * weight_decay)
-    # grouped by comparing scales, never hashing them: a scale that varies with the step count (SOAP's
-    # bias correction) stays symbolic in a compiled step instead of making a graph per value
-    by_scale: list[tuple[float, list, list]] = []
-    for t, u, s in zip(targets, updates, scales):
-        entry = next((e for e in by_scale if e[0] == s), None)
-        if entry is None:
-            entry = (s, [], [])
-            by_scale.append(entry)
-        entry[1].append(t)
-        entry[2].append(u if u.dtype == t.dtype else u.to(t.dtype))
-    for s, ts, us in by_scale:
-        if isinstance(lr, torch.Tensor):  # a tensor lr cannot be an ``alpha``
-            torch._foreach_add_(ts, torch._foreach_mul(us, -lr * s))
-        else:
-            torch._foreach_add_(ts, us, alpha=-lr * s)
-
-
-class MatrixOptimizer(Copies, torch.optim.Optimizer):
+class MatrixOptimizer(_safety.NonfiniteGuard, Copies, torch.optim.Optimizer):
     algorithm: str = "matrix"
     # The typed options of this optimizer's groups (one frozen dataclass, see dobb._hparams): their
     # defaults fill every group, their rules check it. Subclasses set their own.
@@ -179,6 +141,10 @@ class MatrixOptimizer(Copies, torch.optim.Optimizer):
         self._plans: dict[torch.Tensor, Any] = {}
         self._skipped: _safety.Skipped | None = None  # the last step run under nonfinite="skip", unread
         super().__init__(params, defaults)
+
+    def _param_label(self, p: torch.Tensor, index: int) -> str:
+        """``p``'s name in messages (``index``: its place in its group, for unnamed parameters)."""
+        return _name_of(p, self._param_names, index)
 
     def _why_unknown(self, unknown: set[str]) -> str:
         if "tau" in unknown and "tau" not in self.Options.names():
@@ -328,88 +294,6 @@ class MatrixOptimizer(Copies, torch.optim.Optimizer):
             if skip is not None:
                 self._skip_finish(*skip)
         return loss
-
-    # ------------------------------------------------------------------ non-finite gradients
-    # Whether the subclass takes the "raise" decision itself, in its own collectives (Dobb: agree).
-    _agrees_finiteness = False
-
-    def _nonfinite_params(self, mode: str) -> list[torch.Tensor]:
-        """Every parameter of the groups whose ``nonfinite`` is ``mode`` (the same list on every rank)."""
-        return [p for g in self.param_groups if g.get("nonfinite", "raise") == mode for p in g["params"]]
-
-    def _finite_group(self):
-        """The ranks that share this optimizer's step and decide finiteness together: the meshes of its
-        DTensor parameters (None: plain parameters, whose gradients a DDP-like wrapper already averaged)."""
-        group = getattr(self, "_step_group", _UNSET)  # Dobb's (core.optimizer: with its statistic groups)
-        if group is _UNSET:  # not cached: a process group would make the optimizer uncopyable
-            from .collectives import common_group
-            from .sharding import mesh_group
-
-            meshes = {id(p.device_mesh): p.device_mesh for g in self.param_groups for p in g["params"]
-                      if is_dtensor(p)}
-            group = common_group([mesh_group(m) for m in meshes.values()])
-        return group
-
-    def _refuse_nonfinite(self) -> None:
-        """``nonfinite="raise"``: a ``ValueError`` naming the first parameter with a NaN/Inf gradient on
-        any rank, before any weight or state changes (one all-reduce of the flags, one host read)."""
-        params = self._nonfinite_params("raise")
-        if not params:
-            return
-        from . import collectives
-        from .core.statistics import local_nonfinite
-
-        flags = local_nonfinite(params)
-        group = self._finite_group()
-        if group is not None:
-            collectives.all_reduce_sum_(flags, group, "finite")
-        values = flags.tolist()  # the one host read
-        bad = [i for i, v in enumerate(values) if v > 0]
-        if bad:
-            self._raise_nonfinite(params, bad[0], int(values[bad[0]]))
-
-    def _raise_nonfinite(self, params: list[torch.Tensor], index: int, ranks: int) -> None:
-        from .collectives import group_ranks
-
-        p = params[index]
-        i = next(i for g in self.param_groups for i, q in enumerate(g["params"]) if q is p)
-        group = self._finite_group()
-        where = "" if group is None else f" on {ranks} of {len(group_ranks(group))} ranks"
-        raise ValueError(
-            f"non-finite gradient (NaN or Inf) in {_name_of(p, self._param_names, i)}{where}; "
-            f"{type(self).__name__} changed no weight or optimizer state on any rank (nonfinite='skip' "
-            f"skips such steps, nonfinite='off' turns this check off)")
-
-    def _skip_setup(self):
-        """``nonfinite="skip"``: the flag (on the device), the gradients masked by it and a snapshot of
-        every weight and state (``dobb._safety``); None when no group skips."""
-        params = self._nonfinite_params("skip")
-        if not params:
-            return None
-        flag = _safety.skip_flag(params, self._finite_group())
-        everything = [p for g in self.param_groups for p in g["params"]]
-        _safety.mask_grads_(everything, flag)
-        return (flag, *_safety.snapshot(everything, self.state, flag))
-
-    def _skip_finish(self, flag, weights, tensors, skipped) -> None:
-        _safety.restore_where(flag, weights, tensors, self.state, skipped)
-        self._skipped = _safety.defer(skipped)
-
-    @disable_dynamo
-    def _settle_skipped(self) -> None:
-        """Read the flag of the last step run under ``"skip"`` (long computed by now) and, if it was
-        skipped, put its host-side state back (``dobb._safety.Skipped``)."""
-        skipped = self._skipped
-        if skipped is None:
-            return
-        self._skipped = None
-        if skipped.was_skipped():
-            skipped.restore(self.state)
-            self._after_skip()
-
-    def _after_skip(self) -> None:
-        """Run when a skipped step's host-side state was put back (a subclass' host caches that follow
-        it; Dobb arms its capture hooks for both outcomes in ``_skip_finish`` instead)."""
 
     # Whether the subclass handles transposed=True groups itself (Dobb flips its layout's axis).
     _native_transposed = False
@@ -603,35 +487,3 @@ class MatrixOptimizer(Copies, torch.optim.Optimizer):
 
     def _after_load(self) -> None:
         """Run after ``load_state_dict`` (torch has replaced the param group dicts by then)."""
-
-
-def saved_state_by_param(opt: torch.optim.Optimizer, state_dict: dict, key: str) -> dict:
-    """``{param: state_dict value of key}``, mapping saved ids (ints, or the FQNs
-    ``torch.distributed.checkpoint`` passes) to parameters by position, as torch does."""
-    saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-    params = [p for g in opt.param_groups for p in g["params"]]
-    if len(saved_ids) != len(params):
-        return {}  # torch's own load raises the precise error
-    out = {}
-    for i, p in zip(saved_ids, params):
-        value = state_dict["state"].get(i, {}).get(key)
-        if isinstance(value, torch.Tensor):
-            out[p] = value
-    return out
-
-
-def _ints(value):
-    """``value`` with every number (a tensor from a distributed checkpoint) an int, nested lists kept."""
-    if isinstance(value, (list, tuple)):
-        return [_ints(v) for v in value]
-    return int(value)
-
-
-def _rename_legacy_keys(state_dict: dict) -> dict:
-    if not any(old in st for st in state_dict["state"].values() for old in _LEGACY_KEYS):
-        return state_dict
-    state = {}
-    for pid, st in state_dict["state"].items():
-        state[pid] = {_LEGACY_KEYS.get(k, k) if k in _LEGACY_KEYS and _LEGACY_KEYS[k] not in st else k: v
-                      for k, v in st.items()}
-    return {**state_dict, "state": state}

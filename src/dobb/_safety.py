@@ -39,7 +39,8 @@ from typing import Any
 
 import torch
 
-from .layout import is_dtensor, to_local
+from ._torch_private import disable_dynamo
+from .layout import is_dtensor, local_nonfinite, to_local
 
 RECORD_LABEL = "optimizer"
 RECORD_CLASS = "optimizer_class"
@@ -78,7 +79,6 @@ def skip_flag(params: list[torch.Tensor], group) -> torch.Tensor:
     """1-element bool tensor: some gradient of ``params`` holds NaN/Inf on some rank of ``group``
     (summed on the device, no host read)."""
     from . import collectives
-    from .core.statistics import local_nonfinite
 
     flags = local_nonfinite(params)
     total = flags.sum().reshape(1)
@@ -254,3 +254,132 @@ def _preset_keys(cls) -> list[str]:
     from .registry import OPTIMIZERS
 
     return sorted({k for e in OPTIMIZERS.values() if e.cls is cls for k in e.preset})
+
+
+_UNSET = object()  # no attribute (``NonfiniteGuard._finite_group``)
+
+
+class NonfiniteGuard:
+    """The ``nonfinite`` option of every ``MatrixOptimizer`` (a mixin of it, as ``Copies`` is):
+    ``"raise"`` refuses a step with a non-finite gradient before anything changes, all ranks
+    agreeing; ``"skip"`` undoes it on the device (the functions above). ``MatrixOptimizer.step``
+    calls ``_refuse_nonfinite``, ``_skip_setup``/``_skip_finish`` and ``_settle_skipped``."""
+
+    # Whether the subclass takes the "raise" decision itself, in its own collectives (Dobb: agree).
+    _agrees_finiteness = False
+
+    def _nonfinite_params(self, mode: str) -> list[torch.Tensor]:
+        """Every parameter of the groups whose ``nonfinite`` is ``mode`` (the same list on every rank)."""
+        return [p for g in self.param_groups if g.get("nonfinite", "raise") == mode for p in g["params"]]
+
+    def _finite_group(self):
+        """The ranks that share this optimizer's step and decide finiteness together: the meshes of its
+        DTensor parameters (None: plain parameters, whose gradients a DDP-like wrapper already averaged)."""
+        group = getattr(self, "_step_group", _UNSET)  # Dobb's (core.optimizer: with its statistic groups)
+        if group is _UNSET:  # not cached: a process group would make the optimizer uncopyable
+            meshes = {id(p.device_mesh): p.device_mesh for g in self.param_groups for p in g["params"]
+                      if is_dtensor(p)}
+            group = None
+            if meshes:  # DTensor parameters: sharding (and torch.distributed.tensor) is loaded already
+                from .collectives import common_group
+                from .sharding import mesh_group
+
+                group = common_group([mesh_group(m) for m in meshes.values()])
+        return group
+
+    def _refuse_nonfinite(self) -> None:
+        """``nonfinite="raise"``: a ``ValueError`` naming the first parameter with a NaN/Inf gradient on
+        any rank, before any weight or state changes (one all-reduce of the flags, one host read)."""
+        params = self._nonfinite_params("raise")
+        if not params:
+            return
+        from . import collectives
+
+        flags = local_nonfinite(params)
+        group = self._finite_group()
+        if group is not None:
+            collectives.all_reduce_sum_(flags, group, "finite")
+        values = flags.tolist()  # the one host read
+        bad = [i for i, v in enumerate(values) if v > 0]
+        if bad:
+            self._raise_nonfinite(params, bad[0], int(values[bad[0]]))
+
+    def _raise_nonfinite(self, params: list[torch.Tensor], index: int, ranks: int) -> None:
+        from .collectives import group_ranks
+
+        p = params[index]
+        i = next(i for g in self.param_groups for i, q in enumerate(g["params"]) if q is p)
+        group = self._finite_group()
+        where = "" if group is None else f" on {ranks} of {len(group_ranks(group))} ranks"
+        raise ValueError(
+            f"non-finite gradient (NaN or Inf) in {self._param_label(p, i)}{where}; "
+            f"{type(self).__name__} changed no weight or optimizer state on any rank (nonfinite='skip' "
+            f"skips such steps, nonfinite='off' turns this check off)")
+
+    def _skip_setup(self):
+        """``nonfinite="skip"``: the flag (on the device), the gradients masked by it and a snapshot of
+        every weight and state (``dobb._safety``); None when no group skips."""
+        params = self._nonfinite_params("skip")
+        if not params:
+            return None
+        flag = skip_flag(params, self._finite_group())
+        everything = [p for g in self.param_groups for p in g["params"]]
+        mask_grads_(everything, flag)
+        return (flag, *snapshot(everything, self.state, flag))
+
+    def _skip_finish(self, flag, weights, tensors, skipped) -> None:
+        restore_where(flag, weights, tensors, self.state, skipped)
+        self._skipped = defer(skipped)
+
+    @disable_dynamo
+    def _settle_skipped(self) -> None:
+        """Read the flag of the last step run under ``"skip"`` (long computed by now) and, if it was
+        skipped, put its host-side state back (``dobb.Skipped``)."""
+        skipped = self._skipped
+        if skipped is None:
+            return
+        self._skipped = None
+        if skipped.was_skipped():
+            skipped.restore(self.state)
+            self._after_skip()
+
+    def _after_skip(self) -> None:
+        """Run when a skipped step's host-side state was put back (a subclass' host caches that follow
+        it; Dobb arms its capture hooks for both outcomes in ``_skip_finish`` instead)."""
+
+
+# ----------------------------------------------------------------------------- loading a state dict
+# Earlier releases kept the Muon family's and RMNP's momentum under torch's key.
+_LEGACY_KEYS = {"momentum_buffer": "momentum"}
+
+
+def saved_state_by_param(opt: torch.optim.Optimizer, state_dict: dict, key: str) -> dict:
+    """``{param: state_dict value of key}``, mapping saved ids (ints, or the FQNs
+    ``torch.distributed.checkpoint`` passes) to parameters by position, as torch does."""
+    saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+    params = [p for g in opt.param_groups for p in g["params"]]
+    if len(saved_ids) != len(params):
+        return {}  # torch's own load raises the precise error
+    out = {}
+    for i, p in zip(saved_ids, params):
+        value = state_dict["state"].get(i, {}).get(key)
+        if isinstance(value, torch.Tensor):
+            out[p] = value
+    return out
+
+
+def _ints(value):
+    """``value`` with every number (a tensor from a distributed checkpoint) an int, nested lists kept."""
+    if isinstance(value, (list, tuple)):
+        return [_ints(v) for v in value]
+    return int(value)
+
+
+def _rename_legacy_keys(state_dict: dict) -> dict:
+    if not any(old in st for st in state_dict["state"].values() for old in _LEGACY_KEYS):
+        return state_dict
+    state = {}
+    for pid, st in state_dict["state"].items():
+        state[pid] = {_LEGACY_KEYS.get(k, k) if k in _LEGACY_KEYS and _LEGACY_KEYS[k] not in st else k: v
+                      for k, v in st.items()}
+    return {**state_dict, "state": state}

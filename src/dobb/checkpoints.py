@@ -56,6 +56,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import collectives
+
 __all__ = ["Checkpoint", "save", "load_latest", "latest", "complete_checkpoints", "step_folder", "MARKER"]
 
 MARKER = "COMPLETE.json"
@@ -103,17 +105,13 @@ def _broadcast(obj):
     """Rank 0's ``obj`` on every rank."""
     if not _distributed():
         return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return collectives.broadcast_object(obj, 0, "checkpoint")
 
 
 def _gather(obj) -> list:
     if not _distributed():
         return [obj]
-    out = [None] * _world()
-    dist.all_gather_object(out, obj)
-    return out
+    return collectives.all_gather_object(obj, "checkpoint")
 
 
 def _on_rank0(fn):
@@ -386,8 +384,11 @@ def load_latest(model: nn.Module, optimizer: torch.optim.Optimizer, root, *,
         check_resume(model, optimizer, folder)
     except ValueError as exc:
         error = f"{exc} (checkpoint {folder})"
-    except Exception as exc:  # noqa: BLE001 - an unreadable .metadata: name the folder and the file
-        error = f"cannot load checkpoint {folder}: file .metadata is unreadable ({type(exc).__name__}: {exc})"
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - unreadable metadata or param groups
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        error = (f"cannot load checkpoint {folder}: reading its metadata and saved param groups (files "
+                 f"{', '.join(sorted(manifest['files']))}) failed ({type(exc).__name__}: {first}); "
+                 "load_latest(..., verify='sha256') names the damaged file")
     _agree(error)
 
     sd = _state_dict(model, optimizer)

@@ -34,9 +34,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 __all__ = ["KINDS", "collective_kind", "current_kind", "all_reduce_sum_", "all_to_all", "all_gather_into_",
-           "broadcast_", "to_owners", "from_owners", "plain_stat_group", "group_ranks", "common_group", "plan_owners"]
+           "broadcast_", "broadcast_object", "all_gather_object", "to_owners", "from_owners", "plain_stat_group", "group_ranks", "common_group", "plan_owners"]
 
-KINDS = ("stat", "finite", "norm", "basis", "owner", "partial")
+KINDS = ("stat", "finite", "norm", "basis", "owner", "partial", "checkpoint")
 
 _KIND: contextvars.ContextVar[str | None] = contextvars.ContextVar("dobb_collective_kind", default=None)
 
@@ -98,6 +98,24 @@ def broadcast_(tensor: torch.Tensor, src: int, group, kind: str) -> torch.Tensor
     with collective_kind(kind):
         dist.broadcast(tensor, src=src, group=group)
     return tensor
+
+
+def broadcast_object(obj, src: int, kind: str):
+    """``obj`` (picklable) of global rank ``src`` on every rank of the default group."""
+    _check_kind(kind)
+    box = [obj]
+    with collective_kind(kind):
+        dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_gather_object(obj, kind: str) -> list:
+    """Every rank's ``obj`` (picklable), in rank order, on every rank of the default group."""
+    _check_kind(kind)
+    out = [None] * dist.get_world_size()
+    with collective_kind(kind):
+        dist.all_gather_object(out, obj)
+    return out
 
 
 # ----------------------------------------------------------------------------- owner exchanges

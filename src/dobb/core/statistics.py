@@ -48,7 +48,7 @@ from .. import functional as F
 from ..capture import PendingStat
 from .. import collectives
 from ..collectives import group_ranks, plan_owners
-from ..layout import MatrixLayout, ReducedStat, to_local
+from ..layout import MatrixLayout, ReducedStat, local_nonfinite
 
 __all__ = ["SumBucket", "all_reduce_sum_", "DueStat", "Agreement", "agree", "local_nonfinite", "gram_statistic",
            "fold_side", "EIGH_COST", "RefreshBatch", "shared_group", "solve"]
@@ -177,42 +177,6 @@ def agree(due: list[DueStat], params: list[torch.Tensor], step_group, check_fini
         out.stats[d.side][d.param] = (d.layout.mean_on_device(sums, count) if total is None
                                       else d.layout.mean(sums, total))
     return out
-
-
-_NARROW = (torch.float16, torch.bfloat16)  # summed in fp32: a sum in their own dtype overflows early
-
-
-def local_nonfinite(params: list[torch.Tensor], foreach: bool | None = None) -> torch.Tensor | None:
-    """1.0 for every parameter whose local gradient holds NaN/Inf, else 0.0 (no host sync). ``foreach``:
-    the accelerators' grouped reduction (default: on every device but a CPU).
-
-    All zeros when this rank holds no gradient at all: the flags still take part in the step's
-    collective, so a rank whose layers all went unused issues the same reductions as the others."""
-    with_grad = [i for i, p in enumerate(params) if p.grad is not None]
-    if not params:
-        return None
-    if not with_grad:
-        return torch.zeros(len(params), dtype=torch.float32, device=to_local(params[0]).device)
-    grads = [to_local(params[i].grad) for i in with_grad]
-    if not (grads[0].device.type != "cpu" if foreach is None else foreach):
-        # A sum is finite iff every entry is (NaN and opposite infinities give NaN), barring an overflow
-        # of the sum itself: in fp32 at least, that needs an entry whose square (a norm's) would
-        # overflow first. One read of each gradient, the cheapest reduction there is on a CPU, where
-        # torch._foreach_norm is a loop over the tensors (and its max-norm is not vectorised).
-        sums = torch.stack([g.sum(dtype=torch.float32 if g.dtype in _NARROW else None) for g in grads])
-    else:
-        # accelerators: the max-norm of every gradient in one multi-tensor kernel per dtype (a kernel per
-        # gradient is a launch per matrix). Non-finite iff some entry is (torch propagates NaN through it,
-        # as clip_grad_norm_ relies on); the sum's overflow, far past any real gradient, is not reported.
-        sums = torch.stack(torch._foreach_norm(grads, float("inf")))
-    # 0 * x is 0 for a finite x and NaN for NaN or an infinity: 1.0 where the reduction is not finite
-    bad = sums.mul(0.0).ne_(0.0)
-    bad = bad if bad.dtype == torch.float32 else bad.to(torch.float32)
-    if len(with_grad) == len(params):
-        return bad
-    flags = torch.zeros(len(params), dtype=torch.float32, device=bad.device)
-    flags[with_grad] = bad
-    return flags
 
 
 # ----------------------------------------------------------------------------- the statistic
