@@ -43,7 +43,7 @@ from .options import HOOK_SOURCES as _HOOK_SOURCES
 from .options import DobbOptions, check_params
 from .schedule import (MAX_CYCLE, Plan, Side, captures, cycle, due, ns_rows, queue_refresh, refresh_period,
                        saved_captures, schedule_of, stagger_offsets, two_sided_layouts)
-from .statistics import DueStat, RefreshBatch, agree, solve
+from .statistics import DueStat, RefreshBatch, agree, solve, split_by_default
 from .update import (FUSE_MIN_BLOCK_WORK, DirectionCache, OneSided, TwoSided, apply_directions,
                      apply_preconditioned_muon, apply_prepared, apply_two_sided, apply_whole_steps, decay_in_update,
                      fused_decays, precondition, prepared_directions, whole_step_owner)
@@ -69,9 +69,9 @@ class Dobb(MatrixOptimizer):
             of the statistic, and a smaller block is cheaper to refresh and fits within a shard (the
             measured trade-off, and how Dobb compares with block Muon at equal ``blocks``:
             docs/results.md, "Operating point"; docs/timing.md). At ``blocks=1`` on wide matrices
-            ``split_refresh=True`` and ``refresh_width`` cut the refresh (docs/timing.md, "A refresh
-            that scales"). ``side="both"`` orthogonalizes on both sides with Dobb's collectives
-            (docs/results.md, "Two-sided Dobb").
+            the split refresh (``split_refresh``, on by default where bitwise) and ``refresh_width``
+            cut the refresh (docs/timing.md, "A refresh that scales"). ``side="both"`` orthogonalizes
+            on both sides with Dobb's collectives (docs/results.md, "Two-sided Dobb").
         refresh_every: refresh period ``T`` (the first step always refreshes).
         refresh_width: None (default: every matrix refreshes every ``T`` steps) or a block width
             ``w``: a matrix whose widest block (either side, global size) is ``s`` wide refreshes
@@ -102,10 +102,17 @@ class Dobb(MatrixOptimizer):
             before any state changes. The decision is taken by all ranks that share the step
             together (one flag all-reduce, folded into the statistic reduction on refresh steps), so
             every rank raises the same error. Costs one host synchronisation per step; False skips it.
-        split_refresh: True: where ranks hold the same statistic and bases (FSDP2, DDP, HSDP), each
-            block's refresh runs on one of them and is broadcast in the basis dtype (bitwise the same
-            bases, ``n^2/B`` entries per matrix per refresh; ``core.statistics``). False (default):
-            every rank computes every refresh; ``step()`` issues no collective of its own.
+        split_refresh: where ranks hold the same statistic and bases (FSDP2, DDP, HSDP: a statistic
+            group of several ranks), split the refresh: each even-sized block's refresh runs on one
+            of them and is broadcast in the basis dtype (bitwise the same bases, ``n^2/B`` entries per
+            matrix per refresh; ``core.statistics``), so the ranks' refresh work divides by the group
+            size. None (default): split where that is bitwise the unsplit refresh by construction: a
+            hook statistic (``source="activation"``/``"output_grad"``, the all-reduced one every rank
+            holds) on a CPU (``statistics.split_by_default``: not yet on CUDA, whose batched solvers
+            round a lone block differently); elsewhere, and without a process group, as False.
+            True: split every shared request (``grad_gram`` and CUDA too; rank-consistent, bitwise
+            where the host's batched solve is). False: every rank computes every refresh; ``step()``
+            then issues no collective of its own beyond the statistic reduction.
         stat_group: process group over which statistics are averaged (token-weighted). ``"default"``:
             DTensor parameters take the data-parallel dims of their mesh; plain parameters the
             process group of the ``DistributedDataParallel`` module passed as ``model``, and raise a
@@ -129,9 +136,9 @@ class Dobb(MatrixOptimizer):
     Options = DobbOptions  # the options, their defaults and value rules (core.options)
 
     def __init__(self, params, model: nn.Module | None = None, *, lr: float, weight_decay: float = 0.0,
-                 check_finite: bool = True, stat_group="default", split_refresh: bool = False, **kwargs):
-        if not isinstance(split_refresh, bool):
-            raise ValueError(f"split_refresh must be True or False, got {split_refresh!r}")
+                 check_finite: bool = True, stat_group="default", split_refresh: bool | None = None, **kwargs):
+        if split_refresh is not None and not isinstance(split_refresh, bool):
+            raise ValueError(f"split_refresh must be True or False (or None: split where bitwise), got {split_refresh!r}")
         self.model = model
         self.check_finite = check_finite
         self.split_refresh = split_refresh
@@ -400,9 +407,14 @@ class Dobb(MatrixOptimizer):
             grads = [None if p.grad is None else self._plans[p].layout.local(p.grad) for p in ps]
             requests, shared = queue_refresh(g, ps, grads, [self.state[p] for p in ps], [self._plans[p] for p in ps],
                                              agreed)
+            if self.split_refresh is None:  # the default: split where bitwise (rank-invariant facts only)
+                shared = [s if s is not None and split_by_default(g["source"], r[0].device) else None
+                          for s, r in zip(shared, requests)]
+            elif not self.split_refresh:
+                shared = [None] * len(shared)
             batches.append(RefreshBatch(
                 ortho_steps=g["ortho_steps"], qr=g["qr"], basis_dtype=g["basis_dtype"], blocks=[r[:3] for r in requests],
-                groups=shared if self.split_refresh else [None] * len(shared)))
+                groups=shared))
             puts.append([r[3] for r in requests])
         for put_list, bases in zip(puts, solve(batches)):
             for put, q in zip(put_list, bases):
