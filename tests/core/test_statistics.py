@@ -319,6 +319,37 @@ def test_split_refresh_must_be_a_bool_or_none(value):
     assert Dobb(model.parameters(), model, lr=0.01).split_refresh is None  # the default: split where bitwise
 
 
+def _single_process_run(**split):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.ReLU(), torch.nn.Linear(16, 6))
+    mats = [model[0].weight, model[2].weight]
+    groups = [{"params": mats}, {"params": [model[0].bias, model[2].bias], "algorithm": "adamw"}]
+    opt = Dobb(groups, model, lr=0.02, weight_decay=0.01, blocks=2, refresh_every=2, **split)
+    gen = torch.Generator().manual_seed(1)
+    counts = []
+    for _ in range(5):
+        x, y = torch.randn(20, 12, generator=gen), torch.randn(20, 6, generator=gen)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        with PayloadMeter() as meter:
+            opt.step()
+        opt.zero_grad()
+        counts.append(meter.collectives)
+    state = [v for p in mats for v in opt.state[p].values() if isinstance(v, torch.Tensor)]
+    return [p.detach().clone() for p in model.parameters()] + state, counts
+
+
+def test_single_process_default_is_the_unsplit_refresh_bitwise():
+    """No process group: the default (and an explicit True) is the unsplit refresh, bit for bit, and
+    the step issues no collective."""
+    assert not dist.is_initialized()
+    ref, counts = _single_process_run(split_refresh=False)
+    assert counts == [0] * 5
+    for split in ({}, {"split_refresh": True}):
+        out, counts = _single_process_run(**split)
+        assert counts == [0] * 5 and len(out) == len(ref)
+        assert all(torch.equal(a, b) for a, b in zip(out, ref))
+
+
 def test_split_by_default_where_bitwise_by_construction():
     """The default splits a hook statistic (all-reduced: the same on every rank) on a CPU only."""
     assert split_by_default("activation", torch.device("cpu"))

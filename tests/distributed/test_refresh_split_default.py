@@ -1,5 +1,5 @@
 """The default refresh (``Dobb(split_refresh=None)``) on 2 and 4 gloo ranks: split where ranks share a
-statistic (FSDP2, DDP) and the split is bitwise the unsplit refresh by construction
+statistic (FSDP2, DDP, HSDP) and the split is bitwise the unsplit refresh by construction
 (``core.statistics.split_by_default``: a hook statistic on a CPU), local elsewhere (``grad_gram``).
 
 Each case runs the same training three times on the same ranks, with the default, with
@@ -86,11 +86,12 @@ def _opt(model, params, mode, **kw):
     return Dobb(params, model, lr=0.02, weight_decay=0.01, refresh_every=REFRESH, **split, **kw)
 
 
-def _fsdp(mesh, **kw):
+def _fsdp(mesh, dim=0, **kw):
+    """``Net`` with each matrix sharded on ``dim`` (the blocked axis unsharded: shared blocks)."""
     def build(mode):
         model = Net()
         for name in Net.matrices:
-            fully_shard(getattr(model, name), mesh=mesh, shard_placement_fn=lambda p: Shard(0))
+            fully_shard(getattr(model, name), mesh=mesh, shard_placement_fn=lambda p: Shard(dim))
         fully_shard(model, mesh=mesh)
         return model, _opt(model, groups(model), mode, **kw)
     return build
@@ -117,6 +118,11 @@ def worker(rank, world):
         ("ddp", "both"): _ddp(blocks=2, side="both", out_blocks=2, stagger=False),
         ("ddp", "l2"): _ddp(blocks=4, norm="l2", stagger=False),
     })
+    if world == 4:  # HSDP: replicate x shard, the statistic over both dims
+        hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        cases[("hsdp", 2)] = _fsdp(hsdp, blocks=2)
+        cases[("hsdp", "dobb-g")] = _fsdp(hsdp, 1, blocks=2, side="output", source="output_grad",
+                                              stagger=False)
     for key, build in cases.items():
         check(key, _modes, build, rank, world, batches)
 
@@ -175,6 +181,11 @@ def test_default_splits_bitwise_on_two_ranks(two, key):
 
 @pytest.mark.parametrize("key", SPLIT, ids=str)
 def test_default_splits_bitwise_on_four_ranks(four, key):
+    _check_split(four, key)
+
+
+@pytest.mark.parametrize("key", [("hsdp", 2), ("hsdp", "dobb-g")], ids=str)
+def test_default_splits_bitwise_under_hsdp(four, key):
     _check_split(four, key)
 
 
