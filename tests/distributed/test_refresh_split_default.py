@@ -170,6 +170,8 @@ def _check_split(ranks, key):
         assert logs["default"] == logs["True"]  # the default is the split here, collective for collective
         assert _basis(logs["default"])[0] > 0  # it split, on the first (exact) refresh too
         assert _basis(logs["False"]) == [0] * STEPS
+        # the bases go out in the basis dtype (the default, bf16: 2 bytes an entry)
+        assert all(b == 2 * n for step in logs["default"] for _, kind, n, b in step if kind == "basis")
     # every rank issues the same collectives in the same order, step by step, in every mode
     assert all(logs == results[0][1] for _, logs in results)
 

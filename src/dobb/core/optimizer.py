@@ -138,7 +138,8 @@ class Dobb(MatrixOptimizer):
     def __init__(self, params, model: nn.Module | None = None, *, lr: float, weight_decay: float = 0.0,
                  check_finite: bool = True, stat_group="default", split_refresh: bool | None = None, **kwargs):
         if split_refresh is not None and not isinstance(split_refresh, bool):
-            raise ValueError(f"split_refresh must be True or False (or None: split where bitwise), got {split_refresh!r}")
+            raise ValueError(f"split_refresh must be True or False (or None: split where bitwise), "
+                             f"got {split_refresh!r}")
         self.model = model
         self.check_finite = check_finite
         self.split_refresh = split_refresh
