@@ -21,7 +21,7 @@ import torch
 import dobb.registry
 
 __all__ = ["OptimizerSpec", "parse_spec", "parse_hparams", "parse_value", "default_label", "PRETTY", "registry_entry",
-           "refreshes", "recorded_adamw_part"]
+           "refreshes", "recorded_adamw_part", "recorded_refresh"]
 
 # Display names: each optimizer's label in dobb.registry (declared there once).
 PRETTY = {name: entry.label for name, entry in dobb.registry.OPTIMIZERS.items()}
@@ -129,6 +129,18 @@ def refreshes(name: str) -> bool:
 # Builder defaults that changed after records were made, pinned to what those records ran: the bench
 # keeps reproducing its records, and a spec that sets the option itself still wins.
 RECORDED_DEFAULTS = {"dobb-muon": {"nesterov": False}}  # Nesterov became Dobb-Muon's default (issue 55)
+
+
+def recorded_refresh(name: str, hparams=None) -> dict:
+    """The refresh the bench's records were made with, made explicit for ``dobb.build_optimizer(name,
+    ...)``: ``split_refresh=False`` (every rank solves every block; the library's default since issue
+    54 splits the refresh over a statistic group of several ranks where that is bitwise the unsplit
+    refresh, which adds the basis broadcasts to a step's metered collectives and moves its timings).
+    For Dobb and its presets (``refreshes``) under a process group; the same bits and collectives
+    without one. Empty for every other name and when ``hparams`` sets ``split_refresh`` itself."""
+    if not refreshes(name) or "split_refresh" in (hparams or {}):
+        return {}
+    return {"split_refresh": False}
 
 
 def recorded_adamw_part(name: str, model, hparams=None) -> dict:

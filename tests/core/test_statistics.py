@@ -20,7 +20,7 @@ from dobb import Dobb
 from dobb import functional as F
 from dobb.capture import PendingStat
 from dobb.core.experts import expert_layout
-from dobb.core.statistics import (DueStat, RefreshBatch, SumBucket, agree, all_reduce_sum_, fold_side,
+from dobb.core.statistics import (DueStat, RefreshBatch, split_by_default, SumBucket, agree, all_reduce_sum_, fold_side,
                                   local_nonfinite, shared_group, solve)
 from dobb.layout import ReducedStat, plain_layout
 from dobb.meter import PayloadMeter
@@ -309,10 +309,53 @@ def test_solve_without_shared_groups_is_refresh_bases():
     assert all(torch.equal(o, r) for o, r in zip(out[0], ref))
 
 
-def test_split_refresh_must_be_a_bool():
+@pytest.mark.parametrize("value", ["yes", 1, 0, "none"])
+def test_split_refresh_must_be_a_bool_or_none(value):
     model = torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False))
     with pytest.raises(ValueError, match="split_refresh must be True or False"):
-        Dobb(model.parameters(), model, lr=0.01, split_refresh="yes")
+        Dobb(model.parameters(), model, lr=0.01, split_refresh=value)
+    for ok in (None, True, False):
+        assert Dobb(model.parameters(), model, lr=0.01, split_refresh=ok).split_refresh is ok
+    assert Dobb(model.parameters(), model, lr=0.01).split_refresh is None  # the default: split where bitwise
+
+
+def _single_process_run(**split):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.ReLU(), torch.nn.Linear(16, 6))
+    mats = [model[0].weight, model[2].weight]
+    groups = [{"params": mats}, {"params": [model[0].bias, model[2].bias], "algorithm": "adamw"}]
+    opt = Dobb(groups, model, lr=0.02, weight_decay=0.01, blocks=2, refresh_every=2, **split)
+    gen = torch.Generator().manual_seed(1)
+    counts = []
+    for _ in range(5):
+        x, y = torch.randn(20, 12, generator=gen), torch.randn(20, 6, generator=gen)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        with PayloadMeter() as meter:
+            opt.step()
+        opt.zero_grad()
+        counts.append(meter.collectives)
+    state = [v for p in mats for v in opt.state[p].values() if isinstance(v, torch.Tensor)]
+    return [p.detach().clone() for p in model.parameters()] + state, counts
+
+
+def test_single_process_default_is_the_unsplit_refresh_bitwise():
+    """No process group: the default (and an explicit True) is the unsplit refresh, bit for bit, and
+    the step issues no collective."""
+    assert not dist.is_initialized()
+    ref, counts = _single_process_run(split_refresh=False)
+    assert counts == [0] * 5
+    for split in ({}, {"split_refresh": True}):
+        out, counts = _single_process_run(**split)
+        assert counts == [0] * 5 and len(out) == len(ref)
+        assert all(torch.equal(a, b) for a, b in zip(out, ref))
+
+
+def test_split_by_default_where_bitwise_by_construction():
+    """The default splits a hook statistic (all-reduced: the same on every rank) on a CPU only."""
+    assert split_by_default("activation", torch.device("cpu"))
+    assert split_by_default("output_grad", "cpu")
+    assert not split_by_default("grad_gram", "cpu")
+    assert not split_by_default("activation", torch.device("cuda", 0))
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 256), (2, 2, 256), (1, 3, 32), (2, 1, 300)])

@@ -54,6 +54,7 @@ class Uneven(nn.Module):
 def uneven_opt(model, variant, blocks_a=4, blocks_b=2, **kw):
     groups = [{"params": [model.a.weight], "blocks": blocks_a}, {"params": [model.b.weight], "blocks": blocks_b},
               {"params": [model.a.bias, model.b.bias], "algorithm": "adamw"}]
+    kw = {"split_refresh": False, **kw}  # the unsplit refresh: the payload checks are Table 3's (see _common.make_opt)
     return Dobb(groups, model, lr=0.02, weight_decay=0.01, refresh_every=REFRESH, basis_dtype=torch.float64,
                 stat_dtype=torch.float64, **VARIANTS[variant], **kw)
 

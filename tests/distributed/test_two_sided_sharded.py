@@ -42,6 +42,8 @@ def make(model, kind, blocks=4, out_blocks=2, **kw):
     (when the model has it) gives per-matrix groups."""
     extra = dict(norm="sign") if kind == "one-sided" else dict(side="both", out_blocks=out_blocks, **KINDS[kind])
     gs = model.groups() if hasattr(model, "groups") else groups(model)
+    # the unsplit refresh: the counts below are its (the default split's: test_refresh_split_default.py)
+    kw = {"split_refresh": False, **kw}
     return Dobb(gs, model, lr=0.02, weight_decay=0.01, blocks=blocks, refresh_every=REFRESH,
                 basis_dtype=torch.float64, stat_dtype=torch.float64, stagger=False, beta2=0.9, **extra, **kw)
 

@@ -41,9 +41,9 @@ from .experts import expert_layout, expert_parts
 from ..attention_heads import check_heads_apply
 from .options import HOOK_SOURCES as _HOOK_SOURCES
 from .options import DobbOptions, check_params
-from .schedule import (MAX_CYCLE, Plan, Side, block_counts, captures, cycle, due, ns_rows, queue_refresh,
+from .schedule import (Plan, Side, block_counts, captures, cycle, due, ns_rows, queue_refresh,
                        refresh_period, saved_captures, schedule_of, stagger_offsets, two_sided_layouts)
-from .statistics import DueStat, RefreshBatch, agree, solve
+from .statistics import DueStat, RefreshBatch, agree, solve, split_by_default
 from .update import (FUSE_MIN_BLOCK_WORK, DirectionCache, OneSided, TwoSided, apply_directions,
                      apply_preconditioned_muon, apply_prepared, apply_two_sided, apply_whole_steps, decay_in_update,
                      fused_decays, precondition, prepared_directions, whole_step_owner)
@@ -63,66 +63,46 @@ class Dobb(MatrixOptimizer):
     Args (beyond ``torch.optim`` conventions; every one may be overridden per param group):
         model: the module whose layers own the matrices; needed for ``source="activation"`` and
             ``"output_grad"`` (capture hooks are registered on it).
-        blocks: number of diagonal blocks ``B`` of the blocked axis (contiguous, nearly equal,
-            first ``size % B`` blocks one longer; under sharding, cut at shard boundaries first).
-            It trades loss against step cost: each block's basis sees only its own diagonal block
-            of the statistic, and a smaller block is cheaper to refresh and fits within a shard (the
-            measured trade-off, and how Dobb compares with block Muon at equal ``blocks``:
-            docs/results.md, "Operating point"; docs/timing.md). At ``blocks=1`` on wide matrices
-            ``split_refresh=True`` and ``refresh_width`` cut the refresh (docs/timing.md, "A refresh
-            that scales"). ``side="both"`` orthogonalizes on both sides with Dobb's collectives
-            (docs/results.md, "Two-sided Dobb").
+        blocks: number of diagonal blocks ``B`` of the blocked axis (contiguous, nearly equal; under
+            sharding cut at shard boundaries first; None: one per shard of a sharded axis, else 1).
+            It trades loss against step cost (docs/results.md, "Operating point"; docs/timing.md,
+            "A refresh that scales" for ``split_refresh`` and ``refresh_width`` at ``blocks=1``).
         refresh_every: refresh period ``T`` (the first step always refreshes).
-        refresh_width: None (default: every matrix refreshes every ``T`` steps) or a block width
-            ``w``: a matrix whose widest block (either side, global size) is ``s`` wide refreshes
-            every ``T * max(1, round(s / w))`` steps, so the wide blocks that dominate the refresh
-            (``s^3``) refresh less often ("A refresh that scales" in docs/timing.md; ``refresh_period``).
-        basis: ``"orthogonal_iteration"`` (``ortho_steps`` rounds of ``Q <- qr(A Q)``, warm-started)
-            or ``"eigh"`` (exact eigendecomposition at every refresh).
-        qr: ``"householder"`` or ``"cholesky"`` (Cholesky QR; failed blocks redone by Householder).
+        refresh_width: None (every matrix every ``T`` steps) or a width ``w``: a matrix whose widest
+            block is ``s`` wide refreshes every ``T * max(1, round(s / w))`` steps (``refresh_period``).
+        basis: ``"orthogonal_iteration"`` (``ortho_steps`` warm-started ``Q <- qr(A Q)``) or ``"eigh"``.
+        qr: ``"householder"`` or ``"cholesky"`` (failed blocks redone by Householder).
         norm: ``"sign"`` (Dobb), ``"l2"`` (Dobb-ell2: unit-norm coefficient columns) or, with
             ``side="both"``, ``"adam"`` (SOAP's second-moment rule on the two-sided coefficients).
         side: ``"input"`` (column blocks, basis over ``n``), ``"output"`` (row blocks, Dobb-G) or
             ``"both"`` (two-sided Dobb: ``C_bc = Q_out_b^T U_bc Q_in_c``, see ``functional.two_sided_update_``).
         out_blocks: row blocks of the output side of ``side="both"`` (``blocks`` stays the input side's).
         beta2, eps: ``norm="adam"``'s second-moment decay and denominator epsilon.
-        source: ``"activation"`` (input side; with ``side="both"`` activations for the input side and
-            output gradients for the output side), ``"output_grad"`` (output side) or ``"grad_gram"``
-            (``G^T G`` / ``G G^T`` blocks; no hooks).
-        capture: ``"first"`` micro-batch after the previous step, or ``"all"`` micro-batches.
-        stat_decay: EMA decay of the statistic across captures, ``A <- d A + (1-d) A_new``; the
-            first capture initialises ``A`` (our choice; the paper does not pin it down).
-        init_basis: first basis from exact ``"eigh"`` of the first capture (default) or the
-            ``"identity"`` followed by orthogonal iteration.
-        stagger: spread refreshes over the cycle (each step refreshes about ``1/T`` of the
-            matrices' work, same per-matrix period) to flatten the refresh-step spike. Default
-            True: only the phase of each matrix's refresh moves, not its period (its effect on the
-            loss and the spike: docs/timing.md, "Refresh spike").
-        check_finite: False turns the ``nonfinite="raise"`` check off (the older spelling of
-            ``nonfinite="off"``; ``nonfinite`` is every optimizer's group option, ``dobb._safety``).
-            True (default): raise ``ValueError`` naming the parameter when a gradient holds NaN/Inf,
-            before any state changes. The decision is taken by all ranks that share the step
-            together (one flag all-reduce, folded into the statistic reduction on refresh steps), so
-            every rank raises the same error. Costs one host synchronisation per step; False skips it.
-        split_refresh: True: where ranks hold the same statistic and bases (FSDP2, DDP, HSDP), each
-            block's refresh runs on one of them and is broadcast in the basis dtype (bitwise the same
-            bases, ``n^2/B`` entries per matrix per refresh; ``core.statistics``). False (default):
-            every rank computes every refresh; ``step()`` issues no collective of its own.
+        source: ``"activation"`` (input side; two-sided: output gradients for the output side),
+            ``"output_grad"`` (output side) or ``"grad_gram"`` (``G^T G`` / ``G G^T``; no hooks).
+        capture: ``"first"`` micro-batch after the previous step, or ``"all"``. stat_decay: EMA
+            decay ``A <- d A + (1-d) A_new`` (the first capture initialises ``A``). init_basis:
+            exact ``"eigh"`` of the first capture (default) or ``"identity"``.
+        stagger: spread refreshes over the cycle (same per-matrix period, only its phase moves) to
+            flatten the refresh-step spike (docs/timing.md, "Refresh spike"). Default True.
+        check_finite: False is the older spelling of ``nonfinite="off"`` (every optimizer's group
+            option, ``dobb._safety``). True (default): a NaN/Inf gradient is a ``ValueError`` naming
+            the parameter before any state changes, all ranks deciding together (one flag
+            all-reduce, folded into the statistic reduction on refresh steps; one host read a step).
+        split_refresh: where ranks share a statistic (FSDP2, DDP, HSDP), each even-sized block's
+            refresh runs on one of them and is broadcast in the basis dtype (bitwise the same bases),
+            dividing the refresh work by the group size. None (default): split where that is bitwise
+            by construction, a hook statistic on a CPU (``statistics.split_by_default``; not yet on
+            CUDA); True: every shared request; False: every rank computes every refresh.
         stat_group: process group over which statistics are averaged (token-weighted). ``"default"``:
-            DTensor parameters take the data-parallel dims of their mesh; plain parameters the
-            process group of the ``DistributedDataParallel`` module passed as ``model``, and raise a
-            ``ValueError`` under an initialized process group of several ranks without one (pass a
-            ``ProcessGroup``, or None for this rank's data alone). Mesh dim names/indices select
-            DTensor mesh dims.
-        product_dtype: dtype of the projection products ``U_b Q_b`` and ``C_b Q_b^T``: ``"auto"``
-            (the basis dtype on accelerators, fp32 on every CPU; why: ``functional.matmul_dtype``)
-            or a dtype that forces it.
-        transposed: the group's weights are stored ``(in, out)`` (Hugging Face ``Conv1D``;
-            ``dobb.param_groups`` sets it): blocks, statistics and sharding follow the input axis.
+            a DTensor's data-parallel mesh dims; plain parameters the process group of the DDP module
+            passed as ``model`` (a ``ValueError`` under several ranks without one: pass a
+            ``ProcessGroup``, or None for this rank's data alone); mesh dim names/indices.
+        product_dtype: dtype of the products ``U_b Q_b``, ``C_b Q_b^T``: ``"auto"`` (the basis dtype
+            on accelerators, fp32 on CPUs: ``functional.matmul_dtype``) or a dtype that forces it.
+        transposed: weights stored ``(in, out)`` (``Conv1D``; ``dobb.param_groups`` sets it).
 
-    A group may hold 3-D expert stacks ``(E, out, in)``: each is optimized as ``E`` matrices with
-    their own blocks, statistics and bases (``core.experts``); their statistics come from
-    ``capture(weight, [x_0, ..., x_{E-1}])`` or ``source="grad_gram"``.
+    A group may hold 3-D expert stacks ``(E, out, in)``, each ``E`` matrices (``core.experts``).
     """
 
     algorithm = "dobb"
@@ -132,9 +112,10 @@ class Dobb(MatrixOptimizer):
     Options = DobbOptions  # the options, their defaults and value rules (core.options)
 
     def __init__(self, params, model: nn.Module | None = None, *, lr: float, weight_decay: float = 0.0,
-                 check_finite: bool = True, stat_group="default", split_refresh: bool = False, **kwargs):
-        if not isinstance(split_refresh, bool):
-            raise ValueError(f"split_refresh must be True or False, got {split_refresh!r}")
+                 check_finite: bool = True, stat_group="default", split_refresh: bool | None = None, **kwargs):
+        if split_refresh is not None and not isinstance(split_refresh, bool):
+            raise ValueError(f"split_refresh must be True or False (or None: split where bitwise), "
+                             f"got {split_refresh!r}")
         self.model = model
         self.check_finite = check_finite
         self.split_refresh = split_refresh
@@ -415,9 +396,14 @@ class Dobb(MatrixOptimizer):
             grads = [None if p.grad is None else self._plans[p].layout.local(p.grad) for p in ps]
             requests, shared = queue_refresh(g, ps, grads, [self.state[p] for p in ps], [self._plans[p] for p in ps],
                                              agreed)
+            if self.split_refresh is None:  # the default: split where bitwise (rank-invariant facts only)
+                shared = [s if s is not None and split_by_default(g["source"], r[0].device) else None
+                          for s, r in zip(shared, requests)]
+            elif not self.split_refresh:
+                shared = [None] * len(shared)
             batches.append(RefreshBatch(
                 ortho_steps=g["ortho_steps"], qr=g["qr"], basis_dtype=g["basis_dtype"], blocks=[r[:3] for r in requests],
-                groups=shared if self.split_refresh else [None] * len(shared)))
+                groups=shared))
             puts.append([r[3] for r in requests])
         for put_list, bases in zip(puts, solve(batches)):
             for put, q in zip(put_list, bases):

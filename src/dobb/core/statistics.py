@@ -18,7 +18,8 @@ In the step's order (``core.optimizer.Dobb._prepare_step`` says what is due, the
    for a new basis, exact (``eigh``) with ``basis="eigh"`` or on a first capture with
    ``init_basis="eigh"``, else by warm-started orthogonal iteration.
 3. **The basis solve** (``solve``): ``functional.refresh_bases``, one batched call per param group,
-   and with ``split_refresh=True`` the split of it across the ranks that hold the same statistic.
+   and the split of it across the ranks that hold the same statistic: with ``split_refresh=True``,
+   and by default (``None``) where it is bitwise the unsplit refresh by construction (``split_by_default``).
 
 The split: under FSDP2 (input-side blocks over the unsharded axis), DDP and HSDP every rank of a
 statistic group holds the same reduced statistic and the same bases. Each even-sized block's refresh
@@ -49,9 +50,11 @@ from ..capture import PendingStat
 from .. import collectives
 from ..collectives import group_ranks, plan_owners
 from ..layout import MatrixLayout, ReducedStat, local_nonfinite
+from .options import HOOK_SOURCES
 
 __all__ = ["SumBucket", "all_reduce_sum_", "DueStat", "Agreement", "agree", "local_nonfinite", "gram_statistic",
-           "fold_side", "EIGH_COST", "RefreshBatch", "shared_group", "solve"]
+           "fold_side", "EIGH_COST", "RefreshBatch", "shared_group", "split_by_default", "SPLIT_BITWISE_DEVICES",
+           "solve"]
 
 
 # ----------------------------------------------------------------------------- sums over ranks
@@ -295,6 +298,28 @@ def shared_group(layout):
     if group is None or layout.stack_size != 1 or layout.span_sizes is not None:
         return None
     return group if dist.get_world_size(group) > 1 else None
+
+
+# Devices whose batched solve is batch-invariant (a block solved alone has the bits it has in a batch):
+# on a CPU the LAPACK factorizations loop over the batch one matrix at a time (checked for every even
+# size from 2 to 512, eigh and orthogonal iteration, Householder and Cholesky QR, fp32 and fp64, on
+# the AMD host; ``tests/_split_host.py``). Not CUDA: ``linalg.eigh`` there solves a batch of small
+# blocks by Jacobi (``syevjBatched``) and a lone block by ``syevd``, and cuBLAS may pick another
+# kernel for another batch count, so the split would not be bitwise the unsplit refresh.
+SPLIT_BITWISE_DEVICES = frozenset({"cpu"})
+
+
+def split_by_default(source: str, device: torch.device) -> bool:
+    """Whether ``Dobb(split_refresh=None)`` (the default) splits a shared request (``shared_group`` not
+    None) of a param group with statistic ``source`` on ``device``: where the split is bitwise the
+    unsplit refresh by construction. The statistic must be the one the statistic all-reduce gave
+    every rank (``"activation"``, ``"output_grad"``: ``agree``), not a gradient Gram each rank forms
+    from its own gradient (``"grad_gram"``: equal on every rank only as far as the gradient and its
+    Gram reduction are), and the device's batched solve batch-invariant (``SPLIT_BITWISE_DEVICES``).
+    Odd block sizes stay local in ``solve`` whatever the option; expert stacks and blocked axes
+    sharded over the statistic group have no shared group. Reads only rank-invariant facts, so every
+    rank of a group decides alike."""
+    return source in HOOK_SOURCES and torch.device(device).type in SPLIT_BITWISE_DEVICES
 
 
 @dataclass

@@ -45,7 +45,7 @@ from dobb_bench.cost.matrices import DistContext, MatrixBank, init_distributed
 from dobb_bench.cost.shapes import matrix_shapes
 from dobb_bench.cost.timing_report import jsonable, merge_ranks, summarize
 from dobb_bench.errors import CliError
-from dobb_bench.specs import recorded_adamw_part
+from dobb_bench.specs import recorded_adamw_part, recorded_refresh
 from dobb_bench.specs import ADAMW_REFERENCES, OptimizerSpec, parse_spec
 
 TIMING_ONLY = ("torch-adamw", "torch-adamw-fused", "torch-muon")
@@ -98,7 +98,7 @@ def make_optimizer(spec: OptimizerSpec, model: nn.Module, lr: float, weight_deca
         if dist_ctx is not None and dist_ctx.plain:  # replicated plain tensors: statistics over the world
             hp.setdefault("stat_group", torch.distributed.group.WORLD)
     return dobb.build_optimizer(spec.name, model, lr=lr, weight_decay=weight_decay, **hp,
-                                **recorded_adamw_part(spec.name, model, hp))
+                                **recorded_adamw_part(spec.name, model, hp), **recorded_refresh(spec.name, hp))
 
 
 def cycle_length(opt) -> int:

@@ -61,10 +61,10 @@ def make_optimizer(name: str, hparams: dict, lr: float, weight_decay: float, mod
     ``dobb.build_optimizer`` (the one builder) with the model last."""
     import dobb  # the library's public entry point is the only way optimizers are made
 
-    from dobb_bench.specs import recorded_adamw_part
+    from dobb_bench.specs import recorded_adamw_part, recorded_refresh
 
     return dobb.build_optimizer(name, model, lr=lr, weight_decay=weight_decay, **hparams,
-                                **recorded_adamw_part(name, model, hparams))
+                                **recorded_adamw_part(name, model, hparams), **recorded_refresh(name, hparams))
 
 
 def run_hparams(spec: OptimizerSpec, steps: int) -> dict:
