@@ -151,11 +151,16 @@ def recorded_adamw_part(name: str, model, hparams=None) -> dict:
     Empty for ``adamw`` (``torch.optim.AdamW``: every parameter decays by default, unchanged) and
     for names outside the registry; ``decay_names`` left out when ``hparams`` sets it itself. Also
     the builder defaults of ``RECORDED_DEFAULTS`` that ``hparams`` does not set (Dobb-Muon's plain
-    momentum, its default before Nesterov)."""
+    momentum, its default before Nesterov), and ``nonfinite="off"`` for the baselines (Dobb's forms
+    checked gradients before, as now)."""
     entry = dobb.registry.OPTIMIZERS.get(name)
     if entry is None or not entry.is_matrix:
         return {}
     out = {k: v for k, v in RECORDED_DEFAULTS.get(name, {}).items() if k not in (hparams or {})}
+    if not entry.refreshes and "nonfinite" not in (hparams or {}):
+        # the baselines checked no gradient before issue 53 ("raise" adds a host read and, sharded, a
+        # flag all-reduce to their step): their timing and kernel records ran without it
+        out["nonfinite"] = "off"
     if "decay_names" not in (hparams or {}):
         out["decay_names"] = [n for n, p in model.named_parameters() if p.requires_grad]
     return out
