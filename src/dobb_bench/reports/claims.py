@@ -67,6 +67,9 @@ The rows a claim is about are those named in its clause before the claim's words
 
 A table's seed count per row: its ``seeds`` column (``0,1,2``), or 1 plus the seeds named in its
 ``other seeds ...`` column (``seed 1: ..., seed 2: ...``).
+
+The tables as rows (``docs_tables``, ``table_rows``) and the checks (g)-(i) moved to ``claims_rows``,
+still importable from here.
 """
 from __future__ import annotations
 
@@ -74,7 +77,9 @@ import re
 from pathlib import Path
 
 from dobb_bench.reports import records as R
-from dobb_bench.reports.best_row import SENTENCE_END, names, parse_table
+from dobb_bench.reports.best_row import SENTENCE_END, names, parse_table  # noqa: F401  (parse_table: kept importable here)
+from dobb_bench.reports.claims_rows import (CHOSEN_LR_TABLES, docs_tables, mixed_dtypes,  # noqa: F401
+                                           product_dtype, table_problems, table_rows)  # noqa: F401
 from dobb_bench.reports.figure_check import FENCE, blank_out, text_blocks
 
 SCOPES = (
@@ -95,7 +100,6 @@ _NOT_MEASURED = re.compile(r"\bnot measured\b", re.I)
 _LOWEST = re.compile(r"\b(?:ends?|the|is|are)\s+lowest\b(?!\s+(?:lr|learning|grid|edge|seed|loss|row)\b)"
                      r"(?!\s+(?:of|among) them\b)", re.I)
 _SEED0 = re.compile(r"\bseed 0\b", re.I)
-_NUM = re.compile(r"[+-]?\d+\.\d+")
 # (e): "0.005 below", "0.090 behind Muon", "0.004 above it" (not "0.004 below AdamW": another row)
 _AGAINST = re.compile(r"(?:the|its|a|an|their|this|that)\b", re.I)
 _HPARAM = re.compile(r"\b[A-Z][a-z]?=\d")  # a row's short form: B=1 Bo=1, P=10 (not code's axis=0)
@@ -109,71 +113,6 @@ _NUMBER = {"two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7, "ei
 _FIRST_N = re.compile(r"\b(first|top) (\d+|" + "|".join(_NUMBER) + r")\b", re.I)
 _ALL_ROWS = re.compile(r"\bevery row\b|\ball (?:the )?(?:matrix )?rows\b|\bthe (?:matrix )?rows\b", re.I)
 _MATRIX = re.compile(r"\bmatrix rows\b", re.I)
-# the tables that choose a row's lr on the common windows, with the setting of one that has no setting column
-CHOSEN_LR_TABLES = {"long-horizon-best": None, "frontier-20": "8300 steps, width 128"}
-
-
-# ----- the tables, as rows -----------------------------------------------------------------------------
-def docs_tables(docs: Path | None = None) -> dict[str, str]:
-    """{table name: body} of every marked table in docs/*.md."""
-    docs = Path(R.DOCS if docs is None else docs)
-    out = {}
-    for md in sorted(docs.glob("*.md")):
-        for m in R.TABLE.finditer(md.read_text()):
-            out[m.group(2)] = m.group(3)
-    return out
-
-
-def table_rows(body: str) -> list[dict]:
-    """Each data row as {label, setting, edge, seeds, mean, seed0} (None where the table does not say)."""
-    head, rows = parse_table(body)
-    if not head:
-        return []
-    col = {h: i for i, h in enumerate(head)}
-    label_i = col.get("row", 0)
-    other = next((i for i, h in enumerate(head) if h.startswith("other seeds")), None)
-    gap = next((i for i, h in enumerate(head) if h.startswith("gap to Muon at its best lr")), None)
-    # table:frontier-20: "mean ± std (n)" and "gap to Muon, paired by seed": mean (seed 0, seed 1, ...)
-    n_col = next((i for i, h in enumerate(head) if h.startswith("mean ± std")), None)
-    paired_gap = next((i for i, h in enumerate(head) if h.startswith("gap to Muon, paired by seed")), None)
-    out = []
-    for r in rows:
-        if len(r) < len(head):
-            continue
-        cell = lambda i: r[i] if i is not None else ""
-        label = r[label_i].replace("**", "").strip()
-        seeds = None
-        if "seeds" in col:
-            seeds = len([x for x in r[col["seeds"]].split(",") if x.strip().isdigit()]) or None
-        elif other is not None:
-            seeds = 1 + len(re.findall(r"\bseed \d+", cell(other)))
-        elif n_col is not None and paired_gap is not None:
-            m = re.search(r"\((\d+)\)\s*$", cell(n_col))
-            seeds = int(m.group(1)) if m else None
-        seed0 = mean = None
-        if paired_gap is not None:
-            nums = _NUM.findall(cell(paired_gap))
-            if nums:
-                mean, seed0 = float(nums[0]), float(nums[1] if len(nums) > 1 else nums[0])
-            elif label == "Muon":
-                mean = seed0 = 0.0
-        elif gap is not None:
-            nums = _NUM.findall(cell(gap))
-            seed0 = float(nums[0]) if nums else (0.0 if label == "Muon" else None)
-            m = re.search(r"\bmean ([+-]?\d+\.\d+)", cell(other))
-            mean = float(m.group(1)) if m else seed0
-        best = _NUM.search(r[col["best lr"]]) if "best lr" in col else None
-        runs = next((i for i, h in enumerate(head) if h.startswith("lrs run")), None)
-        if runs is not None:
-            lrs = [float(x) for x in re.findall(r"(\d+(?:\.\d+)?(?:e-?\d+)?):", r[runs].replace("**", ""))]
-        else:
-            lrs = [float(h[3:]) for i, h in enumerate(head) if re.fullmatch(r"lr \d+(?:\.\d+)?", h)
-                   and r[i].replace("**", "").strip() not in ("", "—")]
-        out.append({"label": label, "setting": r[col["setting"]] if "setting" in col else None,
-                    "edge": "(edge)" in r[col["best lr"]] if "best lr" in col else False,
-                    "seeds": seeds, "mean": mean, "seed0": seed0,
-                    "best_lr": float(best.group(0)) if best else None, "lrs": lrs})
-    return out
 
 
 # ----- (a): figures quoted from a source -----------------------------------------------------------------
@@ -423,59 +362,6 @@ def _within_claim(sentence: str, clause: str, m: re.Match, labels: list[str], fo
                 out.append(f"says {scope} end within {m.group(1)} of Muon; table {name!r} "
                            f"({'seed 0' if key == 'seed0' else 'mean over seeds'}) has "
                            + ", ".join(f"{x} {vals[x]:+.3f}" for x in far))
-    return out
-
-
-# ----- (g), (h), (i): tables against each other and their records --------------------------------------------
-def table_problems(tables: dict[str, str]) -> list[tuple[str, str]]:
-    """(table name, problem) for (g) an unmarked edge and (h) two best lrs for one row."""
-    out = []
-    chosen: dict = {}
-    for name, body in tables.items():
-        for r in table_rows(body):
-            lr, lrs = r.get("best_lr"), r.get("lrs") or []
-            if lr is not None and lrs and not r["edge"] and any(abs(lr - x) <= 5e-4 * x for x in (min(lrs), max(lrs))):
-                where = f" ({r['setting']})" if r["setting"] else ""
-                out.append((name, f"{r['label']}{where}: best lr {lr:g} is at an end of the lrs run "
-                                  f"({min(lrs):g}-{max(lrs):g}) and not marked (edge)"))
-            if name in CHOSEN_LR_TABLES and lr is not None:
-                setting = r["setting"] or CHOSEN_LR_TABLES[name]
-                chosen.setdefault((setting, r["label"]), {})[name] = lr
-    for (setting, label), by in sorted(chosen.items()):
-        if len({f"{v:.3g}" for v in by.values()}) > 1:
-            out.append((sorted(by)[0], f"{label} ({setting}): best lr " + ", ".join(
-                f"{v:g} in table {n!r}" for n, v in sorted(by.items())) + ": one best lr per row across the tables"))
-    return out
-
-
-def product_dtype(r: dict) -> str | None:
-    """The dtype a record's matrix products ran in: as resolved in its ``optimizer_groups`` (not the
-    AdamW group's), else as its hparams name it (``bfloat16`` / ``float32``); None when neither says."""
-    for g in r.get("optimizer_groups") or []:
-        for key in ("product_dtype_resolved", "ns_dtype_resolved"):
-            if g.get(key) and g.get("algorithm") != "adamw":
-                return str(g[key]).replace("torch.", "")
-    hp = str(r.get("hparams") or {})
-    return "bfloat16" if "bfloat16" in hp else "float32" if "float32" in hp else None
-
-
-def mixed_dtypes(name: str, recs: list[dict]) -> list[str]:
-    """(i) The rows of table ``name`` (run label and setting) whose records ran their matrix products
-    in more than one dtype."""
-    by: dict = {}
-    for r in recs:
-        if not isinstance(r, dict) or "run" not in r:
-            continue
-        m = r.get("model") or {}
-        d = product_dtype(r)
-        if d is not None:
-            by.setdefault((r["run"], r.get("steps"), m.get("width")), {}).setdefault(d, []).append(r)
-    out = []
-    for (run, steps, width), kinds in by.items():
-        if len(kinds) > 1:
-            said = "; ".join(f"{k}: " + ", ".join(sorted({f"lr {x['lr']:.3g} seed {x.get('seed')}" for x in rs}))
-                             for k, rs in sorted(kinds.items()))
-            out.append(f"table {name!r}: row {run} ({steps} steps, width {width}) mixes product dtypes ({said})")
     return out
 
 
