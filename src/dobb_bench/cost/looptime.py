@@ -388,7 +388,8 @@ def add_parsers(sub) -> None:
     lt.add_argument("--profile", action="store_true", help="also split one cycle by operator class")
     lt.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                     help="also time each optimizer's step compiled, torch.compile(opt.step) (default backend "
-                         "inductor); give Dobb check_finite=false, or its finiteness check breaks the graph")
+                         "inductor); give each optimizer nonfinite=off or nonfinite=skip: the default "
+                         "raise reads a flag on the host, which breaks the graph")
     lt.add_argument("--skip-guards", action="store_true",
                     help="with --compile, a third row per optimizer: its compiled step timed with Dynamo's guard "
                          "checks skipped (set_stance skip_guard_eval_unsafe), to measure what the guards cost; "
