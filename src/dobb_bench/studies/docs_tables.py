@@ -24,11 +24,11 @@ from dobb_bench.reports import records as R
 from dobb_bench.reports.figure_check import scan
 from dobb_bench.reports.report import pyplot, typed_hparams
 from dobb_bench.reports.tables import group_by, final_loss, stats
-from dobb_bench.studies import (family_dash, family_soap, frontier, long_horizon, main_job, operating_point, refresh_width,
-                                shard_local, two_sided)
+from dobb_bench.studies import (family_dash, family_soap, frontier, long_horizon, main_job, one_revision, operating_point,
+                                refresh_width, shard_local, two_sided)
 
 _STUDIES = (main_job, operating_point, family_dash, family_soap, two_sided, refresh_width, shard_local, long_horizon,
-            frontier, projection)
+            frontier, one_revision, projection)
 TABLES = {}
 for _module in _STUDIES:
     _clash = set(TABLES) & set(_module.TABLES)

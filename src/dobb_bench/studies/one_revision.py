@@ -1,0 +1,122 @@
+"""The 20-tokens rows rerun at one revision on one host kind (study ``one-revision``,
+``table:one-revision``).
+
+Why a table of its own: ``table:frontier-20`` pairs runs made at revisions up to 215 commits apart
+on hosts with and without native bf16 (issue 55); a rerun of one of its seeds at a later revision
+moved a loss by as much as the gaps it calls. Here every run of a row and of the reference (owner-
+compute Muon) comes from one revision and one host kind, both named under the table with the
+numerics digest of that revision (``scripts/numerics_digest.py``): a later revision whose digest
+entry for an optimizer is bitwise equal computes the same numbers, so these runs stand for it.
+
+The protocol is ``table:frontier-20``'s: the lr of each row chosen by the one rule
+(``lr_rule.choose``) on the 2,048 common windows; its gap to Muon paired by seed, with the verdict
+of ``frontier.verdict`` (over every seed, then over the seeds that did not choose the lr); the top
+singular value of the hidden matrices from the same runs, every seed. Rows whose rule is still
+waiting on runs say which.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from dobb_bench.reports import records as R
+from dobb_bench.studies.frontier import norm_stats, verdict
+from dobb_bench.studies.long_horizon_runs import ONE_REV, ONE_REVISION, STUDIES
+from dobb_bench.studies.lr_rule import bf16, choose
+
+STUDY = "one-revision"
+REF = "Muon"
+# the re-evaluations of this study's runs on the common windows, apart from reeval.jsonl (which
+# table:frontier-20 reads whole: its Muon row must not take these runs)
+REEVAL = ("results", "checks", "reeval-windows", "one-revision.jsonl")
+DIGEST = ("results", "checks", "numerics-digest")
+
+
+def _lr(x: float) -> float:
+    return float(f"{x:.4g}")
+
+
+def reeval_records() -> list[dict]:
+    path = Path(R.DOCS).joinpath(*REEVAL)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _records() -> list[dict]:
+    path = Path(R.RECORDS) / f"{STUDY}.jsonl"
+    return R.load(STUDY) if path.exists() else []
+
+
+def _common() -> dict[str, dict[float, dict[int, dict]]]:
+    """``{row: {lr: {seed: reeval record}}}`` of this study's runs (run folders ``rev-*``)."""
+    out: dict = {}
+    for r in reeval_records():
+        if str(r.get("run_dir", "")).startswith(f"{ONE_REVISION.kind}-") and r["steps"] == ONE_REVISION.steps \
+                and not bf16(r):
+            out.setdefault(r["run"], {}).setdefault(_lr(r["lr"]), {})[r["seed"]] = r
+    return out
+
+
+def _where(recs: list[dict]) -> tuple[list[str], list[str]]:
+    """The revisions (short) and host CPUs the records ran at."""
+    prov = [r.get("provenance") or {} for r in recs]
+    revs = sorted({p.get("git_rev", "")[:7] for p in prov if p.get("git_rev")})
+    cpus = sorted({(p.get("machine") or {}).get("cpu", "?") for p in prov})
+    return revs, cpus
+
+
+def one_revision() -> tuple[str, list[dict]]:
+    common = _common()
+    runs = {(r["run"], _lr(r["lr"]), r["seed"]): r for r in _records()}
+    ref_choice = choose(common.get(REF, {}))
+    ref = common.get(REF, {}).get(ref_choice.lr, {})
+    lines = ["| row | spec | lrs run: seed-0 loss, common windows | best lr | seeds at best: loss | mean ± std (n) | "
+             "gap to Muon, paired by seed | largest top singular value, end | growth: end / initial (end / halfway) |",
+             "|" + "---|" * 9]
+    used: list[dict] = []
+    for row in ONE_REV:
+        by_lr = common.get(row.label, {})
+        choice = choose(by_lr)
+        if choice.lr is None:
+            lines.append(f"| {row.label} | `{row.spec}` | not run yet | | | | | | |")
+            continue
+        grid = ", ".join(f"{x:.3g}: {s[0]['common_val_loss']:.3f}" for x, s in sorted(by_lr.items()) if 0 in s)
+        at = by_lr[choice.lr]
+        used += [s[0] for s in by_lr.values() if 0 in s] + list(at.values())
+        losses = {sd: at[sd]["common_val_loss"] for sd in sorted(at)}
+        vals = list(losses.values())
+        sd_txt = f" ± {statistics.stdev(vals):.3f}" if len(vals) > 1 else ""
+        per_seed = ", ".join(f"{v:.3f} (s{sd})" for sd, v in losses.items())
+        gap = ""
+        if row.label != REF:
+            gaps = {sd: losses[sd] - ref[sd]["common_val_loss"] for sd in losses if sd in ref}
+            if gaps:
+                mean, text = verdict(gaps)
+                gap = f"{mean:+.3f} ({', '.join(f'{g:+.3f}' for g in gaps.values())}), {text}"
+                if not ref_choice.settled or not choice.settled:
+                    gap += "; provisional: an lr not settled"
+            else:
+                gap = "—"
+        recs = [runs[(row.label, choice.lr, sd)] for sd in at if (row.label, choice.lr, sd) in runs]
+        used += recs
+        ns = norm_stats(recs)
+        norms = " | — | —" if ns is None else f" | {ns[0]:.2f} | {ns[1]:.2f}x ({ns[2]:.2f}x)"
+        lines.append(f"| {row.label} | `{row.spec}` | {grid} | {choice.cell()} | {per_seed} | "
+                     f"{statistics.fmean(vals):.3f}{sd_txt} ({len(vals)}) | {gap}{norms} |")
+    study = STUDIES[STUDY]
+    revs, cpus = _where(used)
+    digests = sorted(p.name for p in Path(R.DOCS).joinpath(*DIGEST).glob("*.json") if p.stem[:7] in revs)
+    text = "\n".join(lines) + "\n\n"
+    text += (f"Study `{STUDY}`: {study.setting.steps} steps, width 128, 2 layers, fp32 products, seeds "
+             f"{', '.join(map(str, study.seeds))} at each row's chosen lr; revision {', '.join(revs) or '—'} "
+             f"(numerics digest: {', '.join(f'`docs/results/checks/numerics-digest/{d}`' for d in digests) or '—'}); "
+             f"host {', '.join(cpus) or '—'}. Losses: the last checkpoint (step 8,000) on 2,048 common windows "
+             f"(record `docs/results/{'/'.join(REEVAL[1:])}`); norms and training records: "
+             f"`docs/results/records/{STUDY}.jsonl`. A gap is beyond noise under a 95% paired t-test over the "
+             "seeds, repeated over the seeds that did not choose the lr.\n")
+    return text, used
+
+
+TABLES = {"one-revision": one_revision}
