@@ -318,9 +318,12 @@ def add_directions_(items: Sequence[Blocks], *, norm: str, dtype: torch.dtype, c
         w0[0].t().view(count, size, r).add_(torch.bmm(q, ct), alpha=factor)
         return
     counts = [it.q.shape[0] * it.q.shape[1] for it in items]
-    views = [it.u.to(dtype).reshape(it.u.shape[0], r, it.q.shape[1], size).transpose(1, 2).reshape(n, r, size)
-             for it, n in zip(items, counts)]
-    ub = views[0] if len(items) == 1 else torch.cat(views)
+    if len(items) == 1:
+        ub = u0.to(dtype).reshape(E0, r, q0.shape[1], size).transpose(1, 2).reshape(counts[0], r, size)
+    else:  # every item's blocks converted into one buffer by one foreach copy (exact: the same values)
+        ub = u0.new_empty(sum(counts), r, size, dtype=dtype)
+        torch._foreach_copy_([b.view(it.q.shape[0], it.q.shape[1], r, size) for b, it in zip(ub.split(counts), items)],
+                             [it.u.unflatten(-1, (it.q.shape[1], size)).transpose(1, 2) for it in items])
     qs = [it.q.reshape(n, size, size) for it, n in zip(items, counts)]
     q = (qs[0] if len(items) == 1 else torch.cat(qs)).to(dtype)
     c = block_coefficients(ub, q, norm, col_sq_sum)
@@ -328,9 +331,18 @@ def add_directions_(items: Sequence[Blocks], *, norm: str, dtype: torch.dtype, c
         w0[0].view(r, counts[0], size).transpose(0, 1).baddbmm_(c, q.transpose(1, 2), beta=beta0, alpha=factor0)
         return
     o = torch.bmm(c, q.transpose(1, 2))
+    # W_b += factor O_b: one foreach add per factor (equal shapes share one), bitwise the per-item add_
+    adds: dict[float, tuple[list, list]] = {}
     for ob, it in zip(o.split(counts), items):
         E, cnt = it.q.shape[0], it.q.shape[1]
-        it.w.view(E, r, cnt, size).add_(ob.view(E, cnt, r, size).transpose(1, 2), alpha=it.factor)
+        ws, os_ = adds.setdefault(it.factor, ([], []))
+        ws.append(it.w.view(E, r, cnt, size))
+        os_.append(ob.view(E, cnt, r, size).transpose(1, 2))
+    for factor, (ws, os_) in adds.items():
+        if len(ws) == 1:
+            ws[0].add_(os_[0], alpha=factor)
+        else:
+            torch._foreach_add_(ws, os_, alpha=factor)
 
 
 def direction_input(
