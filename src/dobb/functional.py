@@ -79,8 +79,8 @@ def _block_runs(sizes: tuple[int, ...]) -> tuple[BlockRun, ...]:
 
 
 def block_view(stacked: Tensor, run: BlockRun) -> Tensor:
-    """``(count, size, size)`` view of a run inside a row-stacked ``(k, s_max)`` tensor."""
-    return stacked[run.start : run.stop, : run.size].reshape(run.count, run.size, run.size)
+    """``(count, size, size)`` view of a run inside a row-stacked ``(..., k, s_max)`` tensor."""
+    return stacked[..., run.start : run.stop, : run.size].unflatten(-2, (run.count, run.size))
 
 
 def identity_blocks(sizes: Sequence[int], dtype=torch.float32, device=None) -> Tensor:
@@ -322,7 +322,7 @@ def add_directions_(items: Sequence[Blocks], *, norm: str, dtype: torch.dtype, c
         ub = u0.to(dtype).reshape(E0, r, q0.shape[1], size).transpose(1, 2).reshape(counts[0], r, size)
     else:  # every item's blocks converted into one buffer by one foreach copy (exact: the same values)
         ub = u0.new_empty(sum(counts), r, size, dtype=dtype)
-        torch._foreach_copy_([b.view(it.q.shape[0], it.q.shape[1], r, size) for b, it in zip(ub.split(counts), items)],
+        torch._foreach_copy_([b.view(*it.q.shape[:2], r, size) for b, it in zip(ub.split(counts), items)],
                              [it.u.unflatten(-1, (it.q.shape[1], size)).transpose(1, 2) for it in items])
     qs = [it.q.reshape(n, size, size) for it, n in zip(items, counts)]
     q = (qs[0] if len(items) == 1 else torch.cat(qs)).to(dtype)
@@ -331,18 +331,12 @@ def add_directions_(items: Sequence[Blocks], *, norm: str, dtype: torch.dtype, c
         w0[0].view(r, counts[0], size).transpose(0, 1).baddbmm_(c, q.transpose(1, 2), beta=beta0, alpha=factor0)
         return
     o = torch.bmm(c, q.transpose(1, 2))
-    # W_b += factor O_b: one foreach add per factor (equal shapes share one), bitwise the per-item add_
-    adds: dict[float, tuple[list, list]] = {}
+    adds: dict = {}  # W_b += factor O_b: one foreach add per factor (equal shapes share one), bitwise add_
     for ob, it in zip(o.split(counts), items):
         E, cnt = it.q.shape[0], it.q.shape[1]
-        ws, os_ = adds.setdefault(it.factor, ([], []))
-        ws.append(it.w.view(E, r, cnt, size))
-        os_.append(ob.view(E, cnt, r, size).transpose(1, 2))
-    for factor, (ws, os_) in adds.items():
-        if len(ws) == 1:
-            ws[0].add_(os_[0], alpha=factor)
-        else:
-            torch._foreach_add_(ws, os_, alpha=factor)
+        adds.setdefault(it.factor, []).append((it.w.view(E, r, cnt, size), ob.view(E, cnt, r, size).transpose(1, 2)))
+    for factor, pairs in adds.items():
+        torch._foreach_add_(*map(list, zip(*pairs)), alpha=factor)
 
 
 def direction_input(
@@ -479,8 +473,8 @@ def block_pair_rms_(d: Tensor, row_sizes: Sequence[int], col_sizes: Sequence[int
     block stays zero); one reduction per pair of runs of equal blocks."""
     for rr in block_runs(row_sizes):
         for cr in block_runs(col_sizes):
-            v = d[rr.start : rr.stop, cr.start : cr.stop].unflatten(0, (rr.count, rr.size)).unflatten(2, (cr.count, cr.size))
-            ms = v.square().mean(dim=(1, 3), keepdim=True)
+            v = d[..., rr.start : rr.stop, cr.start : cr.stop].unflatten(-2, (rr.count, rr.size)).unflatten(-1, (cr.count, cr.size))
+            ms = v.square().mean(dim=(-3, -1), keepdim=True)
             v.mul_(ms.clamp_min_(tiny).rsqrt_())
     return d
 
