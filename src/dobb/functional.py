@@ -79,8 +79,8 @@ def _block_runs(sizes: tuple[int, ...]) -> tuple[BlockRun, ...]:
 
 
 def block_view(stacked: Tensor, run: BlockRun) -> Tensor:
-    """``(count, size, size)`` view of a run inside a row-stacked ``(k, s_max)`` tensor."""
-    return stacked[run.start : run.stop, : run.size].reshape(run.count, run.size, run.size)
+    """``(count, size, size)`` view of a run inside a row-stacked ``(..., k, s_max)`` tensor."""
+    return stacked[..., run.start : run.stop, : run.size].unflatten(-2, (run.count, run.size))
 
 
 def identity_blocks(sizes: Sequence[int], dtype=torch.float32, device=None) -> Tensor:
@@ -318,9 +318,12 @@ def add_directions_(items: Sequence[Blocks], *, norm: str, dtype: torch.dtype, c
         w0[0].t().view(count, size, r).add_(torch.bmm(q, ct), alpha=factor)
         return
     counts = [it.q.shape[0] * it.q.shape[1] for it in items]
-    views = [it.u.to(dtype).reshape(it.u.shape[0], r, it.q.shape[1], size).transpose(1, 2).reshape(n, r, size)
-             for it, n in zip(items, counts)]
-    ub = views[0] if len(items) == 1 else torch.cat(views)
+    if len(items) == 1:
+        ub = u0.to(dtype).reshape(E0, r, q0.shape[1], size).transpose(1, 2).reshape(counts[0], r, size)
+    else:  # every item's blocks converted into one buffer by one foreach copy (exact: the same values)
+        ub = u0.new_empty(sum(counts), r, size, dtype=dtype)
+        torch._foreach_copy_([b.view(*it.q.shape[:2], r, size) for b, it in zip(ub.split(counts), items)],
+                             [it.u.unflatten(-1, (it.q.shape[1], size)).transpose(1, 2) for it in items])
     qs = [it.q.reshape(n, size, size) for it, n in zip(items, counts)]
     q = (qs[0] if len(items) == 1 else torch.cat(qs)).to(dtype)
     c = block_coefficients(ub, q, norm, col_sq_sum)
@@ -328,9 +331,12 @@ def add_directions_(items: Sequence[Blocks], *, norm: str, dtype: torch.dtype, c
         w0[0].view(r, counts[0], size).transpose(0, 1).baddbmm_(c, q.transpose(1, 2), beta=beta0, alpha=factor0)
         return
     o = torch.bmm(c, q.transpose(1, 2))
+    adds: dict = {}  # W_b += factor O_b: one foreach add per factor (equal shapes share one), bitwise add_
     for ob, it in zip(o.split(counts), items):
         E, cnt = it.q.shape[0], it.q.shape[1]
-        it.w.view(E, r, cnt, size).add_(ob.view(E, cnt, r, size).transpose(1, 2), alpha=it.factor)
+        adds.setdefault(it.factor, []).append((it.w.view(E, r, cnt, size), ob.view(E, cnt, r, size).transpose(1, 2)))
+    for factor, pairs in adds.items():
+        torch._foreach_add_(*map(list, zip(*pairs)), alpha=factor)
 
 
 def direction_input(
@@ -467,8 +473,8 @@ def block_pair_rms_(d: Tensor, row_sizes: Sequence[int], col_sizes: Sequence[int
     block stays zero); one reduction per pair of runs of equal blocks."""
     for rr in block_runs(row_sizes):
         for cr in block_runs(col_sizes):
-            v = d[rr.start : rr.stop, cr.start : cr.stop].unflatten(0, (rr.count, rr.size)).unflatten(2, (cr.count, cr.size))
-            ms = v.square().mean(dim=(1, 3), keepdim=True)
+            v = d[..., rr.start : rr.stop, cr.start : cr.stop].unflatten(-2, (rr.count, rr.size)).unflatten(-1, (cr.count, cr.size))
+            ms = v.square().mean(dim=(-3, -1), keepdim=True)
             v.mul_(ms.clamp_min_(tiny).rsqrt_())
     return d
 

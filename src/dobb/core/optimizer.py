@@ -43,7 +43,7 @@ from .options import HOOK_SOURCES as _HOOK_SOURCES
 from .options import DobbOptions, check_params
 from .schedule import (Plan, Side, block_counts, captures, cycle, due, ns_rows, queue_refresh,
                        refresh_period, saved_captures, schedule_of, stagger_offsets, two_sided_layouts)
-from .statistics import DueStat, RefreshBatch, agree, solve, split_by_default
+from .statistics import DueStat, RefreshBatch, agree, solve, split_by_default, store_bases
 from .update import (FUSE_MIN_BLOCK_WORK, DirectionCache, OneSided, TwoSided, apply_directions,
                      apply_preconditioned_muon, apply_prepared, apply_two_sided, apply_whole_steps, decay_in_update,
                      fused_decays, precondition, prepared_directions, whole_step_owner)
@@ -405,9 +405,7 @@ class Dobb(MatrixOptimizer):
                 ortho_steps=g["ortho_steps"], qr=g["qr"], basis_dtype=g["basis_dtype"], blocks=[r[:3] for r in requests],
                 groups=shared))
             puts.append([r[3] for r in requests])
-        for put_list, bases in zip(puts, solve(batches)):
-            for put, q in zip(put_list, bases):
-                put(q)
+        store_bases(puts, solve(batches))
 
     def _after_step(self) -> None:
         # Matrices with a shared statistic but no gradient on this rank: the weight and momentum

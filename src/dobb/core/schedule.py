@@ -245,6 +245,7 @@ def queue_refresh(group: dict, params: list[Tensor], grads: list, states: list[d
     requests: list[tuple] = []  # (A blocks, Q blocks, exact, put)
     shared: list = []
     dtype = torch.promote_types(group["stat_dtype"], torch.float32)
+    lerps: list = []  # the plain EMAs of 2-D matrices, folded by one foreach lerp below
     for p, g, st, plan in zip(params, grads, states, plans):
         now = due(st["step"], st["captures"], plan)
         # new lists, not the state's in place: a state_dict taken before keeps its counts
@@ -256,6 +257,8 @@ def queue_refresh(group: dict, params: list[Tensor], grads: list, states: list[d
                 fold_side(new, layout=side.layout, stat=st[side.stat], basis=st[side.basis], counts=counts,
                           due=now, stat_decay=group["stat_decay"], eigh=group["basis"] == "eigh",
                           eigh_every=group["eigh_every"], init_eigh=group["init_basis"] == "eigh",
-                          requests=requests)
+                          requests=requests, lerps=lerps)
                 shared += [shared_group(side.layout)] * (len(requests) - len(shared))
+    if lerps:  # before the solve reads the statistics (the requests hold views of them)
+        torch._foreach_lerp_(*map(list, zip(*lerps)), 1.0 - group["stat_decay"])
     return requests, shared

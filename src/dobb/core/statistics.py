@@ -53,7 +53,7 @@ from ..layout import MatrixLayout, ReducedStat, local_nonfinite
 from .options import HOOK_SOURCES
 
 __all__ = ["SumBucket", "all_reduce_sum_", "DueStat", "Agreement", "agree", "local_nonfinite", "gram_statistic",
-           "fold_side", "EIGH_COST", "RefreshBatch", "shared_group", "split_by_default", "SPLIT_BITWISE_DEVICES",
+           "fold_side", "store_bases", "EIGH_COST", "RefreshBatch", "shared_group", "split_by_default", "SPLIT_BITWISE_DEVICES",
            "solve"]
 
 
@@ -201,7 +201,7 @@ def gram_statistic(grad_local: torch.Tensor, layout: MatrixLayout, dtype=torch.f
 
 def fold_side(new: ReducedStat, *, layout: MatrixLayout, stat: torch.Tensor, basis: torch.Tensor,
               counts: list[int], due: list[bool], stat_decay: float, eigh: bool, init_eigh: bool,
-              requests: list, eigh_every: int = 0) -> None:
+              requests: list, eigh_every: int = 0, lerps: list | None = None) -> None:
     """One side of one stack (its ``stat`` and ``basis`` state tensors): the matrices of the captured
     span that are ``due`` and have seen a row (``new.seen``) count a capture (``counts``, in place);
     the local ones among them fold ``new`` into their statistic (``functional.fold_statistic_``: a
@@ -209,7 +209,9 @@ def fold_side(new: ReducedStat, *, layout: MatrixLayout, stat: torch.Tensor, bas
     refresh as ``(A, Q0, exact, put)`` on ``requests``: exact (``eigh``) with ``eigh``, or on a
     first capture with ``init_eigh``, else warm-started orthogonal iteration. The others keep
     statistic and basis. With ``eigh_every = k > 0`` a matrix's every ``k``-th refresh (its capture
-    count, before this one, a multiple of ``k``) is exact too, resetting the warm-started basis."""
+    count, before this one, a multiple of ``k``) is exact too, resetting the warm-started basis.
+    ``lerps`` (optional): where a 2-D matrix takes the plain EMA, ``(stat, new)`` is put there for the
+    caller's one ``_foreach_lerp_`` of a group (before the solve reads the statistic) instead."""
     lo, E = layout.stack_offset, layout.stack_local
     first = [counts[lo + i] == 0 for i in range(E)]
     periodic = [bool(eigh_every) and counts[lo + i] % eigh_every == 0 for i in range(E)]
@@ -221,7 +223,10 @@ def fold_side(new: ReducedStat, *, layout: MatrixLayout, stat: torch.Tensor, bas
         return
     stat, basis = layout.stacked(stat), layout.stacked(basis)
     keep = None if new.keep is None else new.keep[lo : lo + E]
-    F.fold_statistic_(stat, new.mean, [first[i] for i in range(E)], chosen, stat_decay, keep)
+    if lerps is not None and E == 1 and keep is None and chosen == [0] and not first[0]:
+        lerps.append((stat, new.mean.to(stat.dtype)))  # fold_statistic_'s stat.lerp_, for a foreach
+    else:
+        F.fold_statistic_(stat, new.mean, [first[i] for i in range(E)], chosen, stat_decay, keep)
     exact_of = {i: eigh or (first[i] and init_eigh) or periodic[i] for i in chosen}
     for exact in (True, False):
         # truth tests, not ``== exact``: under torch.compile a count, and so ``first``, is symbolic
@@ -237,15 +242,31 @@ def fold_side(new: ReducedStat, *, layout: MatrixLayout, stat: torch.Tensor, bas
             else:
                 bv_sel = bv
             requests.append((sv.reshape(-1, run.size, run.size), bv_sel.reshape(-1, run.size, run.size), exact,
-                             lambda q, bv=bv, idx=idx, k4=k4: _put_bases(bv, q, idx, k4)))
+                             lambda q, copies=None, bv=bv, idx=idx, k4=k4: _put_bases(bv, q, idx, k4, copies)))
 
 
-def _put_bases(bv: torch.Tensor, q: torch.Tensor, idx: torch.Tensor | None, keep: torch.Tensor | None) -> None:
+def store_bases(puts: list[list], bases: list[list[torch.Tensor]]) -> None:
+    """Every new basis into its state (the ``put`` of each request, ``fold_side``); off a CPU the plain
+    copies of all requests run as one ``_foreach_copy_`` (the same values as one ``copy_`` each)."""
+    copies: list = []
+    for put_list, qs in zip(puts, bases):
+        for put, q in zip(put_list, qs):
+            put(q, copies)
+    if copies:
+        torch._foreach_copy_(*map(list, zip(*copies)))
+
+
+def _put_bases(bv: torch.Tensor, q: torch.Tensor, idx: torch.Tensor | None, keep: torch.Tensor | None,
+               copies: list | None = None) -> None:
     """Store new bases ``q`` into a stack's run view ``bv`` (``(E, count, s, s)``): all matrices, or
     those of ``idx``; where ``keep`` (device flags) is False the old basis stays. ``q`` is rounded to
-    the basis dtype first, in its own layout (``_rounded``), so the store is a same-dtype copy."""
+    the basis dtype first, in its own layout (``_rounded``), so the store is a same-dtype copy.
+    ``copies`` (optional): a plain store off a CPU is put there as ``(bv, q)`` (``store_bases``)."""
     if idx is None:
         q = _rounded(q.view(bv.shape), bv.dtype)
+        if copies is not None and keep is None and q.device.type != "cpu":
+            copies.append((bv, q))
+            return
         _store(bv, q if keep is None else torch.where(keep, q, bv))
     else:
         q = q.reshape(len(idx), *bv.shape[1:]).to(bv.dtype)

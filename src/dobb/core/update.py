@@ -270,12 +270,19 @@ def apply_two_sided(mats: list[TwoSided], *, norm: str, lr, tau: float, basis_dt
     ``second_moment``). Sign on a 2-D matrix runs ``two_sided_sign_``, its views kept in ``cache``
     (keyed by plan) across steps."""
     eager = not torch.compiler.is_compiling()
+    groups: dict[tuple, list] = defaultdict(list)  # off a CPU: equal matrices stacked, one call a group
     for plan, state, ut, gt, pt in mats:
         lin = plan.layout
         dtype = F.matmul_dtype(basis_dtype, pt.device, product_dtype)
         sides = sorted(plan.sides, key=lambda side: side.layout.blocked_axis)  # (rows side, cols side)
         # sign's 1/sqrt(m) with m = the global output axis (lin.rows), as one-sided Dobb
         factor = -lr * F.update_scale(*lin.shape, tau) / math.sqrt(lin.rows)
+        if pt.device.type != "cpu":
+            w, u, g, bases = lin.stacked(pt), lin.stacked(ut), lin.stacked(gt), [s.layout.stacked(state[s.basis]) for s in sides]
+            v = lin.stacked(state["second_moment"]) if norm == "adam" else None
+            key = (w.shape[1:], w.dtype, u.dtype, lin.shape, lin.rows, state["step"], *(tuple(s.layout.local_sizes) for s in sides))
+            groups[key] += [(w[e], u[e], g[e], *(b[e] for b in bases), None if v is None else v[e], factor, dtype) for e in range(w.shape[0])]
+            continue
         if norm == "sign" and eager and pt.dim() == 2 and ut.dtype == dtype and ut.is_contiguous():
             # a 2-D matrix: its local tensors are the stack's only member (no stack views to take)
             bases = [BlockBasis(side.layout.local(state[side.basis]), side.layout.local_sizes) for side in sides]
@@ -294,6 +301,31 @@ def apply_two_sided(mats: list[TwoSided], *, norm: str, lr, tau: float, basis_dt
             two_sided_update_(w=w[e], u=u[e], g=g[e], rows=rows, cols=cols, factor=factor, dtype=dtype,
                               norm=norm, v=None if v is None else v[e], step=state["step"] + 1, momentum=momentum,
                               beta2=beta2, eps=eps)
+    for key, items in groups.items():
+        _two_sided_group(items, key[-2:], norm=norm, step=key[5] + 1, momentum=momentum, beta2=beta2, eps=eps)
+
+
+def _two_sided_group(items: list, sizes: tuple, *, norm: str, step: int, momentum: float, beta2: float,
+                     eps: float) -> None:
+    """``two_sided_update_`` of equal matrices ``(w, u, g, rows basis, cols basis, v, factor, dtype)`` (the
+    bases' block ``sizes``) as one stack, bit for bit: each element-wise pass and each product once."""
+    *_, factor, dtype = items[0]
+    x = items[0][1].new_empty((2 if norm == "adam" else 1, len(items), *items[0][1].shape), dtype=dtype)
+    torch._foreach_copy_(list(x.flatten(0, 1).unbind(0)), [it[1] for it in items] + [it[2] for it in items][: len(x) // 2 * len(items)])
+    rows, cols = (BlockBasis(torch.stack([it[i] for it in items]), s) for i, s in ((3, sizes[0]), (4, sizes[1])))
+    if norm == "sign":
+        d = F.rotate(x[0], rows, cols).sign_()
+    else:  # the second moments updated as one stack, written back by one foreach copy
+        c, gr = F.rotate(x, rows, cols).unbind(0)
+        v = torch.stack([it[5] for it in items])
+        gr = gr.to(v.dtype)
+        v.mul_(beta2).addcmul_(gr, gr, value=1.0 - beta2)
+        torch._foreach_copy_([it[5] for it in items], list(v.unbind(0)))
+        d = F.adam_direction(c.to(v.dtype), v, step=step, momentum=momentum, beta2=beta2, eps=eps)
+        d = F.block_pair_rms_(d, rows.sizes, cols.sizes).to(dtype)
+    o = F.unrotate(d, rows, cols)
+    o.mul_(factor)
+    torch._foreach_add_([it[0] for it in items], list(o.to(items[0][0].dtype).unbind(0)))
 
 
 class SignViews(NamedTuple):

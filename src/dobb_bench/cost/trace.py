@@ -46,7 +46,7 @@ METADATA = frozenset({"_unsafe_view", "_reshape_alias", "empty", "empty_like", "
 PRODUCTS = frozenset({"mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "_scaled_mm", "matmul",
                       "linear", "addmm_", "baddbmm_", "addbmm_", "addr"})
 QR = frozenset({"linalg_qr", "geqrf"})
-OVERWRITES = frozenset({"copy_", "fill_", "zero_", "normal_", "uniform_", "random_", "index_fill_"})
+OVERWRITES = frozenset({"copy_", "_foreach_copy_", "fill_", "zero_", "normal_", "uniform_", "random_", "index_fill_"})
 READ_ONLY = {"_fused_adamw_": {"grads"}, "_fused_adam_": {"grads"}}  # marked mutable for grad scaling
 
 

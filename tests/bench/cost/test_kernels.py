@@ -50,6 +50,7 @@ def test_trace_bytes_by_hand():
     assert one(lambda x: x + x, (4, 4)) == [("add", "kernel", 64, 64)]  # a tensor read twice is read once
     assert one(lambda v, g: v.addcmul_(g, g), (4, 4), (4, 4)) == [("addcmul_", "kernel", 128, 64)]
     assert one(lambda d, s: d.copy_(s), (4, 4), (4, 4)) == [("copy_", "kernel", 64, 64)]  # overwritten, not read
+    assert one(lambda d, s: torch._foreach_copy_([d], [s]), (4, 4), (4, 4)) == [("_foreach_copy_", "kernel", 64, 64)]
     assert one(lambda x: x.to(torch.bfloat16), (4, 4)) == [("_to_copy", "kernel", 64, 32)]
     assert one(lambda x, s: x / s.expand(4, 4), (4, 4), (4, 1)) == [("div", "kernel", 64 + 16, 64)]  # broadcast: 4 stored
     assert one(lambda x: x.sum(), (4, 4)) == [("sum", "kernel", 64, 4)]
@@ -90,14 +91,14 @@ def test_adamw_bytes_an_entry_foreach_single_tensor_and_fused_by_hand():
 def test_one_dobb_step_bytes_by_hand():
     # Dobb, 2 blocks of 4 columns, two 8 x 8 matrices, a steady step on the GPU path (bf16 products).
     # Per matrix (E = 64 entries, fp32 weight, gradient, momentum): finiteness sum of g 4E + 4 (a 0-d
-    # result), momentum lerp_ 12E, weight decay 8E, U to bf16 6E, U's blocks concatenated across the
-    # two matrices 4E (bf16 read and written), sign_ of the coefficients 4E (bf16), W += O 10E (W r/w
-    # fp32, O bf16 read); and the bf16 bases (2 blocks 4 x 4 = 32 entries) concatenated: 4 x 32.
+    # result), momentum lerp_ 12E, weight decay 8E, U's blocks of both matrices into one bf16 buffer by
+    # one foreach copy 6E (fp32 read, bf16 written, not read), sign_ of the coefficients 4E (bf16), W += O
+    # 10E (W r/w fp32, O bf16 read); and the bf16 bases (2 blocks 4 x 4 = 32 entries) concatenated: 4 x 32.
     # Shared: the two finiteness flags stacked, scaled and compared: 3 x (8 + 8).
     ops = K.step_ops("dobb-b4", [(8, 8)] * 2, blocks=2)["steady"]
-    E, per_matrix = 64, 4 + 12 + 8 + 6 + 4 + 4 + 10
-    assert TR.summary(ops)["bytes"] == 2 * (per_matrix * E + 4 + 4 * 32) + 3 * 16 == 6456
-    assert per_matrix == 48
+    E, per_matrix = 64, 4 + 12 + 8 + 6 + 4 + 10
+    assert TR.summary(ops)["bytes"] == 2 * (per_matrix * E + 4 + 4 * 32) + 3 * 16 == 5944
+    assert per_matrix == 44
     assert [o.name for o in ops if o.kind == "product"] == ["bmm", "bmm"]  # projection and reconstruction
 
 
@@ -167,3 +168,23 @@ def test_committed_counts_are_a_fresh_count():
     assert m["muon"]["steady"]["ns_bytes_per_entry"] == pytest.approx(20, abs=0.05)
     # Dobb's refresh factors each block once: B = 4 blocks a matrix, 4 QR factorizations
     assert m["dobb-b4"]["refresh"]["qr_per_matrix"] == 4
+
+
+def _gpt2_bank(layers, d=16):
+    """A bank in a GPT-2 block's pattern (fused qkv, attention out, MLP in and out) of ``layers`` layers."""
+    return [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d)] * layers
+
+
+@pytest.mark.parametrize("label", ["dobb-b1", "dobb-b4", "dobb-both"])
+def test_dobb_kernels_do_not_grow_with_depth(label):
+    # issue 54 item 3: each element-wise pass and product once per group of equal matrices, so twice the
+    # layers take at most 1.2x the kernels (docs/timing.md, "One kernel per shape group"). The refresh
+    # step's one per-matrix pass left: the mean of the captured sums (a division by each matrix's own
+    # row count; the CPU scalar division on a GPU multiplies by the reciprocal, a foreach one divides)
+    two, four = (K.step_ops(label, _gpt2_bank(n)) for n in (2, 4))
+    steady = [TR.summary(x["steady"])["kernels"] for x in (two, four)]
+    assert steady[1] <= 1.2 * steady[0], steady
+    refresh = [TR.summary(x["refresh"]) for x in (two, four)]
+    sides = 2 if label == "dobb-both" else 1
+    assert refresh[1]["kernels"] - refresh[0]["kernels"] == 8 * sides == refresh[1]["ops"]["aten::div"] - refresh[0][
+        "ops"]["aten::div"]
