@@ -44,6 +44,25 @@ def reeval_records() -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def collect_reevals(runs_root: str) -> int:
+    """Appends the re-evaluations of this study's finished runs (``{runs_root}/reeval-scratch.jsonl``,
+    where the driver writes them) to the committed record, each run once; returns how many."""
+    path = Path(R.DOCS).joinpath(*REEVAL)
+    key = lambda r: (r["run_dir"], r["checkpoint_step"])  # noqa: E731
+    have = {key(r) for r in reeval_records()}
+    scratch = Path(runs_root) / "reeval-scratch.jsonl"
+    lines = scratch.read_text().splitlines() if scratch.exists() else []
+    new = [line for line in lines if line.strip() and str(json.loads(line).get("run_dir", "")).startswith(
+        f"{ONE_REVISION.kind}-") and key(json.loads(line)) not in have]
+    for line in new:
+        have.add(key(json.loads(line)))
+    if new:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
+            f.write("".join(line + "\n" for line in new))
+    return len(new)
+
+
 def _records() -> list[dict]:
     path = Path(R.RECORDS) / f"{STUDY}.jsonl"
     return R.load(STUDY) if path.exists() else []
@@ -63,7 +82,8 @@ def _where(recs: list[dict]) -> tuple[list[str], list[str]]:
     """The revisions (short) and host CPUs the records ran at."""
     prov = [r.get("provenance") or {} for r in recs]
     revs = sorted({p.get("git_rev", "")[:7] for p in prov if p.get("git_rev")})
-    cpus = sorted({(p.get("machine") or {}).get("cpu", "?") for p in prov})
+    cpus = sorted({(m := p.get("machine") or {}).get("cpu", "?")
+                   + (f" ({', '.join(m['bf16_flags'])})" if m.get("bf16_flags") else "") for p in prov})
     return revs, cpus
 
 

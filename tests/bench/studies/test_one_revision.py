@@ -62,3 +62,16 @@ def test_an_lr_at_an_edge_marks_the_gap_provisional(hand):
     hand(muon + dobb, [])
     row = next(x for x in O.one_revision()[0].splitlines() if x.startswith(f"| {DOBB} |"))
     assert "lr not settled" in row and "provisional" in row
+
+
+def test_collect_reevals_appends_this_studys_runs_once(monkeypatch, tmp_path):
+    import json
+    monkeypatch.setattr(O.R, "DOCS", tmp_path / "docs")
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    lines = [dict(_re("Muon", 0.00354, 0, 1.3), checkpoint_step=8000),
+             dict(_re("Muon", 0.00354, 1, 1.3, folder="lh"), checkpoint_step=8000)]
+    (runs / "reeval-scratch.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert O.collect_reevals(str(runs)) == 1  # the lh- run is another study's
+    assert O.collect_reevals(str(runs)) == 0  # each run once
+    assert [r["seed"] for r in O.reeval_records()] == [0]
