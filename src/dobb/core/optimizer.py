@@ -17,12 +17,11 @@ read both by the capture hooks' arming and by the statistic fold. A step
 The math on plain tensors is in ``dobb.functional``; where blocks live in ``dobb.layout`` (DTensors:
 ``dobb.sharding``; expert stacks: ``core.experts``; chosen by ``placement.layout_for``); the capture
 hooks in ``dobb.capture``; the options and their rules in ``core.options``; the step per matrix in
-``core.update``'s docstring.
-
-The plan and the refresh rule are in ``core.schedule`` (``Plan``, ``due``, periods, staggered
-offsets, two-sided layouts); the update's kernel choice and batching in ``core.update``. Their
-public names are re-exported here. One step's data (the agreed statistics, the idle matrices)
-is passed between the step's methods as arguments, never kept on the instance.
+``core.update``'s docstring. The plan and the refresh rule are in ``core.schedule`` (``Plan``, ``due``,
+periods, staggered offsets, two-sided layouts); the update's kernel choice and batching in
+``core.update`` (``compile=True``: ``core.kernels``). Their public names are re-exported here. One
+step's data (the agreed statistics, the idle matrices) is passed between the step's methods as
+arguments, never kept on the instance.
 """
 from __future__ import annotations
 
@@ -101,6 +100,7 @@ class Dobb(MatrixOptimizer):
         product_dtype: dtype of the products ``U_b Q_b``, ``C_b Q_b^T``: ``"auto"`` (the basis dtype
             on accelerators, fp32 on CPUs: ``functional.matmul_dtype``) or a dtype that forces it.
         transposed: weights stored ``(in, out)`` (``Conv1D``; ``dobb.param_groups`` sets it).
+        compile: the update's pure kernels compiled by Inductor (``core.kernels``, ``dobb._compiled``).
 
     A group may hold 3-D expert stacks ``(E, out, in)``, each ``E`` matrices (``core.experts``).
     """
@@ -444,8 +444,7 @@ class Dobb(MatrixOptimizer):
         if whole:  # whole-matrix steps (every rank of a sharded matrix takes them together: same step count)
             if getattr(self, "_owner", None) is None:  # OwnerMuon's routing and all-to-alls, without its state
                 self._owner = whole_step_owner()
-            apply_whole_steps(self._owner, group, *([xs[i] for i in whole] for xs in (active, plans, states, u, grads,
-                                                                                       params)))
+            apply_whole_steps(self._owner, group, *([xs[i] for i in whole] for xs in (active, plans, states, u, grads, params)))
             keep = [i for i in range(len(active)) if i not in set(whole)]
             plans, states, u, grads, params = ([xs[i] for i in keep] for xs in (plans, states, u, grads, params))
             layouts = [plan.layout for plan in plans]
@@ -454,18 +453,19 @@ class Dobb(MatrixOptimizer):
             apply_two_sided([TwoSided(plan, s, ut, gt, pt) for plan, s, ut, gt, pt in zip(plans, states, u, grads, params)],
                             norm=group["norm"], lr=lr, tau=group["tau"], basis_dtype=group["basis_dtype"],
                             product_dtype=group["product_dtype"], momentum=mu, beta2=group["beta2"], eps=group["eps"],
-                            cache=self._directions)
+                            cache=self._directions, compile=group["compile"])
         elif group["norm"] == "muon":
             apply_preconditioned_muon(
                 [TwoSided(plan, s, ut, gt, pt) for plan, s, ut, gt, pt in zip(plans, states, u, grads, params)],
                 lr=lr, tau=group["tau"], basis_dtype=group["basis_dtype"], product_dtype=group["product_dtype"],
-                momentum=mu, beta2=group["beta2"], eps=group["eps"], ns_dtype=group["ns_dtype"])
+                momentum=mu, beta2=group["beta2"], eps=group["eps"], ns_dtype=group["ns_dtype"], compile=group["compile"])
         elif preps is not None:
             apply_prepared(preps, [1.0 - lr * wd if f else None for f in fused], norm=group["norm"], lr=lr)
         else:
             apply_directions([OneSided(lay, lay.local(s["basis"]), ut, pt, 1.0 - lr * wd if f else None)
                               for lay, s, ut, pt, f in zip(layouts, states, u, params, fused)],
-                             norm=group["norm"], lr=lr, tau=group["tau"], product_dtype=group["product_dtype"])
+                             norm=group["norm"], lr=lr, tau=group["tau"], product_dtype=group["product_dtype"],
+                             compile=group["compile"])
         for s in (self.state[p] for p in active):
             s["step"] += 1
 

@@ -73,6 +73,7 @@ class DobbOptions(ScaledOptions):
     heads: int | None = option(None, optional(integer(1)).hint("attention heads: per-head blocks"))
     ns_dtype: str | torch.dtype = option("auto", Rule(
         _ns_dtype_ok, "be 'auto' or one of ('bfloat16', 'float16', 'float32', 'float64') (or the torch dtype)"))
+    compile: bool = option(False, boolean)  # the update's kernels compiled by Inductor (core.kernels)
 
     @classmethod
     def _check_together(cls, group):

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from .. import functional as F
+from .._compiled import compiled
 from ..functional import BlockBasis, two_sided_update_
 from ..layout import MatrixLayout
 from .statistics import all_reduce_sum_
@@ -166,7 +167,7 @@ def prepared_directions(cache: DirectionCache, group: dict, active: list[Tensor]
                         u: list[Tensor], params: list[Tensor]) -> list[Prepared] | None:
     """The ``Prepared`` of every matrix of a one-sided group (parameters ``active``, local update ``u``
     and weights ``params``) from ``cache``, or None where the cache does not apply (``cacheable``)."""
-    if not cacheable(params):
+    if not cacheable(params) or group["compile"]:  # compile: one kernel per group (apply_directions)
         return None
     settings = (group["norm"], group["tau"], group["product_dtype"], group["basis_dtype"])
     return [cache.get(p, lay, lay.local(s["basis"]), ut, pt, settings)
@@ -181,7 +182,7 @@ def fused_decays(group: dict, preps: list[Prepared] | None, params: list[Tensor]
     lr = group["lr"]
     if preps is not None:
         return [e.fuse and not isinstance(lr, torch.Tensor) for e in preps]
-    return [group["side"] != "both" and group["norm"] != "muon" and decay_in_update(
+    return [group["side"] != "both" and group["norm"] != "muon" and not group["compile"] and decay_in_update(
         pt, lay, lr=lr, basis_dtype=group["basis_dtype"], product_dtype=group["product_dtype"])
         for pt, lay in zip(params, layouts)]
 
@@ -230,7 +231,7 @@ def _oriented(t: Tensor, layout: MatrixLayout) -> Tensor:
     return t if layout.blocked_axis == 1 else t.transpose(1, 2)
 
 
-def apply_directions(mats: list[OneSided], *, norm: str, lr, tau: float, product_dtype) -> None:
+def apply_directions(mats: list[OneSided], *, norm: str, lr, tau: float, product_dtype, compile: bool = False) -> None:
     """``W -= lr * s * O`` with ``O`` from batched project -> normalize -> reconstruct, for every
     matrix of ``mats``.
 
@@ -238,8 +239,14 @@ def apply_directions(mats: list[OneSided], *, norm: str, lr, tau: float, product
     (stacked to save kernel launches); on CPU, where a strided block view feeds ``bmm`` at no cost
     while stacking matrices costs a transposing copy, one call per matrix. The constant
     ``-lr * s`` (and sign's ``1/sqrt(rows)``) is the kernel's ``factor``, so no update-sized
-    temporary is written besides the coefficients.
+    temporary is written besides the coefficients. ``compile``: every matrix in one compiled kernel
+    (``core.kernels.one_sided_``), unless l2 norms are summed over ranks.
     """
+    if compile and all(m.layout.l2_group is None and m.decay is None for m in mats):
+        from .kernels import compiled_one_sided
+
+        compiled_one_sided(mats, norm=norm, lr=lr, tau=tau, product_dtype=product_dtype)
+        return
     batches: dict[tuple, list] = defaultdict(list)
     for layout, basis, ut, pt, beta in mats:
         factor = -lr * F.update_scale(*layout.shape, tau) / (math.sqrt(layout.rows) if norm == "sign" else 1.0)
@@ -264,20 +271,22 @@ def apply_directions(mats: list[OneSided], *, norm: str, lr, tau: float, product
 
 
 def apply_two_sided(mats: list[TwoSided], *, norm: str, lr, tau: float, basis_dtype: torch.dtype, product_dtype,
-                    momentum: float, beta2: float, eps: float, cache: DirectionCache | None = None) -> None:
+                    momentum: float, beta2: float, eps: float, cache: DirectionCache | None = None,
+                    compile: bool = False) -> None:
     """``side="both"``: ``W += factor * Q_rows D Q_cols^T`` (``functional.two_sided_update_``) for
     every matrix of every stack of ``mats`` (an expert stack: each expert with its own bases and
     ``second_moment``). Sign on a 2-D matrix runs ``two_sided_sign_``, its views kept in ``cache``
-    (keyed by plan) across steps."""
-    eager = not torch.compiler.is_compiling()
-    groups: dict[tuple, list] = defaultdict(list)  # off a CPU: equal matrices stacked, one call a group
+    (keyed by plan) across steps. ``compile``: ``two_sided_update_`` compiled, per matrix."""
+    eager = not (compile or torch.compiler.is_compiling())
+    update_ = compiled(two_sided_update_) if compile else two_sided_update_
+    groups: dict[tuple, list] = defaultdict(list)  # off a CPU, uncompiled: equal matrices stacked, one call a group
     for plan, state, ut, gt, pt in mats:
         lin = plan.layout
         dtype = F.matmul_dtype(basis_dtype, pt.device, product_dtype)
         sides = sorted(plan.sides, key=lambda side: side.layout.blocked_axis)  # (rows side, cols side)
         # sign's 1/sqrt(m) with m = the global output axis (lin.rows), as one-sided Dobb
         factor = -lr * F.update_scale(*lin.shape, tau) / math.sqrt(lin.rows)
-        if pt.device.type != "cpu":
+        if pt.device.type != "cpu" and not compile:
             w, u, g, bases = lin.stacked(pt), lin.stacked(ut), lin.stacked(gt), [s.layout.stacked(state[s.basis]) for s in sides]
             v = lin.stacked(state["second_moment"]) if norm == "adam" else None
             key = (w.shape[1:], w.dtype, u.dtype, lin.shape, lin.rows, state["step"], *(tuple(s.layout.local_sizes) for s in sides))
@@ -298,34 +307,14 @@ def apply_two_sided(mats: list[TwoSided], *, norm: str, lr, tau: float, basis_dt
             if norm == "sign" and eager and u[e].dtype == dtype and u[e].is_contiguous():
                 two_sided_sign_(w[e], u[e], rows, cols, factor=factor, dtype=dtype)
                 continue
-            two_sided_update_(w=w[e], u=u[e], g=g[e], rows=rows, cols=cols, factor=factor, dtype=dtype,
-                              norm=norm, v=None if v is None else v[e], step=state["step"] + 1, momentum=momentum,
-                              beta2=beta2, eps=eps)
+            step = state["step"] + 1
+            update_(w=w[e], u=u[e], g=g[e], rows=rows, cols=cols, factor=_number(factor, compile), dtype=dtype,
+                    norm=norm, v=None if v is None else v[e], step=_number(step, compile), momentum=momentum,
+                    beta2=beta2, eps=eps)
+    if groups:
+        from .kernels import two_sided_group  # off a CPU only: an eager CPU step never reads that file
     for key, items in groups.items():
-        _two_sided_group(items, key[-2:], norm=norm, step=key[5] + 1, momentum=momentum, beta2=beta2, eps=eps)
-
-
-def _two_sided_group(items: list, sizes: tuple, *, norm: str, step: int, momentum: float, beta2: float,
-                     eps: float) -> None:
-    """``two_sided_update_`` of equal matrices ``(w, u, g, rows basis, cols basis, v, factor, dtype)`` (the
-    bases' block ``sizes``) as one stack, bit for bit: each element-wise pass and each product once."""
-    *_, factor, dtype = items[0]
-    x = items[0][1].new_empty((2 if norm == "adam" else 1, len(items), *items[0][1].shape), dtype=dtype)
-    torch._foreach_copy_(list(x.flatten(0, 1).unbind(0)), [it[1] for it in items] + [it[2] for it in items][: len(x) // 2 * len(items)])
-    rows, cols = (BlockBasis(torch.stack([it[i] for it in items]), s) for i, s in ((3, sizes[0]), (4, sizes[1])))
-    if norm == "sign":
-        d = F.rotate(x[0], rows, cols).sign_()
-    else:  # the second moments updated as one stack, written back by one foreach copy
-        c, gr = F.rotate(x, rows, cols).unbind(0)
-        v = torch.stack([it[5] for it in items])
-        gr = gr.to(v.dtype)
-        v.mul_(beta2).addcmul_(gr, gr, value=1.0 - beta2)
-        torch._foreach_copy_([it[5] for it in items], list(v.unbind(0)))
-        d = F.adam_direction(c.to(v.dtype), v, step=step, momentum=momentum, beta2=beta2, eps=eps)
-        d = F.block_pair_rms_(d, rows.sizes, cols.sizes).to(dtype)
-    o = F.unrotate(d, rows, cols)
-    o.mul_(factor)
-    torch._foreach_add_([it[0] for it in items], list(o.to(items[0][0].dtype).unbind(0)))
+        two_sided_group(items, key[-2:], norm=norm, step=key[5] + 1, momentum=momentum, beta2=beta2, eps=eps)
 
 
 class SignViews(NamedTuple):
@@ -409,7 +398,7 @@ def _sign_step(views: SignViews, w: Tensor, u: Tensor, *, factor: float, dtype: 
 
 
 def apply_preconditioned_muon(mats: list[TwoSided], *, lr, tau: float, basis_dtype: torch.dtype, product_dtype,
-                              momentum: float, beta2: float, eps: float, ns_dtype) -> None:
+                              momentum: float, beta2: float, eps: float, ns_dtype, compile: bool = False) -> None:
     """``norm="muon"`` (Dobb-preconditioned Muon), per matrix (local rows, whole columns):
 
     1. ``C = U Q`` and ``Gq = G Q`` with ``Q`` the block-diagonal input-side basis;
@@ -420,17 +409,22 @@ def apply_preconditioned_muon(mats: list[TwoSided], *, lr, tau: float, basis_dty
        its own shape, as row-block Muon's blocks do.
 
     ``TwoSided`` carries the plan, the state (``basis``, ``second_moment``, ``step``), the update
-    ``u``, the gradient ``g`` and the weight ``w`` (local tensors)."""
+    ``u``, the gradient ``g`` and the weight ``w`` (local tensors). ``compile``: steps 1-3 and the
+    Newton-Schulz of 4 as one compiled kernel per matrix (``core.kernels.preconditioned_muon``)."""
     from ..baselines.muon_family.newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_STEPS, orthogonalize, resolve_ns_dtype
 
     for plan, state, ut, gt, pt in mats:
         lay = plan.layout
-        pre = precondition(plan, state, ut, gt, basis_dtype=basis_dtype, product_dtype=product_dtype,
-                           momentum=momentum, beta2=beta2, eps=eps)
         sizes = [s for s in plan.ns_rows.local_sizes if s > 0]
-        parts = list(pre.split(sizes, dim=0))
-        outs = orthogonalize(parts, NS_COEFFICIENTS, NS_STEPS, NS_EPS,
-                             dtype=resolve_ns_dtype(ns_dtype, pt.device))
+        if compile:
+            from .kernels import compiled_muon
+            outs = compiled_muon(plan, state, ut, gt, tuple(sizes), basis_dtype=basis_dtype, product_dtype=product_dtype,
+                                 momentum=momentum, beta2=beta2, eps=eps, ns_dtype=resolve_ns_dtype(ns_dtype, pt.device))
+        else:
+            pre = precondition(plan, state, ut, gt, basis_dtype=basis_dtype, product_dtype=product_dtype,
+                               momentum=momentum, beta2=beta2, eps=eps)
+            outs = orthogonalize(list(pre.split(sizes, dim=0)), NS_COEFFICIENTS, NS_STEPS, NS_EPS,
+                                 dtype=resolve_ns_dtype(ns_dtype, pt.device))
         n = lay.shape[lay.blocked_axis]  # the input axis (global)
         w = pt.T if lay.blocked_axis == 0 else pt  # (out, in) view
         start = 0
@@ -444,22 +438,39 @@ def precondition(plan, state: dict, ut: Tensor, gt: Tensor, *, basis_dtype: torc
     """``norm="muon"``'s ``P = R Q^T`` of one matrix (local rows), advancing its ``second_moment``:
     steps 1-3 of ``apply_preconditioned_muon``. Oriented ``(out, in)``: a transposed weight's tensors
     (stored ``(in, out)``, input axis blocked on dim 0) are read through their transposes."""
+    ut, gt, basis, v, dtype = _oriented_muon(plan, state, ut, gt, basis_dtype, product_dtype)
+    return rotated_adam(ut, gt, basis, v, plan.layout.local_sizes, state["step"] + 1, dtype=dtype, momentum=momentum,
+                        beta2=beta2, eps=eps)
+
+
+def _oriented_muon(plan, state: dict, ut: Tensor, gt: Tensor, basis_dtype, product_dtype) -> tuple:
+    """``(u, g, basis, second moment, product dtype)`` of ``precondition``, oriented ``(out, in)``."""
     lay = plan.layout
-    dtype = F.matmul_dtype(basis_dtype, ut.device, product_dtype)
-    basis = lay.local(state["basis"])
     v = lay.local(state["second_moment"])
     if lay.blocked_axis == 0:
         ut, gt, v = ut.T, gt.T, v.T
-    c, gq = F.blockwise(torch.stack([ut, gt]).to(dtype), basis, lay.local_sizes).unbind(0)
+    return ut, gt, lay.local(state["basis"]), v, F.matmul_dtype(basis_dtype, ut.device, product_dtype)
+
+
+def rotated_adam(ut: Tensor, gt: Tensor, basis: Tensor, v: Tensor, sizes, step, *, dtype: torch.dtype,
+                 momentum: float, beta2: float, eps: float) -> Tensor:
+    """``P = R Q^T`` of ``precondition`` on plain tensors oriented ``(out, in)``, advancing ``v``; ``step``
+    (1-based) an int, or a float64 0-d tensor in a compiled kernel (the same float64 bias corrections)."""
+    c, gq = F.blockwise(torch.stack([ut, gt]).to(dtype), basis, sizes).unbind(0)
     gq = gq.to(v.dtype)
     v.mul_(beta2).addcmul_(gq, gq, value=1.0 - beta2)
-    r = F.adam_direction(c.to(v.dtype), v, step=state["step"] + 1, momentum=momentum, beta2=beta2, eps=eps)
-    return F.blockwise(r.to(dtype), basis, lay.local_sizes, transpose=True)
+    r = F.adam_direction(c.to(v.dtype), v, step=step, momentum=momentum, beta2=beta2, eps=eps)
+    return F.blockwise(r.to(dtype), basis, sizes, transpose=True)
+
+
+# ----------------------------------------------------------------------------- compile=True
+def _number(x, compile: bool):
+    """A per-step number for a compiled kernel: a float64 0-d tensor (a float would be one graph per value)."""
+    return torch.tensor(x, dtype=torch.float64) if compile else x
 
 
 def whole_step_owner():
-    """``OwnerMuon``'s routing and all-to-alls, without its state: the owner of ``apply_whole_steps``
-    (kept by the optimizer as a derived cache)."""
+    """``OwnerMuon``'s routing and all-to-alls without its state: ``apply_whole_steps``'s owner (derived)."""
     from ..baselines.muon_family.owner_muon import OwnerMuon
 
     owner = OwnerMuon.__new__(OwnerMuon)
@@ -469,11 +480,9 @@ def whole_step_owner():
 
 def apply_whole_steps(owner, group: dict, active: list[Tensor], plans: list, states: list[dict], u: list[Tensor],
                       grads: list[Tensor], params: list[Tensor]) -> None:
-    """``whole_every``: ``W <- W - lr * tau * sqrt(max(m, n)) * NS5(X)`` of the whole matrix, computed
-    by its owner as ``OwnerMuon`` does (``owner``: ``whole_step_owner``; two all-to-alls under FSDP2;
-    local unsharded), with ``X`` the Dobb-preconditioned ``P`` (``norm="muon"``, whose second moment
-    advances as on any step) or the momentum (two-sided sign): MuonBP's periodic full step on Dobb's
-    forms."""
+    """``whole_every``: ``W <- W - lr * tau * sqrt(max(m, n)) * NS5(X)`` of the whole matrix, computed by its
+    owner as ``OwnerMuon`` does (``whole_step_owner``), with ``X`` the Dobb-preconditioned ``P`` (``norm="muon"``)
+    or the momentum (two-sided sign): MuonBP's periodic full step on Dobb's forms."""
     from ..baselines.muon_family.newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_STEPS
 
     if group["norm"] == "muon":  # P in the storage orientation (transposed weights: (in, out))

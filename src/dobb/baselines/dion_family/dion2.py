@@ -57,14 +57,15 @@ def selected_rows(n_rows: int, fraction: float) -> int:
 
 
 def dion2_step(b: Tensor, k: int, mu: float, coefficients=NS_COEFFICIENTS, steps: int = NS_STEPS,
-               eps: float = NS_EPS, method: str = "standard", dtype: torch.dtype = torch.bfloat16
-               ) -> tuple[Tensor, Tensor, Tensor]:
+               eps: float = NS_EPS, method: str = "standard", dtype: torch.dtype = torch.bfloat16,
+               compile: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """One step on a batch ``b = M + G`` (``(batch, m, n)``). Returns ``(O, M_new, rows)``:
     the raw update (bf16, zero outside the selected rows), the new momentum, the row indices."""
     rows = torch.topk(b.abs().sum(dim=-1, dtype=torch.float32), k, dim=-1).indices.sort(dim=-1).values
     idx = rows.unsqueeze(-1).expand(-1, -1, b.shape[-1])
     sub = torch.gather(b, 1, idx)
-    ortho = torch.stack(orthogonalize(list(sub.unbind(0)), coefficients, steps, eps, method=method, dtype=dtype))
+    ortho = torch.stack(orthogonalize(list(sub.unbind(0)), coefficients, steps, eps, method=method, dtype=dtype,
+                                       compile=compile))
     o = torch.zeros(b.shape, dtype=ortho.dtype, device=b.device).scatter_(1, idx, ortho)
     m_new = b.scatter(1, idx, sub * mu)
     return o, m_new, rows

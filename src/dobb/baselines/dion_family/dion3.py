@@ -36,8 +36,8 @@ from ..muon_family.normuon import NeuronOptions, normuon_normalize, state_dtype
 
 def dion3_step(b: Tensor, v: Tensor, k: int, mu: float, beta2: float, neuron_eps: float = 1e-8,
                coefficients=NS_COEFFICIENTS, steps: int = NS_STEPS, eps: float = NS_EPS,
-               method: str = "standard", dtype: torch.dtype = torch.bfloat16
-               ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+               method: str = "standard", dtype: torch.dtype = torch.bfloat16,
+               compile: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """One step on a batch ``b = M + G`` (``(batch, m, n)``) with row moments ``v`` (``(batch, m)``).
 
     Returns ``(O, M_new, v_new, rows)``: the raw update (zero outside the selected rows, ``v``'s
@@ -46,7 +46,8 @@ def dion3_step(b: Tensor, v: Tensor, k: int, mu: float, beta2: float, neuron_eps
     rows = torch.topk(b.abs().sum(dim=-1, dtype=torch.float32), k, dim=-1).indices.sort(dim=-1).values
     idx = rows.unsqueeze(-1).expand(-1, -1, b.shape[-1])
     sub = torch.gather(b, 1, idx)
-    ortho = torch.stack(orthogonalize(list(sub.unbind(0)), coefficients, steps, eps, method=method, dtype=dtype))
+    ortho = torch.stack(orthogonalize(list(sub.unbind(0)), coefficients, steps, eps, method=method, dtype=dtype,
+                                       compile=compile))
     normed, v_sel = normuon_normalize(ortho, torch.gather(v, 1, rows), beta2, neuron_eps)
     o = torch.zeros(b.shape, dtype=normed.dtype, device=b.device).scatter_(1, idx, normed)
     return o, b.scatter(1, idx, sub * mu), v.scatter(1, rows, v_sel), rows

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..._hparams import Rule, integer, numbers_tuple, one_of, option, positive
+from ..._compiled import compiled
+from ..._hparams import Rule, boolean, integer, numbers_tuple, one_of, option, positive
 from ...functional import cpu_native
 
 # torch >= 2.9 ships Muon (None before: the batched path for every matrix)
@@ -53,6 +54,7 @@ class NSOptions:
     ns_method: str = option("standard", one_of(*NS_METHODS))
     ns_dtype: str | torch.dtype = option("auto", Rule(
         _ns_dtype_ok, f"be 'auto' or one of {tuple(NS_DTYPES)} (or the torch dtype)"))
+    compile: bool = option(False, boolean)  # the iteration compiled by Inductor (dobb._compiled)
 
 
 def resolve_ns_dtype(ns_dtype: "str | torch.dtype", device: "torch.device | str" = "cpu") -> torch.dtype:
@@ -75,7 +77,8 @@ def resolve_ns_dtype(ns_dtype: "str | torch.dtype", device: "torch.device | str"
 def ns_options(group: dict[str, Any]) -> dict[str, Any]:
     """``orthogonalize`` keyword arguments of a group (``ns_dtype`` a name, ``"auto"`` or a dtype)."""
     device = group["params"][0].device if group.get("params") else "cpu"
-    return dict(method=group["ns_method"], dtype=resolve_ns_dtype(group["ns_dtype"], device))
+    return dict(method=group["ns_method"], dtype=resolve_ns_dtype(group["ns_dtype"], device),
+                compile=group.get("compile", False))
 
 
 def wide_normalized(x: Tensor, dtype: torch.dtype, eps: float) -> tuple[Tensor, bool, bool]:
@@ -112,12 +115,13 @@ def newton_schulz(x: Tensor, coefficients: Sequence[float] = NS_COEFFICIENTS, st
 
 def orthogonalize(mats: Sequence[Tensor], coefficients: Sequence[float] = NS_COEFFICIENTS,
                   steps: int = NS_STEPS, eps: float = NS_EPS, method: str = "standard",
-                  dtype: torch.dtype = torch.bfloat16) -> list[Tensor]:
+                  dtype: torch.dtype = torch.bfloat16, compile: bool = False) -> list[Tensor]:
     """NS5 of a list of 2-D matrices: one batched call per (shape, device) group.
 
     ``method="gram"`` runs ``gram_newton_schulz`` (the same iteration on the short side's Gram
     matrix); ``dtype`` is the iteration's precision. A matrix alone in its group goes through
-    torch's own kernel when this torch has it (standard method, bf16 only).
+    torch's own kernel when this torch has it (standard method, bf16 only), unless ``compile``:
+    then every group runs the batched iteration compiled (``dobb._compiled``).
     """
     if method not in NS_METHODS:
         raise ValueError(f"method must be one of {NS_METHODS}, got {method!r}")
@@ -126,16 +130,16 @@ def orthogonalize(mats: Sequence[Tensor], coefficients: Sequence[float] = NS_COE
     for i, m in enumerate(mats):
         groups[(tuple(m.shape), m.device)].append(i)
     for idx in groups.values():
-        if len(idx) == 1 and _torch_ns is not None and method == "standard" and dtype == torch.bfloat16:
+        if len(idx) == 1 and _torch_ns is not None and method == "standard" and dtype == torch.bfloat16 and not compile:
             out[idx[0]] = _torch_ns(mats[idx[0]], tuple(coefficients), steps, eps)
             continue
         stacked = torch.stack([mats[i] for i in idx])
         if method == "gram":
             from .gram_ns import gram_newton_schulz  # here: gram_ns builds on wide_normalized above
 
-            res = gram_newton_schulz(stacked, coefficients, steps, eps, dtype)
+            res = (compiled(gram_newton_schulz) if compile else gram_newton_schulz)(stacked, coefficients, steps, eps, dtype)
         else:
-            res = newton_schulz(stacked, coefficients, steps, eps, dtype)
+            res = (compiled(newton_schulz) if compile else newton_schulz)(stacked, coefficients, steps, eps, dtype)
         for i, r in zip(idx, res.unbind(0)):
             out[i] = r
     return out  # type: ignore[return-value]
