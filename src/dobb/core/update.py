@@ -27,8 +27,10 @@ import torch
 from torch import Tensor
 
 from .. import functional as F
+from ..distribution import OwnerCompute, wire_dtype
 from ..functional import BlockBasis, two_sided_update_
 from ..layout import MatrixLayout
+from ..newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_STEPS, orthogonalize, resolve_ns_dtype
 from .statistics import all_reduce_sum_
 
 __all__ = ["FUSE_MIN_BLOCK_WORK", "OneSided", "TwoSided", "decay_in_update", "apply_directions", "apply_two_sided",
@@ -389,8 +391,6 @@ def apply_preconditioned_muon(mats: list[TwoSided], *, lr, tau: float, basis_dty
 
     ``TwoSided`` carries the plan, the state (``basis``, ``second_moment``, ``step``), the update
     ``u``, the gradient ``g`` and the weight ``w`` (local tensors)."""
-    from ..baselines.muon_family.newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_STEPS, orthogonalize, resolve_ns_dtype
-
     for plan, state, ut, gt, pt in mats:
         lay = plan.layout
         pre = precondition(plan, state, ut, gt, basis_dtype=basis_dtype, product_dtype=product_dtype,
@@ -425,25 +425,19 @@ def precondition(plan, state: dict, ut: Tensor, gt: Tensor, *, basis_dtype: torc
     return F.blockwise(r.to(dtype), basis, lay.local_sizes, transpose=True)
 
 
-def whole_step_owner():
-    """``OwnerMuon``'s routing and all-to-alls, without its state: the owner of ``apply_whole_steps``
-    (kept by the optimizer as a derived cache)."""
-    from ..baselines.muon_family.owner_muon import OwnerMuon
-
-    owner = OwnerMuon.__new__(OwnerMuon)
-    owner._replicated_group, owner._plans = "default", {}
-    return owner
+def whole_step_owner() -> OwnerCompute:
+    """The distribution layer's owner compute over the default replicated group (OwnerMuon's routing
+    and all-to-alls): the owner of ``apply_whole_steps``, kept by the optimizer as a derived cache."""
+    return OwnerCompute("default")
 
 
-def apply_whole_steps(owner, group: dict, active: list[Tensor], plans: list, states: list[dict], u: list[Tensor],
-                      grads: list[Tensor], params: list[Tensor]) -> None:
+def apply_whole_steps(owner: OwnerCompute, group: dict, active: list[Tensor], plans: list, states: list[dict],
+                      u: list[Tensor], grads: list[Tensor], params: list[Tensor]) -> None:
     """``whole_every``: ``W <- W - lr * tau * sqrt(max(m, n)) * NS5(X)`` of the whole matrix, computed
     by its owner as ``OwnerMuon`` does (``owner``: ``whole_step_owner``; two all-to-alls under FSDP2;
     local unsharded), with ``X`` the Dobb-preconditioned ``P`` (``norm="muon"``, whose second moment
     advances as on any step) or the momentum (two-sided sign): MuonBP's periodic full step on Dobb's
-    forms."""
-    from ..baselines.muon_family.newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_STEPS
-
+    forms. The owners are planned over the matrices of the step."""
     if group["norm"] == "muon":  # P in the storage orientation (transposed weights: (in, out))
         xs = [precondition(plan, st, ut, gt, basis_dtype=group["basis_dtype"], product_dtype=group["product_dtype"],
                            momentum=group["momentum"], beta2=group["beta2"], eps=group["eps"])
@@ -451,9 +445,9 @@ def apply_whole_steps(owner, group: dict, active: list[Tensor], plans: list, sta
         xs = [x.T if plan.layout.blocked_axis == 0 else x for x, plan in zip(xs, plans)]
     else:
         xs = list(u)
-    ns_group = {"params": active, "ns_coefficients": NS_COEFFICIENTS, "ns_steps": NS_STEPS, "eps": NS_EPS,
-                "ns_method": "standard", "ns_dtype": group["ns_dtype"]}
-    outs = owner._orthogonalize(ns_group, active, xs, owner.plan_step(ns_group, active, xs))
+    dtype = resolve_ns_dtype(group["ns_dtype"], active[0].device)
+    ns = lambda mats: orthogonalize(mats, NS_COEFFICIENTS, NS_STEPS, NS_EPS, method="standard", dtype=dtype)  # noqa: E731
+    outs = owner.compute(owner.plan(active, [wire_dtype(x.dtype, dtype) for x in xs]), active, xs, ns, dtype)
     for p, pt, o in zip(active, params, outs):
         m, n = p.shape
         pt.add_(o.to(pt.dtype).mul_(-group["lr"] * F.update_scale(m, n, group["tau"])))
