@@ -102,3 +102,13 @@ def test_the_graph_sees_function_level_and_relative_imports(tmp_path):
     assert find_cycle(graph) in (["lib.a", "lib.sub.b", "lib.a"], ["lib.sub.b", "lib.a", "lib.sub.b"])
     (pkg / "sub" / "b.py").write_text("B = 1\n")
     assert find_cycle(import_graph(pkg)) is None
+
+
+def test_core_and_baselines_do_not_import_each_other():
+    """Dobb's room and the baselines share kernels through modules outside both (``newton_schulz``,
+    ``distribution``), so neither is built on the other's internals."""
+    graph = import_graph()
+    crossing = sorted((a, b) for a, targets in graph.items() for b in targets
+                      for x, y in (("dobb.core", "dobb.baselines"), ("dobb.baselines", "dobb.core"))
+                      if (a == x or a.startswith(x + ".")) and (b == y or b.startswith(y + ".")))
+    assert crossing == []
