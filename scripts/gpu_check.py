@@ -255,7 +255,7 @@ def method_steps(device, shapes, steps: int) -> list[dict]:
 
 def model_check(device, shapes: dict, fs: int = 8, repeats: int = 5) -> list[dict]:
     """Measured and modelled ms of each per-matrix quantity of the projection, per shape."""
-    from dobb.baselines.muon_family.newton_schulz import newton_schulz
+    from dobb.newton_schulz import newton_schulz
     from dobb_bench.cost import projection as PJ
 
     hw, _ = _hardware()

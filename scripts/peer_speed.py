@@ -167,7 +167,7 @@ def cases(names):
         test_shampoo_matches_pytorch_optimizer): factors summed (``beta_lr=1``), no gradient EMA, no
         grafting, update ``lr * L^{-1/4} G R^{-1/4}`` (``tau = 1/sqrt(max(m, n))``, one group per
         size), ``eps_inv_root`` half the peer's ``matrix_eps`` (our eigh shift adds it twice)."""
-        from dobb.baselines.dash import Shampoo
+        from dobb.baselines.shampoo_family.dash import Shampoo
         from dobb.groups import param_groups
 
         groups = param_groups(m, algorithm="shampoo", **ALL_2D)

@@ -51,6 +51,7 @@ CROSS_CUTTING_TESTS = {
     TESTS / "test_layout_of_tests.py",  # this file
     TESTS / "test_docs_run.py",  # every python block of the docs runs alone; links; the paper cited
     TESTS / "test_dev_setup.py",  # the repository's dev setup and commit-msg hook, no module
+    TESTS / "test_imports_acyclic.py",  # no import cycle among all of the library's modules
     TESTS / "integrations" / "test_capture_api.py",  # opt.capture for custom layers, MoE routing (public API)
     TESTS / "integrations" / "test_compile.py",  # torch.compile of the step, every optimizer
     TESTS / "integrations" / "test_mixed_precision.py",  # autocast / bf16 weights, every optimizer

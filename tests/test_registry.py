@@ -126,3 +126,17 @@ def test_the_classes_validate_alike(name):
             entry.cls(groups, lr=1e-2, **extra, **{key: value})
     with pytest.raises(ValueError, match="^lr must be"):
         entry.cls(dobb.param_groups(model, algorithm=entry.cls.algorithm), lr="1e-2", **extra)
+
+
+def test_no_optimizer_class_is_built_on_another():
+    """Issue 54: a registered class derives from at most one family base (``_MuonFamily``,
+    ``_SOAPFamily``, ``_DashFamily``) besides ``MatrixOptimizer``, and from no other registered class;
+    what two optimizers share is in that base or held by composition (``dobb.distribution``)."""
+    from dobb._base import MatrixOptimizer
+    from dobb.registry import OPTIMIZERS
+
+    classes = {e.cls for e in OPTIMIZERS.values() if e.is_matrix}
+    for cls in classes:
+        assert [k.__name__ for k in cls.__mro__[1:] if k in classes] == [], cls.__name__
+        bases = [k.__name__ for k in cls.__mro__[1:] if issubclass(k, MatrixOptimizer) and k is not MatrixOptimizer]
+        assert len(bases) <= 1 and all(b.startswith("_") for b in bases), (cls.__name__, bases)

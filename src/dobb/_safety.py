@@ -159,13 +159,23 @@ def _guess(group: Mapping) -> str:
     return "an optimizer that is not of dobb"
 
 
+# The registry's entries (``dobb.registry.OPTIMIZERS``), handed over by the registry when it loads
+# (``use_registry``), which ``import dobb`` does before any optimizer can exist. Handed over, not
+# imported: the registry imports every optimizer class, and with them this module.
+_REGISTRY: Mapping = {}
+
+
+def use_registry(entries: Mapping) -> None:
+    """Read the registry's ``entries`` (name -> ``registry.Entry``) for labels and preset keys."""
+    global _REGISTRY
+    _REGISTRY = entries
+
+
 def label_of(cls: type, group: Mapping | None) -> str:
     """The registry label of an optimizer of class ``cls`` whose matrix group is ``group`` (the entry
     whose preset it matches most closely; the class name for a class not registered)."""
-    from .registry import OPTIMIZERS
-
     best, score = cls.__name__, -1
-    for entry in OPTIMIZERS.values():
+    for entry in _REGISTRY.values():
         if entry.cls is cls and all(group is not None and _same(group.get(k), v) for k, v in entry.preset.items()):
             if len(entry.preset) > score:
                 best, score = entry.label, len(entry.preset)
@@ -251,9 +261,7 @@ def check_saved_optimizer(opt, saved_groups: list[Mapping], where: str = "this s
 
 
 def _preset_keys(cls) -> list[str]:
-    from .registry import OPTIMIZERS
-
-    return sorted({k for e in OPTIMIZERS.values() if e.cls is cls for k in e.preset})
+    return sorted({k for e in _REGISTRY.values() if e.cls is cls for k in e.preset})
 
 
 _UNSET = object()  # no attribute (``NonfiniteGuard._finite_group``)

@@ -1,7 +1,8 @@
 """Every collective the library issues on its own behalf (not those of FSDP or DTensor), each
 tagged with its kind so a meter can tell them apart, over a group from the user, the layout or
 ``plain_stat_group``; and ``plan_owners``, the one greedy plan of which rank computes which unit of
-work (Dobb's split refresh, owner-compute Muon, SOAP under sharding).
+work (Dobb's split refresh, owner-compute Muon, SOAP under sharding: ``dobb.distribution``, which
+builds the owner exchanges on ``all_to_all``, ``all_gather_into_`` and ``broadcast_``).
 
 The library calls ``torch.distributed`` only through the functions here (``all_reduce_sum_``,
 ``all_to_all``, ``all_gather_into_``, ``broadcast_``), each with its ``kind``
@@ -27,14 +28,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import math
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 __all__ = ["KINDS", "collective_kind", "current_kind", "all_reduce_sum_", "all_to_all", "all_gather_into_",
-           "broadcast_", "broadcast_object", "all_gather_object", "to_owners", "from_owners", "plain_stat_group", "group_ranks", "common_group", "plan_owners"]
+           "broadcast_", "broadcast_object", "all_gather_object", "plain_stat_group", "group_ranks", "common_group",
+           "plan_owners"]
 
 KINDS = ("stat", "finite", "norm", "basis", "owner", "partial", "checkpoint")
 
@@ -116,65 +117,6 @@ def all_gather_object(obj, kind: str) -> list:
     with collective_kind(kind):
         dist.all_gather_object(out, obj)
     return out
-
-
-# ----------------------------------------------------------------------------- owner exchanges
-def _chunk_shape(shape: tuple, dim: int, size: int) -> tuple:
-    return tuple(size if d == dim else s for d, s in enumerate(shape))
-
-
-def _exchange_plan(items: list[tuple], pg):
-    """Shared bookkeeping of the two exchanges: ``items`` are ``(owner, tensor, whole shape, dim)``
-    with ``Shard(dim)`` (``torch.chunk``) shards over the ranks of ``pg``."""
-    from .sharding import chunk_sizes  # DTensor's Shard sizes (sharding loads torch.distributed.tensor)
-
-    world, me = dist.get_world_size(pg), dist.get_rank(pg)
-    sizes = [chunk_sizes(shape[dim], world) for _, _, shape, dim in items]
-    numel = [[math.prod(_chunk_shape(shape, dim, sizes[j][r])) for r in range(world)]
-             for j, (_, _, shape, dim) in enumerate(items)]
-    by_owner = [[j for j, it in enumerate(items) if it[0] == q] for q in range(world)]
-    return world, me, sizes, numel, by_owner
-
-
-def to_owners(items: list[tuple], pg, dtype, device) -> list[torch.Tensor | None]:
-    """The owner exchange out (kind ``"owner"``: SOAP's gradients, its checkpoint conversion): one
-    ``all_to_all`` of this rank's shard of every item (``(owner, shard, whole shape, dim)``) to its
-    owner. Returns each item's whole tensor on its owner (in ``dtype``), None elsewhere."""
-    world, me, sizes, numel, by_owner = _exchange_plan(items, pg)
-    mine = by_owner[me]
-    send = [items[j][1].to(dtype).reshape(-1) for q in range(world) for j in by_owner[q]]
-    in_splits = [sum(numel[j][me] for j in by_owner[q]) for q in range(world)]
-    out_splits = [sum(numel[j][r] for j in mine) for r in range(world)]
-    recv = all_to_all(send, in_splits, out_splits, dtype, device, pg, "owner")
-    per_source = [c.split([numel[j][r] for j in mine]) for r, c in enumerate(recv.split(out_splits))]
-    out: list[torch.Tensor | None] = [None] * len(items)
-    for k, j in enumerate(mine):
-        _, _, shape, dim = items[j]
-        out[j] = torch.cat([per_source[r][k].view(_chunk_shape(shape, dim, sizes[j][r])) for r in range(world)],
-                           dim=dim)
-    return out
-
-
-def from_owners(items: list[tuple], pg, dtype, device) -> list[torch.Tensor]:
-    """The owner exchange back (kind ``"owner"``): one ``all_to_all`` of every rank's shard of every
-    item (``(owner, whole tensor on the owner else None, whole shape, dim)``) from its owner.
-    Returns this rank's shard of each item."""
-    world, me, sizes, numel, by_owner = _exchange_plan(items, pg)
-    mine = by_owner[me]
-    send = []
-    for r in range(world):
-        for j in mine:
-            _, whole, _, dim = items[j]
-            send.append(whole.to(dtype).narrow(dim, sum(sizes[j][:r]), sizes[j][r]).reshape(-1))
-    in_splits = [sum(numel[j][r] for j in mine) for r in range(world)]
-    out_splits = [sum(numel[j][me] for j in by_owner[q]) for q in range(world)]
-    recv = all_to_all(send, in_splits, out_splits, dtype, device, pg, "owner")
-    out: list[torch.Tensor | None] = [None] * len(items)
-    for q, chunk in enumerate(recv.split(out_splits)):
-        for j, piece in zip(by_owner[q], chunk.split([numel[j][me] for j in by_owner[q]])):
-            _, _, shape, dim = items[j]
-            out[j] = piece.view(_chunk_shape(shape, dim, sizes[j][me]))
-    return out  # type: ignore[return-value]
 
 
 # ----------------------------------------------------------------------------- groups and owners

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from . import _safety
 from ._hparams import check_kind
 from .baselines import (RMNP, SOAP, BlockMuon, Dash, Dion, Dion2, Dion3, Muon, MuonBP, NewtonMuon, NorMuon, OwnerMuon,
                         PeriodicRowMuon, SAMuon, Shampoo, SOAPMuon, SPlus)
@@ -153,6 +154,7 @@ def _index(entries: tuple[Entry, ...]) -> Mapping[str, Entry]:
 
 
 OPTIMIZERS: Mapping[str, Entry] = _index(_ENTRIES)
+_safety.use_registry(OPTIMIZERS)  # the labels of saved states (``_safety`` cannot import this module)
 OPTIMIZER_NAMES: tuple[str, ...] = tuple(OPTIMIZERS)
 
 

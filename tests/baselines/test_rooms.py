@@ -1,5 +1,6 @@
-"""The rooms of ``dobb.baselines`` (issue 42): a MuonBP or a Dion2 step is read in at most seven
-library files, and every module that moved into a room still answers to its old path.
+"""The rooms of ``dobb.baselines`` (issue 42): a MuonBP or a Dion2 step is read in at most nine
+library files, and a module answers only to its room's path (the aliases of the paths before the
+rooms went with issue 54).
 
 The files a step crosses are counted as ``tests/core/test_room.py`` counts Dobb's: the files of every
 Python function the step executes, traced with ``sys.setprofile`` over ``opt.step()`` on a small
@@ -30,11 +31,11 @@ from _step_files import library_files
 SRC = Path(dobb.__file__).resolve().parent
 MAX_FILES = 9  # 7 until issue 53: the finiteness guard (_safety.py) and the protocol moved out of _base.py
 # the loop and the protocol, the layouts' DTensor unwrap, the protocol's scale, and the room's files
+# (the full step's owner compute is the distribution layer's, the NS5 kernels the library's own module)
 MUONBP_FILES = {"_base.py", "_safety.py", "baselines/_common.py", "layout.py", "functional.py", "baselines/muon_family/muonbp.py",
-                "baselines/muon_family/owner_muon.py", "baselines/muon_family/muon.py",
-                "baselines/muon_family/newton_schulz.py"}
+                "distribution.py", "baselines/muon_family/muon.py", "newton_schulz.py"}
 DION2_FILES = {"_base.py", "_safety.py", "layout.py", "functional.py", "_torch_private.py", "baselines/_common.py",
-               "baselines/dion_family/dion2.py", "baselines/muon_family/newton_schulz.py"}
+               "baselines/dion_family/dion2.py", "newton_schulz.py"}
 
 
 def step_files(name: str, steps: int = 2, **options) -> set[str]:
@@ -72,8 +73,8 @@ def test_a_dion2_step_crosses_at_most_seven_library_files(options, expected):
 
 def test_both_kinds_of_muonbp_step_are_traced():
     """The bound covers MuonBP's two steps: the full one (owner compute) and the block one (tiles)."""
-    assert "baselines/muon_family/owner_muon.py" in step_files("MuonBP", steps=1)
-    assert "baselines/muon_family/owner_muon.py" not in step_files("MuonBP", steps=2, period=0)
+    assert "distribution.py" in step_files("MuonBP", steps=1)
+    assert "distribution.py" not in step_files("MuonBP", steps=2, period=0)
 
 
 def test_the_tracer_sees_a_file_added_to_the_step(monkeypatch):
@@ -92,30 +93,28 @@ def test_the_tracer_sees_a_file_added_to_the_step(monkeypatch):
 
 
 # ----------------------------------------------------------------------------- the old module paths
-MOVED = dobb.baselines._MOVED
+OLD_PATHS = {**dict.fromkeys(("muon", "owner_muon", "block_muon", "muonbp", "normuon", "pr_muon", "samuon", "newton_muon",
+                              "rmnp", "_split"), "muon_family"),
+             **dict.fromkeys(("dion", "dion2", "dion3"), "dion_family"),
+             **dict.fromkeys(("dash", "soap", "splus", "_matrix_roots"), "shampoo_family")}
 
 
-def test_every_moved_module_answers_to_its_old_path_as_the_same_module():
-    baselines = SRC / "baselines"
-    assert len(MOVED) == 19 and set(MOVED.values()) == {"muon_family", "dion_family", "shampoo_family"}
-    for name, room in MOVED.items():
-        assert (baselines / room / f"{name}.py").is_file() and not (baselines / f"{name}.py").exists(), name
-        assert importlib.import_module(f"dobb.baselines.{name}") is importlib.import_module(
-            f"dobb.baselines.{room}.{name}"), name
-    # names users imported from the old modules
-    from dobb.baselines.dion import dion_rank  # noqa: F401
-    from dobb.baselines.muon import NSOptions, _MuonFamily, resolve_ns_dtype  # noqa: F401
-    from dobb.baselines.muonbp import MuonBP
-
-    assert MuonBP is dobb.MuonBP and NSOptions is dobb.baselines.muon_family.newton_schulz.NSOptions
-    assert dobb.baselines.newton_schulz is dobb.baselines.muon_family.newton_schulz.newton_schulz  # the function
-
-
-def test_an_old_path_imports_in_a_fresh_process():
-    """``import dobb.baselines.muonbp`` as the first import (the package's aliases are made on import)."""
-    code = ("import dobb.baselines.muonbp as m, dobb.baselines.soap as s, sys\n"
-            "print(m.__name__, s.__name__, sys.modules['dobb.baselines.dion2'].__name__)")
+def test_a_module_answers_only_to_its_rooms_path():
+    """The 19 aliases of the paths before the rooms are gone (issue 54): ``dobb.baselines.muonbp``
+    does not import, ``dobb.baselines.muon_family.muonbp`` does; the Newton-Schulz kernels left the
+    package for ``dobb.newton_schulz`` (their names are still exported by ``dobb.baselines``)."""
+    assert not hasattr(dobb.baselines, "_MOVED")
+    for name, room in OLD_PATHS.items():
+        assert importlib.import_module(f"dobb.baselines.{room}.{name}").__name__ == f"dobb.baselines.{room}.{name}"
+    # in a fresh process, where no earlier import could have left an alias in sys.modules
+    code = ("import importlib, sys\n"
+            f"for old in {[*OLD_PATHS, 'newton_schulz', 'gram_ns']!r}:\n"
+            "    try:\n        importlib.import_module('dobb.baselines.' + old)\n"
+            "    except ModuleNotFoundError:\n        continue\n"
+            "    print(old)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={"PYTHONPATH": str(SRC.parent), "PATH": "", "OMP_NUM_THREADS": "1"})
-    assert out.stdout.split() == ["dobb.baselines.muon_family.muonbp", "dobb.baselines.shampoo_family.soap",
-                                  "dobb.baselines.dion_family.dion2"]
+    assert out.stdout.split() == []
+    from dobb.newton_schulz import newton_schulz
+
+    assert dobb.baselines.newton_schulz is newton_schulz  # the function, exported as before

@@ -194,7 +194,7 @@ def test_no_import_circle_among_bench_modules():
 
 def test_checker_finds_private_library_uses(tmp_path):
     root = _plant(tmp_path, {"m.py": "import dobb\nimport dobb._copies\nfrom dobb import _hparams, Dobb, functional as F\n"
-                                     "from dobb.registry import get, _index\nfrom dobb.baselines import dion\n"
+                                     "from dobb.registry import get, _index\nfrom dobb.baselines.dion_family import dion\n"
                                      "x = dobb.functional.block_sizes, dobb._base, F._private_name, dion.dion_rank\n"
                                      "y = dobb.registry.OPTIMIZERS.items()\n"})
     assert private_uses(root / "m.py") == ["m.py: dobb._base", "m.py: dobb.functional._private_name",

@@ -1,15 +1,17 @@
 """Dobb's update kernels as ``compile=True`` runs them: pure functions of plain tensors and static
 structure (block runs as tuples of ints, dtypes, option values), each compiled by
 ``dobb._compiled.compiled`` and called once per param group (one-sided) or per matrix (two-sided,
-Dobb-Muon). ``core.update`` calls them only for a group with ``compile=True``; an eager step never
-reads this file.
+Dobb-Muon) of a group with ``compile=True``; also the pure kernels ``core.update`` runs eagerly
+beside them (``rotated_adam``: Dobb-Muon's preconditioning; ``two_sided_group``: the stacked two-sided
+step off a CPU). No import of ``core.update`` (it imports this module): the orientation of the
+tensors is done there.
 
 The step's per-step numbers enter as tensors, never as Python floats (``dynamic=False`` would compile
 one graph per value): the update factors ``-lr * s`` (``factors``, a float64 vector: each entry the
 Python float the eager step uses) and the step count of the bias corrections (a float64 0-d
 tensor, so ``1 - beta2**t`` is the same float64 number as eager's). Compiled, the products are the
 same ``bmm``s of the same blocks; the element-wise passes around them are fused, so results match
-eager to float32 rounding, not bit for bit (tests/integrations/test_compiled_kernels.py).
+eager to float32 rounding, not bit for bit (tests/core/test_compiled_kernels.py).
 """
 from __future__ import annotations
 
@@ -21,9 +23,9 @@ import math
 from .. import functional as F
 from .._compiled import compiled
 from ..functional import BlockBasis
-from .update import OneSided, _oriented, _oriented_muon, rotated_adam
+from ..newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_STEPS, newton_schulz
 
-__all__ = ["one_sided_", "preconditioned_muon", "compiled_one_sided", "compiled_muon", "two_sided_group"]
+__all__ = ["one_sided_", "preconditioned_muon", "rotated_adam", "compiled_one_sided", "compiled_muon", "two_sided_group"]
 
 
 def one_sided_(ws: list[Tensor], us: list[Tensor], bases: list[Tensor], runs: tuple, factors: Tensor, *, norm: str,
@@ -42,14 +44,23 @@ def one_sided_(ws: list[Tensor], us: list[Tensor], bases: list[Tensor], runs: tu
             w[:, :, cols].view(E, r, count, size).add_(o.view(E, count, r, size).transpose(1, 2) * factors[i])
 
 
+def rotated_adam(ut: Tensor, gt: Tensor, basis: Tensor, v: Tensor, sizes, step, *, dtype: torch.dtype,
+                 momentum: float, beta2: float, eps: float) -> Tensor:
+    """``P = R Q^T`` of ``precondition`` on plain tensors oriented ``(out, in)``, advancing ``v``; ``step``
+    (1-based) an int, or a float64 0-d tensor in a compiled kernel (the same float64 bias corrections)."""
+    c, gq = F.blockwise(torch.stack([ut, gt]).to(dtype), basis, sizes).unbind(0)
+    gq = gq.to(v.dtype)
+    v.mul_(beta2).addcmul_(gq, gq, value=1.0 - beta2)
+    r = F.adam_direction(c.to(v.dtype), v, step=step, momentum=momentum, beta2=beta2, eps=eps)
+    return F.blockwise(r.to(dtype), basis, sizes, transpose=True)
+
+
 def preconditioned_muon(u: Tensor, g: Tensor, basis: Tensor, v: Tensor, step: Tensor, sizes: tuple, rows: tuple, *,
                         dtype: torch.dtype, momentum: float, beta2: float, eps: float,
                         ns_dtype: torch.dtype) -> list[Tensor]:
-    """``norm="muon"``'s directions of one matrix: ``core.update.rotated_adam`` (advancing ``v``), then
+    """``norm="muon"``'s directions of one matrix: ``rotated_adam`` (advancing ``v``), then
     NS5 of each of its row blocks ``rows`` (``core.update.apply_preconditioned_muon``, steps 1-3 and
     the Newton-Schulz of step 4). Tensors oriented ``(out, in)``; ``step``: the 1-based step count."""
-    from ..baselines.muon_family.newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_STEPS, newton_schulz
-
     p = rotated_adam(u, g, basis, v, sizes, step, dtype=dtype, momentum=momentum, beta2=beta2, eps=eps)
     parts = p.split(list(rows), dim=0)
     if len(set(rows)) == 1:  # equal row blocks: one batched iteration
@@ -58,28 +69,30 @@ def preconditioned_muon(u: Tensor, g: Tensor, basis: Tensor, v: Tensor, step: Te
 
 
 # ----------------------------------------------------------------------------- the calls (core.update)
-def compiled_one_sided(mats: list[OneSided], *, norm: str, lr, tau: float, product_dtype) -> None:
-    """``apply_directions`` of a group as one ``core.kernels.one_sided_`` call (``compile=True``)."""
-    dtypes = {F.matmul_dtype(m.basis.dtype, m.basis.device, product_dtype) for m in mats}
-    for dtype in dtypes:  # one call per product dtype (one in practice)
-        group = [m for m in mats if F.matmul_dtype(m.basis.dtype, m.basis.device, product_dtype) == dtype]
+def compiled_one_sided(mats: list, ws: list[Tensor], us: list[Tensor], *, norm: str, lr, tau: float,
+                       product_dtype) -> None:
+    """``core.update.apply_directions`` of a group (its ``OneSided`` items ``mats``, their weights and
+    updates ``ws``, ``us`` oriented with the blocked axis last) as one ``one_sided_`` call."""
+    dtypes = [F.matmul_dtype(m.basis.dtype, m.basis.device, product_dtype) for m in mats]
+    for dtype in set(dtypes):  # one call per product dtype (one in practice)
+        idx = [i for i, d in enumerate(dtypes) if d == dtype]
+        group = [mats[i] for i in idx]
         factors = [-lr * F.update_scale(*m.layout.shape, tau) / (math.sqrt(m.layout.rows) if norm == "sign" else 1.0)
                    for m in group]
         compiled(one_sided_)(
-            [_oriented(m.layout.stacked(m.w), m.layout) for m in group], [_oriented(m.layout.stacked(m.u), m.layout)
-                                                                          for m in group],
-            [m.layout.stacked(m.basis) for m in group],
+            [ws[i] for i in idx], [us[i] for i in idx], [m.layout.stacked(m.basis) for m in group],
             tuple(tuple((r.start, r.count, r.size) for r in F.block_runs(m.layout.local_sizes)) for m in group),
             torch.tensor(factors, dtype=torch.float64, device=group[0].w.device), norm=norm, dtype=dtype)
 
 
-def compiled_muon(plan, state: dict, ut: Tensor, gt: Tensor, rows: tuple, *, basis_dtype, product_dtype,
-                  momentum: float, beta2: float, eps: float, ns_dtype: torch.dtype) -> list[Tensor]:
-    """``apply_preconditioned_muon``'s directions of one matrix as one ``preconditioned_muon`` call."""
-    ut, gt, basis, v, dtype = _oriented_muon(plan, state, ut, gt, basis_dtype, product_dtype)
-    step = torch.tensor(float(state["step"] + 1), dtype=torch.float64)  # the bias corrections' t, in float64
-    return compiled(preconditioned_muon)(ut, gt, basis, v, step, tuple(plan.layout.local_sizes), rows, dtype=dtype,
-                                         momentum=momentum, beta2=beta2, eps=eps, ns_dtype=ns_dtype)
+def compiled_muon(oriented: tuple, step: int, sizes: tuple, rows: tuple, *, momentum: float, beta2: float, eps: float,
+                  ns_dtype: torch.dtype) -> list[Tensor]:
+    """``core.update.apply_preconditioned_muon``'s directions of one matrix as one ``preconditioned_muon``
+    call: ``oriented`` is ``(u, g, basis, second moment, product dtype)`` oriented ``(out, in)``,
+    ``step`` the 1-based step count (passed in float64: the same bias corrections as eager)."""
+    ut, gt, basis, v, dtype = oriented
+    return compiled(preconditioned_muon)(ut, gt, basis, v, torch.tensor(float(step), dtype=torch.float64), sizes,
+                                         rows, dtype=dtype, momentum=momentum, beta2=beta2, eps=eps, ns_dtype=ns_dtype)
 
 
 def two_sided_group(items: list, sizes: tuple, *, norm: str, step: int, momentum: float, beta2: float,

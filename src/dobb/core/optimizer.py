@@ -442,7 +442,7 @@ class Dobb(MatrixOptimizer):
             torch._foreach_mul_([pt for pt, f in zip(params, fused) if not f], 1.0 - lr * wd)
         whole = [i for i, s in enumerate(states) if every and s["step"] % every == 0]
         if whole:  # whole-matrix steps (every rank of a sharded matrix takes them together: same step count)
-            if getattr(self, "_owner", None) is None:  # OwnerMuon's routing and all-to-alls, without its state
+            if getattr(self, "_owner", None) is None:  # the distribution layer's owner compute (derived)
                 self._owner = whole_step_owner()
             apply_whole_steps(self._owner, group, *([xs[i] for i in whole] for xs in (active, plans, states, u, grads, params)))
             keep = [i for i in range(len(active)) if i not in set(whole)]

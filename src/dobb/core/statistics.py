@@ -23,9 +23,9 @@ In the step's order (``core.optimizer.Dobb._prepare_step`` says what is due, the
 
 The split: under FSDP2 (input-side blocks over the unsharded axis), DDP and HSDP every rank of a
 statistic group holds the same reduced statistic and the same bases. Each even-sized block's refresh
-is then computed by one owner rank of the group (``collectives.plan_owners``) and the new bases are
-broadcast in the basis dtype, so the ranks' refresh work divides by the group size. It is bitwise the
-unsplit refresh: the owner solves the same statistic and basis (identical on every rank), and every
+is then computed by one owner rank of the group and the new bases are broadcast in the basis dtype
+(``distribution.solve_on_owners``, the owner compute of replicated work), so the ranks' refresh work
+divides by the group size. It is bitwise the unsplit refresh: the owner solves the same statistic and basis (identical on every rank), and every
 rank stores the owner's result rounded to the basis dtype, which is what the unsplit refresh stores.
 A block solved alone equals the same block solved inside a batch for every even block size; for odd
 sizes the last bit of a batched solve can depend on the block's place in the batch, so odd-sized
@@ -48,7 +48,8 @@ import torch.distributed as dist
 from .. import functional as F
 from ..capture import PendingStat
 from .. import collectives
-from ..collectives import group_ranks, plan_owners
+from ..collectives import group_ranks
+from ..distribution import solve_on_owners
 from ..layout import MatrixLayout, ReducedStat, local_nonfinite
 from .options import HOOK_SOURCES
 
@@ -402,31 +403,23 @@ def refresh_local(blocks: list[tuple[torch.Tensor, torch.Tensor, bool]], ortho_s
 
 
 def _split(batches, units, ranks, group, dtype) -> dict[tuple, torch.Tensor]:
+    """The shared blocks ``units`` (``(batch, request, block)``) of one statistic group and basis
+    dtype, each solved by its owner and broadcast (``distribution.solve_on_owners``)."""
     def block(u):
         bi, ri, j = u
         a, q0, exact = batches[bi].blocks[ri]
         return a[j : j + 1], q0[j : j + 1], exact
 
+    def solve_mine(mine: list[int]) -> list[torch.Tensor]:
+        sel_units = [units[i] for i in mine]
+        result = {}
+        for bi in sorted({u[0] for u in sel_units}):  # each param group with its own solve settings
+            sel = [u for u in sel_units if u[0] == bi]
+            for u, q in zip(sel, F.refresh_bases([block(u) for u in sel], batches[bi].ortho_steps, batches[bi].qr)):
+                result[u] = q[0].to(dtype)  # what the unsplit refresh stores: the solve rounded to the basis dtype
+        return [result[u] for u in sel_units]
+
     costs = [block(u)[0].shape[-1] ** 3 * (EIGH_COST if block(u)[2] else batches[u[0]].ortho_steps) for u in units]
-    owner = plan_owners(costs, len(ranks))
-    me = ranks.index(dist.get_rank())
-    result = {}
-    mine = [u for u, o in zip(units, owner) if o == me]
-    for bi in sorted({u[0] for u in mine}):  # each param group with its own solve settings
-        sel = [u for u in mine if u[0] == bi]
-        for u, q in zip(sel, F.refresh_bases([block(u) for u in sel], batches[bi].ortho_steps, batches[bi].qr)):
-            result[u] = q[0].to(dtype)  # what the unsplit refresh stores: the solve rounded to the basis dtype
+    shapes = [(block(u)[0].shape[-1],) * 2 for u in units]
     device = batches[units[0][0]].blocks[units[0][1]][0].device
-    for r, src in enumerate(ranks):
-        owned = [u for u, o in zip(units, owner) if o == r]
-        if not owned:
-            continue
-        sizes = [block(u)[0].shape[-1] ** 2 for u in owned]
-        buf = (torch.cat([result[u].reshape(-1) for u in owned]) if r == me
-               else torch.empty(sum(sizes), dtype=dtype, device=device))
-        collectives.broadcast_(buf, src, group, "basis")
-        if r != me:
-            for u, flat, n in zip(owned, buf.split(sizes), sizes):
-                s = int(round(n ** 0.5))
-                result[u] = flat.view(s, s)
-    return result
+    return dict(zip(units, solve_on_owners(costs, ranks, group, solve_mine, shapes, dtype, device, "basis")))

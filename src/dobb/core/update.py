@@ -28,8 +28,11 @@ from torch import Tensor
 
 from .. import functional as F
 from .._compiled import compiled
+from ..distribution import OwnerCompute, wire_dtype
 from ..functional import BlockBasis, two_sided_update_
 from ..layout import MatrixLayout
+from ..newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_STEPS, orthogonalize, resolve_ns_dtype
+from .kernels import compiled_muon, compiled_one_sided, rotated_adam, two_sided_group
 from .statistics import all_reduce_sum_
 
 __all__ = ["FUSE_MIN_BLOCK_WORK", "OneSided", "TwoSided", "decay_in_update", "apply_directions", "apply_two_sided",
@@ -243,9 +246,9 @@ def apply_directions(mats: list[OneSided], *, norm: str, lr, tau: float, product
     (``core.kernels.one_sided_``), unless l2 norms are summed over ranks.
     """
     if compile and all(m.layout.l2_group is None and m.decay is None for m in mats):
-        from .kernels import compiled_one_sided
-
-        compiled_one_sided(mats, norm=norm, lr=lr, tau=tau, product_dtype=product_dtype)
+        compiled_one_sided(mats, [_oriented(m.layout.stacked(m.w), m.layout) for m in mats],
+                           [_oriented(m.layout.stacked(m.u), m.layout) for m in mats], norm=norm, lr=lr, tau=tau,
+                           product_dtype=product_dtype)
         return
     batches: dict[tuple, list] = defaultdict(list)
     for layout, basis, ut, pt, beta in mats:
@@ -311,8 +314,6 @@ def apply_two_sided(mats: list[TwoSided], *, norm: str, lr, tau: float, basis_dt
             update_(w=w[e], u=u[e], g=g[e], rows=rows, cols=cols, factor=_number(factor, compile), dtype=dtype,
                     norm=norm, v=None if v is None else v[e], step=_number(step, compile), momentum=momentum,
                     beta2=beta2, eps=eps)
-    if groups:
-        from .kernels import two_sided_group  # off a CPU only: an eager CPU step never reads that file
     for key, items in groups.items():
         two_sided_group(items, key[-2:], norm=norm, step=key[5] + 1, momentum=momentum, beta2=beta2, eps=eps)
 
@@ -411,15 +412,13 @@ def apply_preconditioned_muon(mats: list[TwoSided], *, lr, tau: float, basis_dty
     ``TwoSided`` carries the plan, the state (``basis``, ``second_moment``, ``step``), the update
     ``u``, the gradient ``g`` and the weight ``w`` (local tensors). ``compile``: steps 1-3 and the
     Newton-Schulz of 4 as one compiled kernel per matrix (``core.kernels.preconditioned_muon``)."""
-    from ..baselines.muon_family.newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_STEPS, orthogonalize, resolve_ns_dtype
-
     for plan, state, ut, gt, pt in mats:
         lay = plan.layout
         sizes = [s for s in plan.ns_rows.local_sizes if s > 0]
         if compile:
-            from .kernels import compiled_muon
-            outs = compiled_muon(plan, state, ut, gt, tuple(sizes), basis_dtype=basis_dtype, product_dtype=product_dtype,
-                                 momentum=momentum, beta2=beta2, eps=eps, ns_dtype=resolve_ns_dtype(ns_dtype, pt.device))
+            outs = compiled_muon(_oriented_muon(plan, state, ut, gt, basis_dtype, product_dtype), state["step"] + 1,
+                                 tuple(plan.layout.local_sizes), tuple(sizes), momentum=momentum, beta2=beta2, eps=eps,
+                                 ns_dtype=resolve_ns_dtype(ns_dtype, pt.device))
         else:
             pre = precondition(plan, state, ut, gt, basis_dtype=basis_dtype, product_dtype=product_dtype,
                                momentum=momentum, beta2=beta2, eps=eps)
@@ -452,39 +451,22 @@ def _oriented_muon(plan, state: dict, ut: Tensor, gt: Tensor, basis_dtype, produ
     return ut, gt, lay.local(state["basis"]), v, F.matmul_dtype(basis_dtype, ut.device, product_dtype)
 
 
-def rotated_adam(ut: Tensor, gt: Tensor, basis: Tensor, v: Tensor, sizes, step, *, dtype: torch.dtype,
-                 momentum: float, beta2: float, eps: float) -> Tensor:
-    """``P = R Q^T`` of ``precondition`` on plain tensors oriented ``(out, in)``, advancing ``v``; ``step``
-    (1-based) an int, or a float64 0-d tensor in a compiled kernel (the same float64 bias corrections)."""
-    c, gq = F.blockwise(torch.stack([ut, gt]).to(dtype), basis, sizes).unbind(0)
-    gq = gq.to(v.dtype)
-    v.mul_(beta2).addcmul_(gq, gq, value=1.0 - beta2)
-    r = F.adam_direction(c.to(v.dtype), v, step=step, momentum=momentum, beta2=beta2, eps=eps)
-    return F.blockwise(r.to(dtype), basis, sizes, transpose=True)
-
-
 # ----------------------------------------------------------------------------- compile=True
 def _number(x, compile: bool):
     """A per-step number for a compiled kernel: a float64 0-d tensor (a float would be one graph per value)."""
     return torch.tensor(x, dtype=torch.float64) if compile else x
 
 
-def whole_step_owner():
-    """``OwnerMuon``'s routing and all-to-alls without its state: ``apply_whole_steps``'s owner (derived)."""
-    from ..baselines.muon_family.owner_muon import OwnerMuon
-
-    owner = OwnerMuon.__new__(OwnerMuon)
-    owner._replicated_group, owner._plans = "default", {}
-    return owner
+def whole_step_owner() -> OwnerCompute:
+    """The distribution layer's owner compute over the default replicated group: ``apply_whole_steps``'s owner."""
+    return OwnerCompute("default")
 
 
-def apply_whole_steps(owner, group: dict, active: list[Tensor], plans: list, states: list[dict], u: list[Tensor],
-                      grads: list[Tensor], params: list[Tensor]) -> None:
+def apply_whole_steps(owner: OwnerCompute, group: dict, active: list[Tensor], plans: list, states: list[dict],
+                      u: list[Tensor], grads: list[Tensor], params: list[Tensor]) -> None:
     """``whole_every``: ``W <- W - lr * tau * sqrt(max(m, n)) * NS5(X)`` of the whole matrix, computed by its
-    owner as ``OwnerMuon`` does (``whole_step_owner``), with ``X`` the Dobb-preconditioned ``P`` (``norm="muon"``)
-    or the momentum (two-sided sign): MuonBP's periodic full step on Dobb's forms."""
-    from ..baselines.muon_family.newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_STEPS
-
+    owner (``whole_step_owner``; two all-to-alls under FSDP2), with ``X`` the Dobb-preconditioned ``P``
+    (``norm="muon"``) or the momentum (two-sided sign): MuonBP's periodic full step on Dobb's forms."""
     if group["norm"] == "muon":  # P in the storage orientation (transposed weights: (in, out))
         xs = [precondition(plan, st, ut, gt, basis_dtype=group["basis_dtype"], product_dtype=group["product_dtype"],
                            momentum=group["momentum"], beta2=group["beta2"], eps=group["eps"])
@@ -492,9 +474,9 @@ def apply_whole_steps(owner, group: dict, active: list[Tensor], plans: list, sta
         xs = [x.T if plan.layout.blocked_axis == 0 else x for x, plan in zip(xs, plans)]
     else:
         xs = list(u)
-    ns_group = {"params": active, "ns_coefficients": NS_COEFFICIENTS, "ns_steps": NS_STEPS, "eps": NS_EPS,
-                "ns_method": "standard", "ns_dtype": group["ns_dtype"]}
-    outs = owner._orthogonalize(ns_group, active, xs, owner.plan_step(ns_group, active, xs))
+    dtype = resolve_ns_dtype(group["ns_dtype"], active[0].device)
+    ns = lambda mats: orthogonalize(mats, NS_COEFFICIENTS, NS_STEPS, NS_EPS, method="standard", dtype=dtype)  # noqa: E731
+    outs = owner.compute(owner.plan(active, [wire_dtype(x.dtype, dtype) for x in xs]), active, xs, ns, dtype)
     for p, pt, o in zip(active, params, outs):
         m, n = p.shape
         pt.add_(o.to(pt.dtype).mul_(-group["lr"] * F.update_scale(m, n, group["tau"])))

@@ -243,7 +243,7 @@ def step_ops(label: str, shapes, on_device: bool | None = None, **override) -> d
 def ns_ops(shapes, on_device: bool = True) -> list:
     """The ops of the library's Newton-Schulz call (``orthogonalize``: stack by shape, NS5 in bf16)
     on fp32 matrices of ``shapes``: the owner's work in owner-compute Muon."""
-    from dobb.baselines.muon_family.newton_schulz import orthogonalize
+    from dobb.newton_schulz import orthogonalize
 
     with TR.tracing(on_device) as tr:
         g = torch.Generator().manual_seed(0)

@@ -66,7 +66,7 @@ def test_ns_option_validation(kw, arg):
 
 
 def test_ns_dtype_auto_resolves_to_native_bf16_only(monkeypatch):
-    import dobb.baselines.muon_family.newton_schulz as ns_mod
+    import dobb.newton_schulz as ns_mod
     from dobb.baselines import resolve_ns_dtype
     for native, expect in ((True, torch.bfloat16), (False, torch.float32)):
         monkeypatch.setattr(ns_mod, "cpu_native", lambda dt, native=native: native)

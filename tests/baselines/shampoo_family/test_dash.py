@@ -348,7 +348,7 @@ class _PlainDash(Dash):
 
     def _matrix_step(self, group, active):
         from dobb.baselines import _common as C
-        from dobb.baselines.dash import NORM_EPS, _factor_views, _flat
+        from dobb.baselines.shampoo_family.dash import NORM_EPS, _factor_views, _flat
         captured = {}
         apply = C.apply_protocol
         C.apply_protocol = lambda *a: captured.setdefault("call", a)  # steps 1-2 as Dash runs them

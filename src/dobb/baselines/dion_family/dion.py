@@ -53,7 +53,7 @@ from ..._base import MatrixOptimizer
 from ...layout import is_dtensor, to_local
 from .. import _common as C
 from ..._hparams import ScaledOptions, fraction, integer, one_of, option, unit_interval
-from ..muon_family.newton_schulz import column_normalize
+from ...newton_schulz import column_normalize
 
 _QR = ("householder", "rcqr")
 _COLUMN_EPS = 1e-30  # column_normalize's floor on the squared norm

@@ -47,7 +47,7 @@ from ...placement import follow_layout, layout_for, shard_counts
 from .. import _common as C
 from ..._hparams import ScaledOptions, integer, layout_option, one_of, option, unit_interval
 from ..._hparams import fraction as fraction_rule
-from ..muon_family.newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_STEPS, NSOptions, ns_options, orthogonalize
+from ...newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_STEPS, NSOptions, ns_options, orthogonalize
 
 SELECT = ("global", "shard")
 

@@ -30,7 +30,7 @@ from .. import _common as C
 from .dion2 import gathered_lookahead, selected_rows
 from ..._hparams import ScaledOptions, option, unit_interval
 from ..._hparams import fraction as fraction_rule
-from ..muon_family.newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_STEPS, NSOptions, ns_options, orthogonalize
+from ...newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_STEPS, NSOptions, ns_options, orthogonalize
 from ..muon_family.normuon import NeuronOptions, normuon_normalize, state_dtype
 
 

@@ -11,7 +11,10 @@ when ``tau = 0.2`` and Newton-Schulz runs in bf16 as torch's does (``ns_dtype="b
 4. ``W <- (1 - lr*wd) W - lr * tau*sqrt(max(m, n)) * O``.
 
 ``_MuonFamily`` holds steps 1, 2 and 4 for every baseline built on Muon's momentum (PR-Muon,
-Block Muon); subclasses only say how ``U`` becomes a direction (``_directions``).
+Block Muon); subclasses only say how ``U`` becomes a direction (``_directions``). A whole matrix's
+NS5 of a sharded weight is gathered on every rank, unless the optimizer holds an owner-compute
+strategy (``dobb.distribution.OwnerCompute``: OwnerMuon, MuonBP), which computes it on one rank.
+Muon and OwnerMuon share their direction (``muon_directions``), not a class.
 
 ``heads`` / ``split_sizes`` (Muon, Block Muon, NorMuon; see ``_split``) cut a fused weight
 (Q/K/V, per head) into parts that are orthogonalized and scaled as separate matrices (CMuon).
@@ -30,13 +33,13 @@ import torch
 from torch import Tensor
 
 from ..._base import MatrixOptimizer, _name_of
+from ...distribution import OwnerCompute, OwnerPlan, wire_dtype
 from ...attention_heads import check_heads_apply, head_rows, shapes_note
 from ..._hparams import Rule, ScaledOptions, boolean, option, unit_interval
 from ...layout import is_dtensor, to_local
 from .. import _common as C
 from ._split import WHOLE, SplitOptions, Tile, row_parts, row_tiles
-# the NS options lived here before the rooms: their old import path stays
-from .newton_schulz import NS_DTYPES, NSOptions, ns_options, orthogonalize, resolve_ns_dtype  # noqa: F401
+from ...newton_schulz import NSOptions, ns_options, orthogonalize
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +63,9 @@ class _MuonFamily(MatrixOptimizer):
 
     Options = MuonOptions
     _uses_step = False  # whether the state carries a step counter (schedules)
+    # how a whole matrix's NS5 is distributed: None gathers it on every rank; an OwnerCompute (set by
+    # the constructor of OwnerMuon and MuonBP) computes it on its owner
+    _distribution: OwnerCompute | None = None
 
     def __init__(self, params, **kwargs):
         super().__init__(params, **kwargs)
@@ -135,8 +141,17 @@ class _MuonFamily(MatrixOptimizer):
             for s in states:
                 s["step"] += 1
 
+    def _owner_plans(self, group: dict[str, Any]) -> list[OwnerPlan]:
+        """Each matrix's route to its owner (``_distribution``'s plan), in the wire dtype of its NS5."""
+        dtype = ns_options(group)["dtype"]
+        return self._distribution.plan(group["params"], [wire_dtype(p.dtype, dtype) for p in group["params"]])
+
     def _orthogonalize(self, group: dict, active: list[Tensor], u: list[Tensor]) -> list[Tensor]:
-        """NS5 of each full matrix (sharded ones are gathered), returned as local shards."""
+        """NS5 of each full matrix, returned as local shards: by its owner under ``_distribution``
+        (its plan, ``_owner_plans``), else gathered (sharded ones) on every rank."""
+        if self._distribution is not None:
+            return self._distribution.compute([self._plans[p] for p in active], active, u, self._ns(group),
+                                              ns_options(group)["dtype"])
         full = [C.gather_full(t, p) for t, p in zip(u, active)]
         outs = orthogonalize(full, group["ns_coefficients"], group["ns_steps"], group["eps"],
                              **ns_options(group))
@@ -155,7 +170,7 @@ class Muon(_MuonFamily):
     ``match_rms_adamw``), ``momentum`` (0.95), ``nesterov`` (True), ``ns_coefficients``,
     ``ns_steps`` (5), ``eps`` (1e-7), ``ns_method`` (``"standard"`` NS5 or ``"gram"``: the same
     iteration on the short side's Gram matrix, fewer FLOPs on non-square matrices; see
-    ``gram_ns``), ``ns_dtype`` (``"auto"``: bf16 where the device has native bf16 products, as torch's
+    ``dobb.newton_schulz``), ``ns_dtype`` (``"auto"``: bf16 where the device has native bf16 products, as torch's
     Muon always does, fp32 on CPUs without them; ``"float64"`` for exact comparisons),
     ``adamw_betas``, ``adamw_eps``; ``heads``, ``split_sizes`` (``None``: CMuon's split of fused
     weights, see ``_split``; ``heads=H`` cuts every attention q/k/v matrix into its heads,
@@ -166,12 +181,19 @@ class Muon(_MuonFamily):
     Options = MuonSplitOptions
 
     def _directions(self, group, active, states, params, u):
-        if group["split_sizes"] is None and group["num_heads"] is None and group["heads"] is None:
-            outs = self._orthogonalize(group, active, u)  # (OwnerMuon routes this one)
-            return params, outs, [C.update_scale(*p.shape, group["tau"]) for p in active]
-        # Whole matrices are one tile each (gathered when sharded); all tiles go to one batched NS5.
-        plans = [(row_tiles(self._row_parts(group, p)), False) for p in active]
-        return tiled_directions(group, active, params, u, plans, self._ns(group))
+        return muon_directions(self, group, active, params, u)
+
+
+def muon_directions(opt: _MuonFamily, group: dict, active: list[Tensor], params: list[Tensor],
+                    u: list[Tensor]) -> tuple[list, list, list]:
+    """Muon's ``(targets, updates, scales)`` (Muon's and OwnerMuon's ``_directions``): NS5 of each
+    whole matrix by ``opt._orthogonalize``, or of its tiles under a split."""
+    if group["split_sizes"] is None and group["num_heads"] is None and group["heads"] is None:
+        outs = opt._orthogonalize(group, active, u)
+        return params, outs, [C.update_scale(*p.shape, group["tau"]) for p in active]
+    # Whole matrices are one tile each (gathered when sharded); all tiles go to one batched NS5.
+    plans = [(row_tiles(opt._row_parts(group, p)), False) for p in active]
+    return tiled_directions(group, active, params, u, plans, opt._ns(group))
 
 
 # ----------------------------------------------------------------------------- the tiled update

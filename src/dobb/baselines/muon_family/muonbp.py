@@ -13,8 +13,9 @@ Muon's momentum (and Nesterov option), then per step one of two directions:
   shards; a DTensor whose other axis is also sharded is gathered for its blocks, as Block Muon does.
   Each block moves as a Muon update of its own shape, ``tau*sqrt(max(m_b, n_b)) * NS5(U_b)``.
 - **full step** (every ``P``-th step): NS5 of the whole matrix, computed by its owner as
-  ``OwnerMuon`` does (the owner plan and the two all-to-alls under FSDP2; one all-gather per shape
-  under DDP), moved with Muon's ``tau*sqrt(max(m, n))``.
+  ``OwnerMuon`` does, through the same strategy it holds (``dobb.distribution.OwnerCompute``: the
+  owner plan and the two all-to-alls under FSDP2; one all-gather per shape under DDP), moved with
+  Muon's ``tau*sqrt(max(m, n))``.
 
 Each kind of step is thus matched to update RMS ``tau`` by its own dimensions: this is the paper's
 pair of learning rates (block and full), both derived from the one ``lr``.
@@ -37,10 +38,10 @@ from ..._base import _name_of
 from ..._hparams import integer, layout_option, option
 from ...layout import is_dtensor
 from ...placement import follow_layout, layout_for
+from ...distribution import OwnerCompute, OwnerPlan, gathered_of, owner_plan_fields, owners_of
 from .. import _common as C
 from .block_muon import _blocks
-from .muon import AXIS, MuonOptions, tiled_directions
-from .owner_muon import OwnerMuon, OwnerPlan, owner_plan_fields
+from .muon import AXIS, MuonOptions, _MuonFamily, tiled_directions
 
 __all__ = ["MuonBP", "block_axis"]
 
@@ -68,18 +69,33 @@ class MuonBPPlan(OwnerPlan):
     block: tuple = ()
 
 
-class MuonBP(OwnerMuon):
+class MuonBP(_MuonFamily):
     """MuonBP. Args as ``Muon`` (and ``OwnerMuon``'s ``replicated_group``) plus ``period`` (``P``,
     default 5: a full step every ``P``-th step, 0 never), ``blocks`` (default 4) and ``axis``
-    (0 rows, the default; 1 columns) of the block steps; see the module docstring."""
+    (0 rows, the default; 1 columns) of the block steps; see the module docstring. ``owners`` and
+    ``gathered`` read the full steps' plans, as ``OwnerMuon``'s do."""
 
     algorithm = "muonbp"
     Options = MuonBPOptions
     _uses_step = True
 
+    def __init__(self, params, *, lr: float, replicated_group="default", **kwargs):
+        # the argument first: a copy's refusal names the first attribute that holds a process group
+        self._replicated_group = replicated_group
+        self._distribution = OwnerCompute(replicated_group)  # validates it
+        super().__init__(params, lr=lr, **kwargs)
+
+    @property
+    def owners(self):
+        return owners_of(self._plans)
+
+    @property
+    def gathered(self):
+        return gathered_of(self._plans)
+
     def _group_plans(self, group):
         plans = []
-        for i, (p, whole) in enumerate(zip(group["params"], super()._group_plans(group))):
+        for i, (p, whole) in enumerate(zip(group["params"], self._owner_plans(group))):
             axis = block_axis(p, group["axis"])
             side = "input" if axis == 1 else "output"
             try:  # blocks None (the default): one block per shard of a sharded axis, 4 otherwise

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from .. import _common as C
 from ..._hparams import integer, option
 from .muon import MuonOptions, _MuonFamily
-from .newton_schulz import row_normalize
+from ...newton_schulz import row_normalize
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -16,7 +16,7 @@ from ..._base import MatrixOptimizer
 from ...layout import to_local
 from ..._hparams import ScaledOptions, boolean, option, unit_interval
 from .. import _common as C
-from .newton_schulz import row_normalize
+from ...newton_schulz import row_normalize
 
 
 @dataclass(frozen=True, kw_only=True)

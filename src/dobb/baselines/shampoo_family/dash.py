@@ -178,26 +178,12 @@ class DashOptions(ShampooOptions):
     block_size: int = option(1024, integer(1))
 
 
-class Dash(MatrixOptimizer):
-    """Block Shampoo (DASH) for hidden matrices, AdamW for the rest; see the module docstring.
+class _DashFamily(MatrixOptimizer):
+    """DASH's step (factors, inverse roots, grafting), shared by Dash and Shampoo; each says how a
+    matrix is cut into tiles (``_block_size``) and how its factors follow the shards (``_layout_note``)."""
 
-    Args (defaults are DASH's): ``lr``, ``weight_decay`` (decoupled), ``block_size`` (1024),
-    ``beta_lr`` (0.95, factor EMA; 1 sums), ``beta_g`` (0.9, gradient EMA), ``beta_graft`` (0.95,
-    Adam grafting's second moment), ``graft`` (``"adam"`` or ``"none"``), ``eps_graft`` (1e-8),
-    ``precondition_every`` (10), ``inverse_root`` (``"eigh"``, ``"newton-db"``,
-    ``"coupled-newton"``), ``eps_inv_root`` (1e-10, damping of the factors), ``newton_steps`` (30:
-    coupled-newton's iteration count, newton-db's cap), ``newton_tol`` (1e-4: newton-db stops once
-    ``||Z Y - I||_F / sqrt(n)`` is below it, and warns when a factor stops above it; 0 runs exactly
-    ``newton_steps``, as DASH's authors do), ``tau`` (0.2, used by ``graft="none"`` only), ``adamw_betas``,
-    ``adamw_eps``.
-    """
-
-    algorithm = "dash"
     Options = DashOptions
     _own_dtype_keys = ("L", "R", "L_root", "R_root")
-
-    def _block_size(self, group, shape) -> int:
-        return group["block_size"]
 
     def _check_matrix_group(self, group):
         for i, p in enumerate(group["params"]):
@@ -235,10 +221,6 @@ class Dash(MatrixOptimizer):
     def _factor_numel(self, group, shape, side: int) -> int:
         specs = tile_specs(*shape, self._block_size(group, shape))
         return sum(s[0] * s[side] ** 2 for s in specs)
-
-    def _layout_note(self, group) -> str:
-        return (f"its tile factors are cut within each shard of the weight (block_size="
-                f"{group['block_size']}), so they follow the shards")
 
     def _matrix_step(self, group, active):
         graft = group["graft"]
@@ -333,10 +315,35 @@ class Dash(MatrixOptimizer):
         C.apply_protocol(params, targets, updates, [1.0] * len(targets), group["lr"], group["weight_decay"])
 
 
-class Shampoo(Dash):
-    """Two-sided Shampoo with DASH's options on whole matrices: ``Dash`` with one tile per matrix
-    (``block_size`` is the matrix; no other argument changes). Under sharding the tile is this
-    rank's shard, so the step stays local: sharded Shampoo is block-diagonal over the shards."""
+class Dash(_DashFamily):
+    """Block Shampoo (DASH) for hidden matrices, AdamW for the rest; see the module docstring.
+
+    Args (defaults are DASH's): ``lr``, ``weight_decay`` (decoupled), ``block_size`` (1024),
+    ``beta_lr`` (0.95, factor EMA; 1 sums), ``beta_g`` (0.9, gradient EMA), ``beta_graft`` (0.95,
+    Adam grafting's second moment), ``graft`` (``"adam"`` or ``"none"``), ``eps_graft`` (1e-8),
+    ``precondition_every`` (10), ``inverse_root`` (``"eigh"``, ``"newton-db"``,
+    ``"coupled-newton"``), ``eps_inv_root`` (1e-10, damping of the factors), ``newton_steps`` (30:
+    coupled-newton's iteration count, newton-db's cap), ``newton_tol`` (1e-4: newton-db stops once
+    ``||Z Y - I||_F / sqrt(n)`` is below it, and warns when a factor stops above it; 0 runs exactly
+    ``newton_steps``, as DASH's authors do), ``tau`` (0.2, used by ``graft="none"`` only), ``adamw_betas``,
+    ``adamw_eps``.
+    """
+
+    algorithm = "dash"
+    Options = DashOptions
+
+    def _block_size(self, group, shape) -> int:
+        return group["block_size"]
+
+    def _layout_note(self, group) -> str:
+        return (f"its tile factors are cut within each shard of the weight (block_size="
+                f"{group['block_size']}), so they follow the shards")
+
+
+class Shampoo(_DashFamily):
+    """Two-sided Shampoo with DASH's options on whole matrices: DASH's step (``_DashFamily``) with one
+    tile per matrix (``block_size`` is the matrix; no other argument changes). Under sharding the tile
+    is this rank's shard, so the step stays local: sharded Shampoo is block-diagonal over the shards."""
 
     algorithm = "shampoo"
     Options = ShampooOptions

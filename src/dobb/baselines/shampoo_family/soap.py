@@ -29,9 +29,9 @@ to Adam's RMS and does not apply (``tau`` is accepted and unused). Batching: eve
 matrix of a group with the same ``(m, n_b)`` is one batch (``bmm``, batched ``eigh``/``qr``).
 
 Sharded weights (FSDP2, or tensor parallel: DTensors ``Shard(0)`` or ``Shard(1)`` on a 1-D mesh) are
-computed by owners, as ``OwnerMuon`` computes Muon. At construction every sharded matrix gets an owner
-rank of its mesh (``collectives.plan_owners``, longest first by the cost ``soap_cost``, so every rank
-plans the same owners). The owner alone keeps that matrix's state: ``M`` (whole), ``V``, ``L``, ``R``
+computed by owners, as ``OwnerMuon`` computes Muon (``dobb.distribution``). At construction every
+sharded matrix gets an owner rank of its mesh (``collectives.plan_owners``, longest first by the cost
+``soap_cost``, so every rank plans the same owners). The owner alone keeps that matrix's state: ``M`` (whole), ``V``, ``L``, ``R``
 and the bases; the other ranks keep the same keys as empty placeholders, and the step count. Each
 step, per param group and state dtype, one ``all_to_all`` sends every rank's gradient shards to their
 owners (cast to the state dtype); each owner runs the step above on its whole matrices, batched as
@@ -59,7 +59,8 @@ from torch import Tensor
 
 from ..._base import MatrixOptimizer, _name_of
 from ..._safety import check_saved_optimizer
-from ...collectives import from_owners, plan_owners, to_owners
+from ...collectives import plan_owners
+from ...distribution import from_owners, owner_compute, to_owners
 from ...layout import is_dtensor, to_local
 from ..._hparams import Options, boolean, integer, one_of, option, optional, positive, unit_interval
 from ..._hparams import betas as betas_rule
@@ -155,22 +156,14 @@ class SOAPOptions(Options):
     correct_bias: bool = option(True, boolean)
 
 
-class SOAP(MatrixOptimizer):
-    """SOAP for hidden matrices, AdamW for the rest (see the module docstring).
+class _SOAPFamily(MatrixOptimizer):
+    """SOAP's statistics, bases, batching, owner compute and checkpoints, shared by SOAP and SOAP-Muon;
+    each gives its direction (``_direction``), its scale (``_scale``) and ``_first_step_updates``."""
 
-    Args: ``lr``, ``weight_decay`` (decoupled), ``betas`` ((0.95, 0.95), Adam's in the rotated
-    space), ``shampoo_beta`` (None: ``betas[1]``; the EMA of ``L`` and ``R``), ``eps`` (1e-8),
-    ``precondition_frequency`` (10: steps between basis refreshes), ``max_precondition_dim``
-    (10000: a longer side keeps the identity), ``blocks`` (1: equal column blocks, each its own
-    SOAP; must divide ``n``), ``sides`` (``"both"``; ``"input"``: only ``R``; ``"output"``: only
-    ``L``), ``correct_bias`` (True), ``adamw_betas``, ``adamw_eps``. It takes no ``tau`` (Adam-scaled).
-    """
-
-    algorithm = "soap"
     Options = SOAPOptions
     # fp32 statistics stay fp32 when a bf16 model resumes
     _own_dtype_keys = ("momentum", "exp_avg_sq", "stat_left", "stat_right", "basis_left", "basis_right")
-    _first_step_updates = False  # the first step only forms L, R and the bases
+    _first_step_updates = False  # whether the first step (no bases yet) has an update
 
     def __init__(self, params, *, lr: float, **kwargs):
         self._owner_loads: dict[tuple[int, ...], list[float]] = {}  # per mesh (its ranks): planned work
@@ -262,11 +255,6 @@ class SOAP(MatrixOptimizer):
             scales += out[2]
         C.apply_protocol(params, params, updates, scales, group["lr"], group["weight_decay"])
 
-    def _scale(self, group: dict, t: int, shape: tuple | None = None) -> float:
-        """The update's scale ``s`` at step ``t`` (``shape``: the matrix's, for subclasses)."""
-        b1, b2 = group["betas"]
-        return (1 - b2 ** t) ** 0.5 / (1 - b1 ** t) if group["correct_bias"] else 1.0
-
     def _local_updates(self, group: dict, ps: list[Tensor], grads: list[Tensor]):
         """SOAP's step on whole matrices ``ps`` held here, with gradients ``grads``: the
         ``(params, updates, scales)`` of those that have an update this step."""
@@ -309,40 +297,23 @@ class SOAP(MatrixOptimizer):
                 if tuple(g.placements) != tuple(p.placements) or g.device_mesh != p.device_mesh:
                     g = g.redistribute(p.device_mesh, p.placements)
                 items.append((self._plans[p], g.to_local(), tuple(p.shape), p.placements[0].dim))
-            wholes = to_owners(items, pg, dtype, device)
-            mine = [j for j, w in enumerate(wholes) if w is not None]
-            done = self._local_updates(group, [sub[j] for j in mine], [wholes[j] for j in mine])
-            result = dict(zip(map(id, done[0]), done[1]))
-            for j, p in enumerate(sub):
-                if wholes[j] is None:
-                    self.state[p]["step"] += 1  # the owner counted its own in the step
+
+            def compute(mine, wholes, sub=sub):  # SOAP's step on the whole matrices this rank owns
+                done = self._local_updates(group, [sub[j] for j in mine], wholes)
+                result = dict(zip(map(id, done[0]), done[1]))
+                return [result.get(id(sub[j])) for j in mine]
+
             # SOAP's first step has no update (SOAP-Muon's has: ``_first_step_updates``)
             back = [j for j in range(len(sub)) if steps[j] > 0 or self._first_step_updates]
-            if back:
-                items = [(self._plans[sub[j]], result.get(id(sub[j])), tuple(sub[j].shape),
-                          sub[j].placements[0].dim) for j in back]
-                for j, u in zip(back, from_owners(items, pg, dtype, device)):
-                    params.append(sub[j])
-                    updates.append(u)
-                    scales.append(self._scale(group, steps[j], tuple(sub[j].shape)))
+            shards = owner_compute(items, pg, dtype, device, compute, back)
+            for p in sub:
+                if self._plans[p] != p.device_mesh.get_local_rank(0):
+                    self.state[p]["step"] += 1  # the owner counted its own in the step
+            for j, u in zip(back, shards):
+                params.append(sub[j])
+                updates.append(u)
+                scales.append(self._scale(group, steps[j], tuple(sub[j].shape)))
         return [p.to_local() for p in params], updates, scales
-
-    def _direction(self, group: dict, ps: list[Tensor], states: list[dict], grads: list[Tensor], g: Tensor,
-                   ql: Tensor | None, qr: Tensor | None, t: int):
-        """The update of a bucket at step ``t`` (before the statistics of this step): returns
-        ``((updates, scale) or None, V)`` with ``V`` the bucket's updated second moment (``None`` when
-        untouched). ``g``: the gradients' blocks ``(K, m, nb)``; ``ql``/``qr``: the current bases."""
-        if t == 0:
-            return None, None
-        b = group["blocks"]
-        b1, b2 = group["betas"]
-        moms = [st["momentum"] for st in states]
-        torch._foreach_lerp_(moms, grads, 1 - b1)
-        v = torch.cat([st["exp_avg_sq"] for st in states])
-        v.lerp_(soap_project(g, ql, qr).square(), 1 - b2)
-        mp = soap_project(torch.cat([_blocks(x, b) for x in moms]), ql, qr)
-        o = soap_project_back(mp / v.sqrt().add_(group["eps"]), ql, qr)
-        return ([_unblock(x) for x in o.split(b)], self._scale(group, t)), v
 
     def _bucket_step(self, group: dict, ps: list[Tensor], grads: list[Tensor], m: int, nb: int,
                      dtype: torch.dtype, t: int):
@@ -471,6 +442,44 @@ class SOAP(MatrixOptimizer):
                 state[sid][key] = whole if whole is not None else torch.zeros(0, dtype=dtype,
                                                                                device=to_local(v).device)
         return {**state_dict, "state": state}
+
+
+class SOAP(_SOAPFamily):
+    """SOAP for hidden matrices, AdamW for the rest (see the module docstring).
+
+    Args: ``lr``, ``weight_decay`` (decoupled), ``betas`` ((0.95, 0.95), Adam's in the rotated
+    space), ``shampoo_beta`` (None: ``betas[1]``; the EMA of ``L`` and ``R``), ``eps`` (1e-8),
+    ``precondition_frequency`` (10: steps between basis refreshes), ``max_precondition_dim``
+    (10000: a longer side keeps the identity), ``blocks`` (1: equal column blocks, each its own
+    SOAP; must divide ``n``), ``sides`` (``"both"``; ``"input"``: only ``R``; ``"output"``: only
+    ``L``), ``correct_bias`` (True), ``adamw_betas``, ``adamw_eps``. It takes no ``tau`` (Adam-scaled).
+    """
+
+    algorithm = "soap"
+    Options = SOAPOptions
+    _first_step_updates = False  # the first step only forms L, R and the bases
+
+    def _scale(self, group: dict, t: int, shape: tuple | None = None) -> float:
+        """The update's scale ``s`` at step ``t`` (``shape``: the matrix's, for subclasses)."""
+        b1, b2 = group["betas"]
+        return (1 - b2 ** t) ** 0.5 / (1 - b1 ** t) if group["correct_bias"] else 1.0
+
+    def _direction(self, group: dict, ps: list[Tensor], states: list[dict], grads: list[Tensor], g: Tensor,
+                   ql: Tensor | None, qr: Tensor | None, t: int):
+        """The update of a bucket at step ``t`` (before the statistics of this step): returns
+        ``((updates, scale) or None, V)`` with ``V`` the bucket's updated second moment (``None`` when
+        untouched). ``g``: the gradients' blocks ``(K, m, nb)``; ``ql``/``qr``: the current bases."""
+        if t == 0:
+            return None, None
+        b = group["blocks"]
+        b1, b2 = group["betas"]
+        moms = [st["momentum"] for st in states]
+        torch._foreach_lerp_(moms, grads, 1 - b1)
+        v = torch.cat([st["exp_avg_sq"] for st in states])
+        v.lerp_(soap_project(g, ql, qr).square(), 1 - b2)
+        mp = soap_project(torch.cat([_blocks(x, b) for x in moms]), ql, qr)
+        o = soap_project_back(mp / v.sqrt().add_(group["eps"]), ql, qr)
+        return ([_unblock(x) for x in o.split(b)], self._scale(group, t)), v
 
 
 def _mesh_ranks(p: Tensor) -> tuple[int, ...]:

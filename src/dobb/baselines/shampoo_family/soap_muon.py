@@ -51,10 +51,10 @@ The SOAP-Muon authors' own code (``nikhilvyas/SOAP_MUON``, ``v2.py``, commit ``8
 different again: SOAP's gradient-fed ``V`` with bias correction, and NS applied in the rotated space
 followed by an entrywise ``sign(x) sqrt|x|``; this class follows the record instead.
 
-Composition: the class is ``SOAP`` with another direction (``_direction``): the batching of
-equal-shape blocks, the owner compute of sharded matrices (FSDP2/TP, ``collectives.plan_owners``;
-NS runs on the owner, on the whole matrix), the state dict and its DTensor checkpoints are SOAP's,
-unchanged. Unlike SOAP, the first step has an update (plain Muon), so under sharding the update
+Composition: SOAP and this class are two members of one family (``soap._SOAPFamily``) with two
+directions (``_direction``): the batching of equal-shape blocks, the owner compute of sharded
+matrices (FSDP2/TP through ``dobb.distribution``; NS runs on the owner, on the whole matrix), the
+state dict and its DTensor checkpoints are the family's, the same as SOAP's. Unlike SOAP, the first step has an update (plain Muon), so under sharding the update
 shards go back on the first step too.
 """
 from __future__ import annotations
@@ -69,8 +69,8 @@ from ..._hparams import (Rule, ScaledOptions, boolean, integer, numbers_tuple, o
                          unit_interval)
 from ..._hparams import betas as betas_rule
 from ...functional import update_scale
-from ..muon_family.newton_schulz import NS_COEFFICIENTS, NS_DTYPES, NS_EPS, NS_STEPS, newton_schulz, resolve_ns_dtype
-from .soap import SIDES, SOAP, _blocks, _unblock, soap_project, soap_project_back
+from ...newton_schulz import NS_COEFFICIENTS, NS_DTYPES, NS_EPS, NS_STEPS, newton_schulz, resolve_ns_dtype
+from .soap import SIDES, _blocks, _SOAPFamily, _unblock, soap_project, soap_project_back
 
 __all__ = ["SOAPMuon", "SOAPMuonOptions", "soap_muon_direction"]
 
@@ -108,7 +108,7 @@ def soap_muon_direction(u: Tensor, v: Tensor | None, left: Tensor | None, right:
     return soap_project_back(p / v.clamp_min(eps * eps).sqrt(), left, right)
 
 
-class SOAPMuon(SOAP):
+class SOAPMuon(_SOAPFamily):
     """SOAP-Muon for hidden matrices, AdamW for the rest (see the module docstring).
 
     Args: ``lr``, ``weight_decay`` (decoupled), ``tau`` (0.2: the protocol's ``tau*sqrt(max(m, n))``),

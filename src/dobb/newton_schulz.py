@@ -6,10 +6,31 @@ a batch ``(..., m, n)`` so that all equal-shape matrices (or blocks) of a step r
 chain. On CPU the results are bitwise equal to torch's (tests check it). ``orthogonalize`` uses
 torch's kernel for a matrix whose shape is unique in the step and the batched one for groups.
 ``NSOptions`` are the options that choose them (Muon's family, Dion2, Dion3), ``ns_options`` a
-group's as ``orthogonalize``'s keyword arguments; ``gram_ns`` holds the Gram form of the iteration.
+group's as ``orthogonalize``'s keyword arguments. The library's one home of these kernels: Dobb-Muon
+(``dobb.core``) and the baselines both import them from here.
 
 With the default coefficients the singular values land in about ``[0.7, 1.2]``, not exactly 1:
 the quintic is tuned for a steep slope at zero, not for convergence (Jordan et al.'s Muon).
+
+**Gram Newton–Schulz** (``gram_newton_schulz``, ``method="gram"``): Muon's quintic iteration run on
+the Gram matrix of the short side.
+
+Why it is exact: on the wide orientation (``X`` is ``s x l``, ``s <= l``) every NS step is
+``X_{k+1} = P_k X_k`` with ``P_k = a I + b R_k + c R_k^2`` and ``R_k = X_k X_k^T``. So
+``X_k = Q_k X_0`` for an ``s x s`` matrix ``Q_k``, and ``R_{k+1} = P_k R_k P_k`` (``P_k`` is
+symmetric). Iterating ``(Q, R)`` and forming ``Q X_0`` once at the end gives NS5's result up to
+rounding, with two ``s^2 l`` products (``R_0`` and ``Q X_0``) instead of two per step:
+
+    NS5:  steps * (2 s^2 l + s^3)              (3072 x 768, 5 steps: 45 s^3)
+    Gram: 2 s^2 l + (4 steps - 3) s^3          (3072 x 768, 5 steps: 25 s^3)
+
+(the first step's ``P Q`` is ``P`` itself and the last step needs no new ``R``). The saving grows
+with the aspect ratio; a square matrix gains nothing.
+
+Why restarts: ``R`` is updated multiplicatively, so in bf16/fp16 its rounding error compounds
+through ``Q`` (the Dion3 paper's observation). ``restarts`` lists the step indices after which
+``X = Q X_0`` is formed explicitly and the iteration starts again from ``R = X X^T``, ``Q = I``
+(each restart costs two more ``s^2 l`` products). In fp32/fp64 none is needed.
 """
 from __future__ import annotations
 
@@ -21,12 +42,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..._compiled import compiled
-from ..._hparams import Rule, boolean, integer, numbers_tuple, one_of, option, positive
-from ...functional import cpu_native
+from ._compiled import compiled
+from ._hparams import Rule, boolean, integer, numbers_tuple, one_of, option, positive
+from .functional import cpu_native
 
 # torch >= 2.9 ships Muon (None before: the batched path for every matrix)
-from ..._torch_private import torch_newton_schulz as _torch_ns
+from ._torch_private import torch_newton_schulz as _torch_ns
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
@@ -34,7 +55,8 @@ NS_EPS = 1e-7
 NS_METHODS = ("standard", "gram")
 
 __all__ = ["NS_COEFFICIENTS", "NS_STEPS", "NS_EPS", "NS_METHODS", "NS_DTYPES", "NSOptions", "newton_schulz",
-           "orthogonalize", "ns_options", "resolve_ns_dtype", "row_normalize", "column_normalize", "wide_normalized"]
+           "orthogonalize", "ns_options", "resolve_ns_dtype", "row_normalize", "column_normalize", "wide_normalized",
+           "gram_newton_schulz", "GRAM_RESTARTS"]
 
 
 NS_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
@@ -135,8 +157,6 @@ def orthogonalize(mats: Sequence[Tensor], coefficients: Sequence[float] = NS_COE
             continue
         stacked = torch.stack([mats[i] for i in idx])
         if method == "gram":
-            from .gram_ns import gram_newton_schulz  # here: gram_ns builds on wide_normalized above
-
             res = (compiled(gram_newton_schulz) if compile else gram_newton_schulz)(stacked, coefficients, steps, eps, dtype)
         else:
             res = (compiled(newton_schulz) if compile else newton_schulz)(stacked, coefficients, steps, eps, dtype)
@@ -155,3 +175,41 @@ def column_normalize(x: Tensor, eps: float = 1e-30) -> Tensor:
     """Every column scaled to unit ell2 norm (zero columns stay zero)."""
     sq = x.square().sum(dim=-2, keepdim=True)
     return x * torch.rsqrt(sq.clamp_min(eps))
+
+
+# ----------------------------------------------------------------------------- the Gram form
+GRAM_RESTARTS = (2,)  # after the third of five steps, for half precision
+
+
+def gram_newton_schulz(x: Tensor, coefficients: Sequence[float], steps: int, eps: float,
+                       dtype: torch.dtype = torch.bfloat16,
+                       restarts: Sequence[int] | None = None) -> Tensor:
+    """NS5 of every matrix of ``x`` (``(m, n)`` or ``(b, m, n)``) via its short-side Gram matrix.
+
+    Same normalization, orientation and coefficients as ``newton_schulz``; returns ``dtype``.
+    ``restarts=None`` means ``GRAM_RESTARTS`` for 16-bit dtypes and none otherwise.
+    """
+    a, b, c = coefficients
+    if restarts is None:
+        restarts = GRAM_RESTARTS if dtype in (torch.bfloat16, torch.float16) else ()
+    restarts = set(restarts)
+    y, squeeze, tall = wide_normalized(x, dtype, eps)
+    s = y.size(-2)
+    eye = torch.eye(s, dtype=dtype, device=y.device).expand(y.size(0), s, s)
+    r = y @ y.mT
+    q = None  # None stands for the identity: the first step's P Q is P
+    for k in range(steps):
+        p = torch.baddbmm(r, r, r, beta=b, alpha=c)  # b R + c R^2
+        p = p + a * eye
+        q = p if q is None else p @ q
+        last = k == steps - 1
+        if k in restarts and not last:
+            y = q @ y
+            r = y @ y.mT
+            q = None
+        elif not last:
+            r = p @ r @ p
+    y = y if q is None else q @ y
+    if tall:
+        y = y.mT
+    return y[0] if squeeze else y
