@@ -64,6 +64,7 @@ from dobb_bench.cost.projection_costs import COSTS, NotProjected, owner_plan, pr
 from dobb_bench.cost.projection_record import *  # noqa: F401,F403
 from dobb_bench.cost.projection_record import (TABLES, TERM_KEYS, build, calibration_markdown,  # noqa: F401
                                                fit_constants, plot, projection_markdown, short_ms)
+from dobb_bench.cost.shapes import preset
 
 # ----------------------------------------------------------------------------- the user's model
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "olmo", "olmo2", "granite")
@@ -120,9 +121,10 @@ def user_rows(spec: dict, fs: int) -> list[tuple[str, str, dict]]:
 
     dobb_hp, muonbp_hp, soap_hp = (reg.hparam_defaults(n) for n in ("dobb", "muonbp", "soap"))
     T = int(dobb_hp["refresh_every"])
-    width = spec["width"]
+    shape = preset(spec["preset"]) if "preset" in spec else None  # a named GPT-2 shape (gpt2-xl)
+    width = spec["width"] if shape is None else shape.width
     b32 = max(1, width // 32)
-    heads = spec.get("heads") or max(1, width // 64)  # GPT-2: 64-wide heads
+    heads = spec.get("heads") or (shape.heads if shape else max(1, width // 64))  # GPT-2: 64-wide heads
     rows = [
         (call("adamw"), "AdamW", {"kind": "adamw"}),
         (call("owner-muon"), "owner-compute Muon", {"kind": "owner-muon", "ns_bytes": 2}),

@@ -16,7 +16,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from dobb_bench.cost import projection
+from dobb_bench.cost import projection, projection_targets
 from dobb_bench.cost.payload import relative_payload
 from dobb_bench.reports import best_row
 from dobb_bench.reports import claims as claims_check
@@ -28,7 +28,7 @@ from dobb_bench.studies import (family_dash, family_soap, frontier, long_horizon
                                 refresh_width, shard_local, two_sided)
 
 _STUDIES = (main_job, operating_point, family_dash, family_soap, two_sided, refresh_width, shard_local, long_horizon,
-            frontier, one_revision, projection)
+            frontier, one_revision, projection, projection_targets)
 TABLES = {}
 for _module in _STUDIES:
     _clash = set(TABLES) & set(_module.TABLES)

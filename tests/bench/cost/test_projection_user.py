@@ -166,3 +166,14 @@ def test_every_row_name_is_a_build_optimizer_call_the_library_takes():
         opt = ast.literal_eval(call.args[0])
         assert opt in dobb.OPTIMIZER_NAMES, name
         assert {k.arg for k in call.keywords} <= set(dobb.valid_hparams(opt)), name
+
+
+@pytest.mark.parametrize("config", ["gpt2-xl", "gpt2-large-paper"])
+def test_a_named_gpt2_shape_takes_its_width_and_heads_from_the_preset(config, capsys):
+    # a named GPT-2 shape carries its preset, not a width: the rows read it from dobb_bench.cost.shapes
+    # (GPT-2 XL: width 1600, 25 heads; Large: 1280, 20), so Dobb's 32-column form is B = width / 32
+    assert main(["project", "--config", config, "--gpus", "64"]) == 0
+    names = [r[0] for r in _table(capsys.readouterr().out)]
+    width, heads = {"gpt2-xl": (1600, 25), "gpt2-large-paper": (1280, 20)}[config]
+    assert f"build_optimizer('dobb', blocks={width // 32})" in names
+    assert f"build_optimizer('dobb-muon', blocks=64, out_blocks=64, heads={heads})" in names
