@@ -16,7 +16,7 @@ from dobb_bench.cost import kernels as K
 from dobb_bench.cost import trace as TR
 from dobb_bench.provenance import provenance
 
-LABELS = ("dobb-b1", "dobb-b4", "dobb-both", "dobb-muon")
+LABELS = ("dobb-b1", "dobb-b4", "dobb-both", "dobb-muon", "muon", "row-block-muon", "muonbp", "dion2")
 
 
 def main(argv=None) -> dict:
@@ -24,10 +24,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", required=True)
     ap.add_argument("--layers", default="24,48")
     ap.add_argument("--width", type=int, default=32)
+    ap.add_argument("--labels", default=",".join(LABELS))
     args = ap.parse_args(argv)
     d, layers = args.width, [int(x) for x in args.layers.split(",")]
     rows = {}
-    for label in LABELS:
+    for label in args.labels.split(","):
         counts = {n: {p: TR.summary(o)["kernels"] for p, o in K.step_ops(label, [(3 * d, d), (d, d), (4 * d, d),
                                                                                   (d, 4 * d)] * n).items()}
                   for n in layers}

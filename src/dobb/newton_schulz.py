@@ -55,7 +55,7 @@ NS_EPS = 1e-7
 NS_METHODS = ("standard", "gram")
 
 __all__ = ["NS_COEFFICIENTS", "NS_STEPS", "NS_EPS", "NS_METHODS", "NS_DTYPES", "NSOptions", "newton_schulz",
-           "orthogonalize", "ns_options", "resolve_ns_dtype", "row_normalize", "column_normalize", "wide_normalized",
+           "orthogonalize", "ns_options", "widening_dtype", "resolve_ns_dtype", "row_normalize", "column_normalize", "wide_normalized",
            "gram_newton_schulz", "GRAM_RESTARTS"]
 
 
@@ -137,13 +137,16 @@ def newton_schulz(x: Tensor, coefficients: Sequence[float] = NS_COEFFICIENTS, st
 
 def orthogonalize(mats: Sequence[Tensor], coefficients: Sequence[float] = NS_COEFFICIENTS,
                   steps: int = NS_STEPS, eps: float = NS_EPS, method: str = "standard",
-                  dtype: torch.dtype = torch.bfloat16, compile: bool = False) -> list[Tensor]:
+                  dtype: torch.dtype = torch.bfloat16, compile: bool = False,
+                  out_dtype: torch.dtype | None = None) -> list[Tensor]:
     """NS5 of a list of 2-D matrices: one batched call per (shape, device) group.
 
     ``method="gram"`` runs ``gram_newton_schulz`` (the same iteration on the short side's Gram
     matrix); ``dtype`` is the iteration's precision. A matrix alone in its group goes through
     torch's own kernel when this torch has it (standard method, bf16 only), unless ``compile``:
-    then every group runs the batched iteration compiled (``dobb._compiled``).
+    then every group runs the batched iteration compiled (``dobb._compiled``). ``out_dtype``: the
+    results cast to it once per group (``None``: left in ``dtype``); callers pass it only where the
+    cast widens (``widening_dtype``), so it is the per-matrix cast's bits in one kernel.
     """
     if method not in NS_METHODS:
         raise ValueError(f"method must be one of {NS_METHODS}, got {method!r}")
@@ -153,16 +156,31 @@ def orthogonalize(mats: Sequence[Tensor], coefficients: Sequence[float] = NS_COE
         groups[(tuple(m.shape), m.device)].append(i)
     for idx in groups.values():
         if len(idx) == 1 and _torch_ns is not None and method == "standard" and dtype == torch.bfloat16 and not compile:
-            out[idx[0]] = _torch_ns(mats[idx[0]], tuple(coefficients), steps, eps)
+            r = _torch_ns(mats[idx[0]], tuple(coefficients), steps, eps)
+            out[idx[0]] = r if out_dtype is None else r.to(out_dtype)
             continue
         stacked = torch.stack([mats[i] for i in idx])
         if method == "gram":
             res = (compiled(gram_newton_schulz) if compile else gram_newton_schulz)(stacked, coefficients, steps, eps, dtype)
         else:
             res = (compiled(newton_schulz) if compile else newton_schulz)(stacked, coefficients, steps, eps, dtype)
+        if out_dtype is not None:
+            res = res.to(out_dtype)
         for i, r in zip(idx, res.unbind(0)):
             out[i] = r
     return out  # type: ignore[return-value]
+
+
+def widening_dtype(ns_dtype: torch.dtype, dtypes) -> torch.dtype | None:
+    """The one dtype of ``dtypes`` (the weights') when casting ``ns_dtype`` results to it is exact
+    (it is ``ns_dtype`` or wider), else None: ``orthogonalize``'s ``out_dtype``, which casts a
+    group's stack once instead of each matrix (a narrowing cast is left to the caller, per matrix,
+    where an intermediate dtype would round twice)."""
+    dtypes = set(dtypes)
+    if len(dtypes) != 1:
+        return None
+    (dt,) = dtypes
+    return dt if torch.promote_types(ns_dtype, dt) == dt else None
 
 
 def row_normalize(x: Tensor, eps: float = 1e-30) -> Tensor:

@@ -2,7 +2,7 @@
 structure (block runs as tuples of ints, dtypes, option values), each compiled by
 ``dobb._compiled.compiled`` and called once per param group (one-sided) or per matrix (two-sided,
 Dobb-Muon) of a group with ``compile=True``; also the pure kernels ``core.update`` runs eagerly
-beside them (``rotated_adam``: Dobb-Muon's preconditioning; ``two_sided_group``: the stacked two-sided
+beside them (``rotated_adam``, ``rotated_adam_group``: Dobb-Muon's preconditioning, per matrix and stacked; ``two_sided_group``: the stacked two-sided
 step off a CPU). No import of ``core.update`` (it imports this module): the orientation of the
 tensors is done there.
 
@@ -25,7 +25,7 @@ from .._compiled import compiled
 from ..functional import BlockBasis
 from ..newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_STEPS, newton_schulz
 
-__all__ = ["one_sided_", "preconditioned_muon", "rotated_adam", "compiled_one_sided", "compiled_muon", "two_sided_group"]
+__all__ = ["one_sided_", "preconditioned_muon", "rotated_adam", "rotated_adam_group", "rotated_adam_all", "compiled_one_sided", "compiled_muon", "two_sided_group"]
 
 
 def one_sided_(ws: list[Tensor], us: list[Tensor], bases: list[Tensor], runs: tuple, factors: Tensor, *, norm: str,
@@ -53,6 +53,40 @@ def rotated_adam(ut: Tensor, gt: Tensor, basis: Tensor, v: Tensor, sizes, step, 
     v.mul_(beta2).addcmul_(gq, gq, value=1.0 - beta2)
     r = F.adam_direction(c.to(v.dtype), v, step=step, momentum=momentum, beta2=beta2, eps=eps)
     return F.blockwise(r.to(dtype), basis, sizes, transpose=True)
+
+
+def rotated_adam_group(us: list[Tensor], gs: list[Tensor], bases: list[Tensor], vs: list[Tensor], sizes, step: int, *,
+                       dtype: torch.dtype, momentum: float, beta2: float, eps: float) -> list[Tensor]:
+    """``rotated_adam`` of equal matrices (same shape, block ``sizes``, dtypes and ``step``) as one stack,
+    bit for bit: the products one ``bmm`` per run of equal blocks for all of them, each element-wise
+    pass once, the second moments ``vs`` advanced in place by ``_foreach`` ops. Returns each ``P``."""
+    if len(us) == 1:
+        return [rotated_adam(us[0], gs[0], bases[0], vs[0], sizes, step, dtype=dtype, momentum=momentum,
+                             beta2=beta2, eps=eps)]
+    basis = torch.stack(bases)
+    c, gq = F.blockwise(torch.stack(us + gs).to(dtype).unflatten(0, (2, len(us))), basis, sizes).unbind(0)
+    gq = list(gq.to(vs[0].dtype).unbind(0))
+    torch._foreach_mul_(vs, beta2)
+    torch._foreach_addcmul_(vs, gq, gq, value=1.0 - beta2)
+    r = F.adam_direction(c.to(vs[0].dtype), torch.stack(vs), step=step, momentum=momentum, beta2=beta2, eps=eps)
+    return list(F.blockwise(r.to(dtype), basis, sizes, transpose=True).unbind(0))
+
+
+def rotated_adam_all(items: list[tuple], *, momentum: float, beta2: float, eps: float) -> list[Tensor]:
+    """``rotated_adam`` of every matrix ``(u, g, basis, v, dtype, sizes, step)`` (oriented ``(out, in)``),
+    one ``rotated_adam_group`` per group of equal matrices: each ``P`` in ``items``' order."""
+    groups: dict[tuple, list[int]] = {}
+    for i, (u, g, basis, v, dtype, sizes, step) in enumerate(items):
+        key = (tuple(u.shape), u.dtype, g.dtype, tuple(basis.shape), basis.dtype, v.dtype, dtype, sizes, step, u.device)
+        groups.setdefault(key, []).append(i)
+    out: list = [None] * len(items)
+    for idx in groups.values():
+        *_, dtype, sizes, step = items[idx[0]]
+        ps = rotated_adam_group(*([items[i][j] for i in idx] for j in range(4)), sizes, step, dtype=dtype,
+                                momentum=momentum, beta2=beta2, eps=eps)
+        for i, x in zip(idx, ps):
+            out[i] = x
+    return out
 
 
 def preconditioned_muon(u: Tensor, g: Tensor, basis: Tensor, v: Tensor, step: Tensor, sizes: tuple, rows: tuple, *,

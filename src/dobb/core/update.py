@@ -31,8 +31,8 @@ from .._compiled import compiled
 from ..distribution import OwnerCompute, wire_dtype
 from ..functional import BlockBasis, two_sided_update_
 from ..layout import MatrixLayout
-from ..newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_STEPS, orthogonalize, resolve_ns_dtype
-from .kernels import compiled_muon, compiled_one_sided, rotated_adam, two_sided_group
+from ..newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_STEPS, orthogonalize, resolve_ns_dtype, widening_dtype
+from .kernels import compiled_muon, compiled_one_sided, rotated_adam, rotated_adam_all, two_sided_group
 from .statistics import all_reduce_sum_
 
 __all__ = ["FUSE_MIN_BLOCK_WORK", "OneSided", "TwoSided", "decay_in_update", "apply_directions", "apply_two_sided",
@@ -400,7 +400,7 @@ def _sign_step(views: SignViews, w: Tensor, u: Tensor, *, factor: float, dtype: 
 
 def apply_preconditioned_muon(mats: list[TwoSided], *, lr, tau: float, basis_dtype: torch.dtype, product_dtype,
                               momentum: float, beta2: float, eps: float, ns_dtype, compile: bool = False) -> None:
-    """``norm="muon"`` (Dobb-preconditioned Muon), per matrix (local rows, whole columns):
+    """``norm="muon"`` (Dobb-preconditioned Muon) of each matrix (local rows, whole columns):
 
     1. ``C = U Q`` and ``Gq = G Q`` with ``Q`` the block-diagonal input-side basis;
     2. ``V <- beta2 V + (1 - beta2) Gq^2`` and ``R = (C / (1 - mu^t)) / (sqrt(V / (1 - beta2^t)) + eps)``
@@ -410,26 +410,41 @@ def apply_preconditioned_muon(mats: list[TwoSided], *, lr, tau: float, basis_dty
        its own shape, as row-block Muon's blocks do.
 
     ``TwoSided`` carries the plan, the state (``basis``, ``second_moment``, ``step``), the update
-    ``u``, the gradient ``g`` and the weight ``w`` (local tensors). ``compile``: steps 1-3 and the
-    Newton-Schulz of 4 as one compiled kernel per matrix (``core.kernels.preconditioned_muon``)."""
-    for plan, state, ut, gt, pt in mats:
+    ``u``, the gradient ``g`` and the weight ``w`` (local tensors). Grouped across matrices, bit for
+    bit: steps 1-3 stacked per group of equal matrices (``kernels.rotated_adam_all``), one ``orthogonalize``
+    of all row blocks (equal shapes one batch), the cast and the adds once per block shape. ``compile``:
+    steps 1-3 and the Newton-Schulz of 4 as one compiled kernel per matrix (``core.kernels.preconditioned_muon``)."""
+    ns = resolve_ns_dtype(ns_dtype, mats[0][4].device) if mats else None
+    if compile:
+        outs = [o for plan, state, ut, gt, pt in mats for o in compiled_muon(
+            _oriented_muon(plan, state, ut, gt, basis_dtype, product_dtype), state["step"] + 1,
+            tuple(plan.layout.local_sizes), tuple(_ns_sizes(plan)), momentum=momentum, beta2=beta2, eps=eps, ns_dtype=ns)]
+    else:
+        pre = rotated_adam_all([(*_oriented_muon(plan, st, ut, gt, basis_dtype, product_dtype),
+                                 tuple(plan.layout.local_sizes), st["step"] + 1) for plan, st, ut, gt, _ in mats],
+                               momentum=momentum, beta2=beta2, eps=eps)  # steps 1-3, stacked per equal matrices
+        blocks = [b for (plan, *_), x in zip(mats, pre) for b in x.split(_ns_sizes(plan), dim=0)]
+        outs = orthogonalize(blocks, NS_COEFFICIENTS, NS_STEPS, NS_EPS, dtype=ns,
+                             out_dtype=widening_dtype(ns, [m[4].dtype for m in mats]))
+    adds: dict[tuple, tuple[list, list]] = defaultdict(lambda: ([], []))  # by (rows, n, dtype): one scale each
+    outs_iter = iter(outs)
+    for plan, _, _, _, pt in mats:
         lay = plan.layout
-        sizes = [s for s in plan.ns_rows.local_sizes if s > 0]
-        if compile:
-            outs = compiled_muon(_oriented_muon(plan, state, ut, gt, basis_dtype, product_dtype), state["step"] + 1,
-                                 tuple(plan.layout.local_sizes), tuple(sizes), momentum=momentum, beta2=beta2, eps=eps,
-                                 ns_dtype=resolve_ns_dtype(ns_dtype, pt.device))
-        else:
-            pre = precondition(plan, state, ut, gt, basis_dtype=basis_dtype, product_dtype=product_dtype,
-                               momentum=momentum, beta2=beta2, eps=eps)
-            outs = orthogonalize(list(pre.split(sizes, dim=0)), NS_COEFFICIENTS, NS_STEPS, NS_EPS,
-                                 dtype=resolve_ns_dtype(ns_dtype, pt.device))
         n = lay.shape[lay.blocked_axis]  # the input axis (global)
         w = pt.T if lay.blocked_axis == 0 else pt  # (out, in) view
         start = 0
-        for size, o in zip(sizes, outs):
-            w[start : start + size].add_(o.to(pt.dtype).mul_(-lr * F.update_scale(size, n, tau)))
+        for size in _ns_sizes(plan):
+            ws, os_ = adds[(size, n, pt.dtype, pt.device)]
+            ws.append(w[start : start + size])
+            os_.append(next(outs_iter).to(pt.dtype))  # no copy where orthogonalize cast the stack
             start += size
+    for (size, n, _, _), (ws, os_) in adds.items():
+        torch._foreach_add_(ws, torch._foreach_mul(os_, -lr * F.update_scale(size, n, tau)))
+
+
+def _ns_sizes(plan) -> list[int]:
+    """The row sizes of a matrix's Newton-Schulz blocks on this rank (``plan.ns_rows``)."""
+    return [s for s in plan.ns_rows.local_sizes if s > 0]
 
 
 def precondition(plan, state: dict, ut: Tensor, gt: Tensor, *, basis_dtype: torch.dtype, product_dtype, momentum: float,

@@ -188,3 +188,17 @@ def test_dobb_kernels_do_not_grow_with_depth(label):
     sides = 2 if label == "dobb-both" else 1
     assert refresh[1]["kernels"] - refresh[0]["kernels"] == 8 * sides == refresh[1]["ops"]["aten::div"] - refresh[0][
         "ops"]["aten::div"]
+
+
+@pytest.mark.parametrize("label", ["muon", "row-block-muon", "muonbp", "dion2", "dobb-muon"])
+def test_muon_forms_kernels_do_not_grow_with_depth(label):
+    # issue 54 item 3 for the Muon family, Dion2 and Dobb-Muon: one orthogonalize call over the equal
+    # shapes of all matrices (row blocks), the casts and adds once per shape group, Dobb-Muon's
+    # preconditioning stacked per equal matrices. Its refresh keeps Dobb's one per-matrix pass (above)
+    two, four = (K.step_ops(label, _gpt2_bank(n)) for n in (2, 4))
+    steady = [TR.summary(x["steady"])["kernels"] for x in (two, four)]
+    assert steady[1] <= 1.2 * steady[0], steady
+    if label == "dobb-muon":
+        refresh = [TR.summary(x["refresh"]) for x in (two, four)]
+        assert refresh[1]["kernels"] - refresh[0]["kernels"] == 8 == refresh[1]["ops"]["aten::div"] - refresh[0][
+            "ops"]["aten::div"]

@@ -42,12 +42,13 @@ import torch
 from torch import Tensor
 
 from ..._base import MatrixOptimizer, _name_of
-from ...layout import to_local
+from ...layout import is_dtensor, to_local
 from ...placement import follow_layout, layout_for, shard_counts
 from .. import _common as C
 from ..._hparams import ScaledOptions, integer, layout_option, one_of, option, unit_interval
 from ..._hparams import fraction as fraction_rule
-from ...newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_STEPS, NSOptions, ns_options, orthogonalize
+from ...newton_schulz import (NS_COEFFICIENTS, NS_EPS, NS_STEPS, NSOptions, ns_options, orthogonalize,
+                              widening_dtype)
 
 SELECT = ("global", "shard")
 
@@ -123,15 +124,19 @@ class Dion2(MatrixOptimizer):
         fulls, batches = gathered_lookahead(self.state, active)
         outs: list[Tensor | None] = [None] * len(active)
         scales = [0.0] * len(active)
+        out, dst, src = _out_dtype(group, active), [], []
         for (shape, _, _), idx in batches.items():
             k = selected_rows(shape[0], group["fraction"])
             o, m_new, _ = dion2_step(torch.stack([fulls[i] for i in idx]), k, group["momentum"],
                                      group["ns_coefficients"], group["ns_steps"], group["eps"], **ns_options(group))
+            o = o if out is None else o.to(out)
             for j, i in enumerate(idx):
                 p = active[i]
-                to_local(self.state[p]["momentum"]).copy_(C.local_slice(m_new[j], p))
+                dst.append(to_local(self.state[p]["momentum"]))
+                src.append(C.local_slice(m_new[j], p))
                 outs[i] = C.local_slice(o[j], p)
                 scales[i] = C.update_scale(k, shape[1], group["tau"])
+        torch._foreach_copy_(dst, src)  # the new momenta: one pass for the group
         params = [to_local(p) for p in active]
         C.apply_protocol(params, params, outs, scales, group["lr"], group["weight_decay"])
 
@@ -141,10 +146,11 @@ class Dion2(MatrixOptimizer):
         work, batches = [], defaultdict(list)  # work: (i, b, rows of b, local); batches by block shape
         full_b: dict[int, Tensor] = {}  # gathered M + G of the matrices whose columns are sharded
         grads = [to_local(p.grad) for p in active]  # before the state: see dobb._base.MatrixOptimizer._matrix_step
+        lookahead = torch._foreach_add([to_local(self.state[p]["momentum"]) for p in active], grads)
         for i, p in enumerate(active):
             lay = self._plans[p]
             local = lay.local_shape[1] == lay.shape[1]  # whole rows here: the blocks are local
-            b = to_local(self.state[p]["momentum"]) + grads[i]
+            b = lookahead[i]
             if not local:
                 b = full_b[i] = C.gather_full(b, p)
             start = 0
@@ -154,10 +160,12 @@ class Dion2(MatrixOptimizer):
                 work.append((i, b, rows, local))
                 start += size
         outs: list = [None] * len(work)
+        out, dst, src = _out_dtype(group, active), [], []
         for (size, n, _, _), items in batches.items():
             k = selected_rows(size, frac)
             o, m_new, _ = dion2_step(torch.stack([blk for _, blk in items]), k, group["momentum"],
                                      group["ns_coefficients"], group["ns_steps"], group["eps"], **ns_options(group))
+            o = o if out is None else o.to(out)
             for j, (w, _) in enumerate(items):
                 outs[w] = (o[j], m_new[j], C.update_scale(k, n, tau))
         params = [to_local(p) for p in active]
@@ -165,13 +173,15 @@ class Dion2(MatrixOptimizer):
         gathered: dict[int, list] = defaultdict(list)
         for (i, b, rows, local), (o, m_new, s) in zip(work, outs):
             if local:
-                to_local(self.state[active[i]]["momentum"])[rows].copy_(m_new)
+                dst.append(to_local(self.state[active[i]]["momentum"])[rows])
+                src.append(m_new)
                 targets.append(params[i][rows])
                 updates.append(o)
                 scales.append(s)
             else:
                 b[rows] = m_new  # b is this rank's gathered copy: the new full momentum, block by block
                 gathered[i].append((rows, o, s))
+        torch._foreach_copy_(dst, src)  # the new momenta of the local blocks: one pass
         for i, blocks in gathered.items():  # one full O against the matrix' s, this rank's shard of it
             p, b = active[i], full_b[i]
             to_local(self.state[p]["momentum"]).copy_(C.local_slice(b, p))
@@ -186,13 +196,22 @@ class Dion2(MatrixOptimizer):
         C.apply_protocol(params, targets, updates, scales, group["lr"], group["weight_decay"])
 
 
+def _out_dtype(group, active) -> torch.dtype | None:
+    """The weights' dtype for a batch's ``O`` when the cast from the NS dtype is exact and no matrix
+    is sharded (``widening_dtype``): one cast per batch instead of one per matrix in ``apply_protocol``."""
+    if any(is_dtensor(p) for p in active):
+        return None
+    return widening_dtype(ns_options(group)["dtype"], (p.dtype for p in active))
+
+
 def gathered_lookahead(state, active):
     """Whole ``momentum + grad`` of each active matrix (gathered when sharded), and the indices of
     equal (shape, dtype, device) matrices, so a row-subset step runs batched over each shape."""
     fulls, batches = [], defaultdict(list)
     grads = [to_local(p.grad) for p in active]  # before the state: see dobb._base.MatrixOptimizer._matrix_step
+    lookahead = torch._foreach_add([to_local(state[p]["momentum"]) for p in active], grads)
     for i, p in enumerate(active):
-        b = C.gather_full(to_local(state[p]["momentum"]) + grads[i], p)
+        b = C.gather_full(lookahead[i], p)
         fulls.append(b)
         batches[(tuple(b.shape), b.dtype, b.device)].append(i)
     return fulls, batches

@@ -97,7 +97,7 @@ class BlockMuon(_MuonFamily):
         return None
 
     def _directions(self, group, active, states, params, u):
-        return tiled_directions(group, active, params, u, [self._plans[p] for p in active], self._ns(group))
+        return tiled_directions(group, active, params, u, [self._plans[p] for p in active], self._ns(group, self._out_dtype(group)))
 
 
 def _blocks(sizes, axis, rows=slice(None)):

@@ -39,7 +39,7 @@ from ..._hparams import Rule, ScaledOptions, boolean, option, unit_interval
 from ...layout import is_dtensor, to_local
 from .. import _common as C
 from ._split import WHOLE, SplitOptions, Tile, row_parts, row_tiles
-from ...newton_schulz import NSOptions, ns_options, orthogonalize
+from ...newton_schulz import NSOptions, ns_options, orthogonalize, widening_dtype
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,10 +113,20 @@ class _MuonFamily(MatrixOptimizer):
                 return rows if len(rows) > 1 else None
         return row_parts(p.shape, group.get("split_sizes"), group.get("num_heads"))
 
-    def _ns(self, group: dict[str, Any]):
-        """The group's NS5 as a function of a list of matrices."""
+    def _ns(self, group: dict[str, Any], out_dtype=None):
+        """The group's NS5 as a function of a list of matrices, its results cast to ``out_dtype``
+        (``_out_dtype``: one cast per shape group, not one per matrix) or left in the NS dtype."""
         return lambda mats: orthogonalize(mats, group["ns_coefficients"], group["ns_steps"], group["eps"],
-                                          **ns_options(group))
+                                          **ns_options(group), out_dtype=out_dtype)
+
+    @staticmethod
+    def _out_dtype(group: dict[str, Any]):
+        """``orthogonalize``'s ``out_dtype`` for a group's local updates: the weights' dtype where the
+        cast from the Newton-Schulz dtype widens (``widening_dtype``); None for sharded (DTensor)
+        groups, whose gathered tiles are scaled in their own dtype (``tiled_directions``)."""
+        if any(is_dtensor(p) for p in group["params"]):
+            return None
+        return widening_dtype(ns_options(group)["dtype"], (p.dtype for p in group["params"]))
 
     def _init_matrix_state(self, group: dict[str, Any]) -> None:
         for p in group["params"]:
@@ -154,7 +164,7 @@ class _MuonFamily(MatrixOptimizer):
                                               ns_options(group)["dtype"])
         full = [C.gather_full(t, p) for t, p in zip(u, active)]
         outs = orthogonalize(full, group["ns_coefficients"], group["ns_steps"], group["eps"],
-                             **ns_options(group))
+                             **ns_options(group), out_dtype=self._out_dtype(group))
         return [C.local_slice(o, p) for o, p in zip(outs, active)]
 
     def _directions(self, group: dict, active: list[Tensor], states: list[dict], params: list[Tensor],
@@ -193,7 +203,7 @@ def muon_directions(opt: _MuonFamily, group: dict, active: list[Tensor], params:
         return params, outs, [C.update_scale(*p.shape, group["tau"]) for p in active]
     # Whole matrices are one tile each (gathered when sharded); all tiles go to one batched NS5.
     plans = [(row_tiles(opt._row_parts(group, p)), False) for p in active]
-    return tiled_directions(group, active, params, u, plans, opt._ns(group))
+    return tiled_directions(group, active, params, u, plans, opt._ns(group, opt._out_dtype(group)))
 
 
 # ----------------------------------------------------------------------------- the tiled update

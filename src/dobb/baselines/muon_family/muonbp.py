@@ -126,7 +126,7 @@ class MuonBP(_MuonFamily):
         if block:
             t, o, s = tiled_directions(group, [active[i] for i in block], [params[i] for i in block],
                                        [u[i] for i in block], [self._plans[active[i]].block for i in block],
-                                       self._ns(group))
+                                       self._ns(group, self._out_dtype(group)))
             targets += t
             updates += o
             scales += s
