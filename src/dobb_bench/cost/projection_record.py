@@ -179,19 +179,19 @@ def calibration_markdown(rec: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def _record() -> dict:
+def committed_record() -> dict:
     if not RECORD.exists():
         raise ValueError(f"no projection record at {RECORD}: run `dobb-bench project`")
     return json.loads(RECORD.read_text())
 
 
 def table_projected() -> tuple[str, list[dict]]:
-    rec = _record()
+    rec = committed_record()
     return projection_markdown(rec), [rec]
 
 
 def table_calibration() -> tuple[str, list[dict]]:
-    rec = _record()
+    rec = committed_record()
     return calibration_markdown(rec), [rec]
 
 

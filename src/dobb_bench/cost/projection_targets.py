@@ -18,7 +18,7 @@ table changes only with that record.
 from __future__ import annotations
 
 from dobb_bench.cost import projection as P
-from dobb_bench.cost.projection_record import TERM_KEYS, _record
+from dobb_bench.cost.projection_record import TERM_KEYS, committed_record
 
 SETTINGS = (("llama3-8b", 64), ("llama3-8b", 256), ("gpt2-xl", 64), ("gpt2-xl", 256))
 TERMS = dict(zip(TERM_KEYS, ("HBM traffic", "products", "link bytes", "collective latency", "kernel launches",
@@ -63,7 +63,7 @@ def check(res: dict) -> list[tuple[str, str, bool, str]]:
 
 
 def table_targets() -> tuple[str, list[dict]]:
-    rec = _record()
+    rec = committed_record()
     inputs = rec["inputs"]
     lines = ["| model, FSDP ranks | target | row | met | figure |", "|---|---|---|---|---|"]
     met = total = 0
