@@ -115,6 +115,7 @@ def variants() -> list[tuple[str, str, dict, bool]]:
         "refresh_width=8": dict(refresh_width=8, refresh_every=3, blocks=2),
         "init_basis=identity": dict(init_basis="identity", blocks=2),
         "capture=all": dict(capture="all", blocks=2),
+        "capture_every=1": dict(capture_every=1, refresh_every=3, blocks=2),
     }
     out += [(f"dobb:{k}", "dobb", v, False) for k, v in dobb_variants.items()]
     out += [("dobb:experts", "dobb", dict(blocks=2), True),

@@ -3,7 +3,7 @@
 The class owns the state (everything a checkpoint needs) and one ``Plan`` per matrix
 (``core.schedule``: its sides' layouts and state keys, refresh period and offset; a cache built from
 the param groups, rebuilt after a load or a copy). Which matrices refresh is ``core.schedule.due``,
-read both by the capture hooks' arming and by the statistic fold. A step
+which capture and fold a statistic ``core.schedule.captured`` (read by the hooks' arming and the fold). A step
 (``_base.MatrixOptimizer.step``) calls, in order:
 
 1. ``Dobb._prepare_step``: ``statistics.agree`` (what the ranks decide together: the statistics of
@@ -40,8 +40,8 @@ from .experts import expert_layout, expert_parts
 from ..attention_heads import check_heads_apply
 from .options import HOOK_SOURCES as _HOOK_SOURCES
 from .options import DobbOptions, check_params
-from .schedule import (Plan, Side, block_counts, captures, cycle, due, ns_rows, queue_refresh,
-                       refresh_period, saved_captures, schedule_of, stagger_offsets, two_sided_layouts)
+from .schedule import (Plan, Side, block_counts, captured, captures, cycle, due, ns_rows, plans_of, queue_refresh,
+                       refresh_period, saved_captures, stagger_offsets, two_sided_layouts)
 from .statistics import DueStat, RefreshBatch, agree, solve, split_by_default, store_bases
 from .update import (FUSE_MIN_BLOCK_WORK, DirectionCache, OneSided, TwoSided, apply_directions,
                      apply_preconditioned_muon, apply_prepared, apply_two_sided, apply_whole_steps, decay_in_update,
@@ -67,6 +67,8 @@ class Dobb(MatrixOptimizer):
             It trades loss against step cost (docs/results.md, "Operating point"; docs/timing.md,
             "A refresh that scales" for ``split_refresh`` and ``refresh_width`` at ``blocks=1``).
         refresh_every: refresh period ``T`` (the first step always refreshes).
+        capture_every: None (capture and fold the statistic on refresh steps only) or ``k``: also every
+            ``k``-th step (``step % k == 0``), folded into the EMA with no new basis (hook sources only).
         refresh_width: None (every matrix every ``T`` steps) or a width ``w``: a matrix whose widest
             block is ``s`` wide refreshes every ``T * max(1, round(s / w))`` steps (``refresh_period``).
         basis: ``"orthogonal_iteration"`` (``ortho_steps`` warm-started ``Q <- qr(A Q)``) or ``"eigh"``.
@@ -168,10 +170,9 @@ class Dobb(MatrixOptimizer):
                     sides.append((Side(layout_of(p, side, blocks, stat_group)),))
             except ValueError as exc:
                 raise ValueError(f"{_name_of(p, self._param_names, i)}: {exc}") from None
-        periods, offsets = schedule_of(sides, group)
         rows = [ns_rows(p, group, ob, _name_of(p, self._param_names, i), layout_for)
                 for i, (p, (_, ob)) in enumerate(zip(group["params"], counts))]
-        return [Plan(ss, period, offset, r) for ss, period, offset, r in zip(sides, periods, offsets, rows)]
+        return plans_of(sides, group, rows)
 
     def _matrix_name(self, p: torch.Tensor, group: dict) -> str | None:
         """``p``'s name (named params, else the model's ``named_parameters``), read only with ``heads``."""
@@ -271,7 +272,7 @@ class Dobb(MatrixOptimizer):
 
         ``features``: rows of the layer's input, last dimension the weight's input axis (any
         leading shape). Counted like a hooked forward pass: only when the next ``step()``
-        refreshes ``weight`` (otherwise nothing is recorded and False is returned), with grad
+        captures ``weight`` (refreshes it, or ``capture_every``; otherwise nothing is recorded and False is returned), with grad
         enabled, outside ``capture_paused()`` and activation-checkpoint recomputation, and with
         ``capture="first"`` only the first time after a step. Give the owning module
         ``dobb_capture = False`` so that its forward hook does not capture its first input as
@@ -301,24 +302,21 @@ class Dobb(MatrixOptimizer):
         return self._hooks.capture_experts(weight, expert_parts(features, expert, layout.stack_size, n, name))
 
     # ------------------------------------------------------------------ schedule
-    def _due(self, p: torch.Tensor) -> list[bool]:
-        """Per matrix of ``p``'s captured span: due for a refresh at the next step (``due``)."""
+    def _due(self, p: torch.Tensor, rule=due) -> bool:
+        """Whether the next step refreshes (``due``) or captures (``captured``) some matrix of ``p``."""
         st = self.state[p]
-        return due(st["step"], st["captures"], self._plans[p])
-
-    def _is_refresh(self, p: torch.Tensor) -> bool:
-        return any(self._due(p))
+        return any(rule(st["step"], st["captures"], self._plans[p]))
 
     def _rearm(self) -> None:
         if self._hooks is None:
             return
         self._hooks.pending.clear()
         self._hooks.pending_out.clear()
-        self._hooks.armed = {p for p in self._hooks.groups if self._is_refresh(p)}
+        self._hooks.armed = {p for p in self._hooks.groups if self._due(p, captured)}
 
     def is_refresh_step(self) -> bool:
         """Whether the next ``step()`` refreshes any basis (for benchmarks and logging)."""
-        return any(self._is_refresh(p) for g in self._dobb_groups() for p in g["params"])
+        return any(self._due(p) for g in self._dobb_groups() for p in g["params"])
 
     def refresh_cycle(self) -> int:
         """Steps after which the refresh schedule repeats: the lcm of the matrices' periods
@@ -330,7 +328,7 @@ class Dobb(MatrixOptimizer):
     # ------------------------------------------------------------------ the step
     def _prepare_step(self) -> None:
         """What the ranks must decide together before any state changes (``statistics.agree``): the
-        statistics of every matrix due for a refresh, whether or not its layer ran here, and the
+        statistics of every matrix due for a capture (``captured``), whether or not its layer ran here, and the
         finiteness of all gradients. Raising here leaves every weight and state untouched."""
         params = self._nonfinite_params("raise")  # nonfinite="raise" groups (skip and off: MatrixOptimizer)
         idle = {id(p) for p in self._idle_matrices()}
@@ -343,7 +341,7 @@ class Dobb(MatrixOptimizer):
                 plan = self._plans[p]
                 if p.grad is None and id(p) not in idle:
                     continue
-                if not self._is_refresh(p):
+                if not self._due(p, captured):
                     continue
                 unseen = any(0 in side for side in self.state[p]["captures"])
                 for i, (side, pending) in enumerate(zip(plan.sides, (self._hooks.pending, self._hooks.pending_out))):
@@ -367,7 +365,7 @@ class Dobb(MatrixOptimizer):
         if self._hooks is not None:
             for p in self._hooks.groups:
                 old = skipped.host.get(p, {})
-                if "step" in old and "captures" in old and any(due(old["step"], old["captures"], self._plans[p])):
+                if "step" in old and "captures" in old and any(captured(old["step"], old["captures"], self._plans[p])):
                     self._hooks.armed.add(p)
 
     def _idle_matrices(self) -> list[torch.Tensor]:
@@ -390,7 +388,7 @@ class Dobb(MatrixOptimizer):
         for g in self._dobb_groups():
             if _zero_lr(g):
                 continue
-            ps = [p for p in g["params"] if (p.grad is not None or id(p) in idle) and self._is_refresh(p)]
+            ps = [p for p in g["params"] if (p.grad is not None or id(p) in idle) and self._due(p, captured)]
             if not ps:
                 continue
             grads = [None if p.grad is None else self._plans[p].layout.local(p.grad) for p in ps]

@@ -49,6 +49,7 @@ class DobbOptions(ScaledOptions):
     """Dobb's options (see ``dobb.Dobb`` for what each does)."""
     blocks: int = layout_option(1, integer(1))
     refresh_every: int = option(9, integer(1))
+    capture_every: int | None = option(None, optional(integer(1)).hint("steps per capture; None: refresh steps only"))
     basis: str = _choice("basis", "orthogonal_iteration")
     ortho_steps: int = option(1, integer(1))
     qr: str = _choice("qr", "householder")
@@ -78,6 +79,9 @@ class DobbOptions(ScaledOptions):
     @classmethod
     def _check_together(cls, group):
         super()._check_together(group)
+        if group["capture_every"] is not None and group["source"] not in HOOK_SOURCES:
+            raise ValueError(f"capture_every={group['capture_every']} captures hook statistics between refreshes; "
+                             f"source={group['source']!r} has no hooks (its statistic is the refresh step's gradient)")
         if group["source"] == "activation" and group["side"] == "output":
             raise ValueError("source='activation' gives an n x n statistic: it needs side='input' (or 'both')")
         if group["side"] == "both":

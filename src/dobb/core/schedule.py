@@ -1,9 +1,11 @@
-"""Dobb's plan and schedule: one ``Plan`` per matrix and the one refresh rule, ``due``.
+"""Dobb's plan and schedule: one ``Plan`` per matrix, the one refresh rule ``due`` and the one
+capture rule ``captured``.
 
-A ``Plan`` holds a matrix's sides (their layouts and state keys), its refresh period and offset; the
-optimizer (``core.optimizer.Dobb``) builds one per matrix from the param groups and rebuilds it after
-a load or a copy. Which matrices refresh is ``due``, read both by the capture hooks' arming and by
-the statistic fold.
+A ``Plan`` holds a matrix's sides (their layouts and state keys), its refresh period and offset and
+its capture period; the optimizer (``core.optimizer.Dobb``) builds one per matrix from the param
+groups and rebuilds it after a load or a copy. Which matrices refresh is ``due``; which capture and
+fold a statistic is ``captured`` (every refresh step and, with ``capture_every = k``, every ``k``-th
+step too), read both by the capture hooks' arming and by the statistic fold.
 
 A matrix refreshes on its first step and then every ``period`` steps after its ``offset``. With
 ``refresh_width`` unset the period is ``refresh_every`` for every matrix; with ``refresh_width = w``
@@ -11,9 +13,11 @@ a matrix whose widest block is ``s`` wide refreshes every ``refresh_every * max(
 steps: a refresh costs ``O(s^3)`` per block, so the wide blocks (an MLP's wide input block at B=1)
 that dominate the refresh step refresh less often. Both rules read global (rank-invariant) block
 sizes only, so every rank of a sharded run picks the same periods and offsets (the refresh steps, and
-with them the collectives, must agree). ``captures`` is the one form of a state's capture counts: one
-list per side, one count per matrix of the captured span (a checkpoint keeps a one-sided matrix's
-single count as an int: ``saved_captures``).
+with them the collectives, must agree). The capture steps read the step count and the plan only, so
+they are rank-invariant too. ``captures`` is the one form of a state's capture counts (the captures
+folded on refresh steps; a capture-only step does not count): one list per side, one count per
+matrix of the captured span (a checkpoint keeps a one-sided matrix's single count as an int:
+``saved_captures``).
 
 The two-sided layouts (``side="both"``: one layout per axis, each cut at its own shard boundaries)
 are part of a plan: ``two_sided_layouts``.
@@ -31,7 +35,7 @@ from ..attention_heads import head_blocks
 from ..placement import follow_layout
 from .statistics import fold_side, gram_statistic, shared_group
 
-__all__ = ["Side", "Plan", "due", "captures", "saved_captures", "refresh_period", "cycle", "stagger_offsets",
+__all__ = ["Side", "Plan", "due", "captured", "plans_of", "captures", "saved_captures", "refresh_period", "cycle", "stagger_offsets",
            "two_sided_layouts", "ns_rows", "schedule_of", "queue_refresh", "MAX_CYCLE"]
 
 # Past this many steps in the common cycle of all periods, the stagger balances over the longest
@@ -54,13 +58,15 @@ class Side:
 @dataclass(frozen=True, eq=False)
 class Plan:
     """One matrix parameter's plan: its ``sides`` (one, or input then output for ``side="both"``),
-    refresh ``period`` and stagger ``offset`` (``0 <= offset < period``)."""
+    refresh ``period`` and stagger ``offset`` (``0 <= offset < period``), and ``capture_every``
+    (None: capture on refresh steps only; ``k``: also on every step whose count is a multiple of ``k``)."""
 
     sides: tuple[Side, ...]
     period: int
     offset: int = 0
     # norm="muon": the layout of the out_blocks row blocks that Newton-Schulz orthogonalises (None otherwise)
     ns_rows: Any = None
+    capture_every: int | None = None
 
     @property
     def layout(self):
@@ -83,6 +89,18 @@ def due(step: int, captures: list[list[int]], plan: Plan) -> list[bool]:
     forward pass that skipped the layer must not leave the identity basis for a whole period)."""
     on = step == 0 or (step - plan.offset) % plan.period == 0
     return [on or 0 in member for member in zip(*captures)]
+
+
+def captured(step: int, captures: list[list[int]], plan: Plan, refresh: list[bool] | None = None) -> list[bool]:
+    """Per matrix of the captured span: whether the step numbered ``step`` captures and folds its
+    statistic: every refresh step (``due``; ``refresh``: its result, if already computed) and, with
+    ``plan.capture_every = k``, every step with ``step % k == 0`` (a capture-only step: the EMA fold,
+    no new basis). From the step count and the plan only: the same on every rank. With
+    ``capture_every=None`` this is ``due``."""
+    now = due(step, captures, plan) if refresh is None else refresh
+    if plan.capture_every is None or step % plan.capture_every:
+        return now
+    return [True] * len(now)
 
 
 def captures(value, plan: Plan) -> list[list[int]]:
@@ -130,6 +148,14 @@ def schedule_of(sides: list[tuple[Side, ...]], group: dict) -> tuple[list[int], 
                  for ss in sides]
         offsets = stagger_offsets(works, periods)
     return periods, offsets
+
+
+def plans_of(sides: list[tuple[Side, ...]], group: dict, rows: list) -> list[Plan]:
+    """The plans of the matrices of ``group`` (``sides``; ``rows``: their ``ns_rows``): periods and
+    offsets (``schedule_of``) and the group's ``capture_every``."""
+    periods, offsets = schedule_of(sides, group)
+    every = group.get("capture_every")
+    return [Plan(ss, period, offset, r, every) for ss, period, offset, r in zip(sides, periods, offsets, rows)]
 
 
 def cycle(periods) -> int:
@@ -239,15 +265,17 @@ def ns_rows(p: Tensor, group: dict, out_blocks: int, name: str, layout_for):
 def queue_refresh(group: dict, params: list[Tensor], grads: list, states: list[dict], plans: list[Plan],
                   agreed: tuple[dict, ...]) -> tuple[list, list]:
     """Fold the new statistics of ``params`` (their ``states`` and ``plans``; ``agreed``: the statistics
-    agreed in ``Dobb._prepare_step``, ``[side][param]``, or their gradient Gram) into their EMAs and
-    queue the blocks that take a new basis: ``(A, Q0, exact, put)`` requests and, per request, the
-    group of ranks that hold it identically (``statistics.shared_group``)."""
+    agreed in ``Dobb._prepare_step``, ``[side][param]``, or their gradient Gram) into their EMAs where
+    the step captures (``captured``) and queue the blocks that take a new basis (``due``): ``(A, Q0,
+    exact, put)`` requests and, per request, the group of ranks that hold it identically
+    (``statistics.shared_group``)."""
     requests: list[tuple] = []  # (A blocks, Q blocks, exact, put)
     shared: list = []
     dtype = torch.promote_types(group["stat_dtype"], torch.float32)
     lerps: list = []  # the plain EMAs of 2-D matrices, folded by one foreach lerp below
     for p, g, st, plan in zip(params, grads, states, plans):
         now = due(st["step"], st["captures"], plan)
+        fold = captured(st["step"], st["captures"], plan, now)  # ``now``, or all on a capture step
         # new lists, not the state's in place: a state_dict taken before keeps its counts
         st["captures"] = [list(side) for side in st["captures"]]
         for i, (side, counts) in enumerate(zip(plan.sides, st["captures"])):
@@ -255,7 +283,7 @@ def queue_refresh(group: dict, params: list[Tensor], grads: list, states: list[d
                    else agreed[i].get(p))
             if new is not None:
                 fold_side(new, layout=side.layout, stat=st[side.stat], basis=st[side.basis], counts=counts,
-                          due=now, stat_decay=group["stat_decay"], eigh=group["basis"] == "eigh",
+                          due=fold, refresh=now, stat_decay=group["stat_decay"], eigh=group["basis"] == "eigh",
                           eigh_every=group["eigh_every"], init_eigh=group["init_basis"] == "eigh",
                           requests=requests, lerps=lerps)
                 shared += [shared_group(side.layout)] * (len(requests) - len(shared))

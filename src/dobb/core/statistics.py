@@ -16,7 +16,9 @@ In the step's order (``core.optimizer.Dobb._prepare_step`` says what is due, the
    capture when it is due (``core.schedule.due``) and some rank saw a row for it; each such local
    matrix folds the new statistic (a copy on its first capture, else the EMA) and queues its blocks
    for a new basis, exact (``eigh``) with ``basis="eigh"`` or on a first capture with
-   ``init_basis="eigh"``, else by warm-started orthogonal iteration.
+   ``init_basis="eigh"``, else by warm-started orthogonal iteration. On a capture-only step
+   (``capture_every``, ``core.schedule.captured``) a matrix is agreed and folded (the EMA) alike but
+   neither counts a capture nor queues a basis.
 3. **The basis solve** (``solve``): ``functional.refresh_bases``, one batched call per param group,
    and the split of it across the ranks that hold the same statistic: with ``split_refresh=True``,
    and by default (``None``) where it is bitwise the unsplit refresh by construction (``split_by_default``).
@@ -202,23 +204,27 @@ def gram_statistic(grad_local: torch.Tensor, layout: MatrixLayout, dtype=torch.f
 
 def fold_side(new: ReducedStat, *, layout: MatrixLayout, stat: torch.Tensor, basis: torch.Tensor,
               counts: list[int], due: list[bool], stat_decay: float, eigh: bool, init_eigh: bool,
-              requests: list, eigh_every: int = 0, lerps: list | None = None) -> None:
+              requests: list, eigh_every: int = 0, lerps: list | None = None,
+              refresh: list[bool] | None = None) -> None:
     """One side of one stack (its ``stat`` and ``basis`` state tensors): the matrices of the captured
-    span that are ``due`` and have seen a row (``new.seen``) count a capture (``counts``, in place);
-    the local ones among them fold ``new`` into their statistic (``functional.fold_statistic_``: a
-    copy on the first capture, else the EMA with ``stat_decay``) and queue their blocks for the basis
-    refresh as ``(A, Q0, exact, put)`` on ``requests``: exact (``eigh``) with ``eigh``, or on a
-    first capture with ``init_eigh``, else warm-started orthogonal iteration. The others keep
-    statistic and basis. With ``eigh_every = k > 0`` a matrix's every ``k``-th refresh (its capture
-    count, before this one, a multiple of ``k``) is exact too, resetting the warm-started basis.
-    ``lerps`` (optional): where a 2-D matrix takes the plain EMA, ``(stat, new)`` is put there for the
-    caller's one ``_foreach_lerp_`` of a group (before the solve reads the statistic) instead."""
+    span that are ``due`` (capture and fold: ``schedule.captured``) and have seen a row
+    (``new.seen``) fold ``new`` into their statistic where local (``functional.fold_statistic_``: a
+    copy on the first capture, else the EMA with ``stat_decay``); those among them also ``refresh``
+    (``schedule.due``; None: all of ``due``) count a capture (``counts``, in place) and queue their
+    blocks for the basis refresh as ``(A, Q0, exact, put)`` on ``requests``: exact (``eigh``) with
+    ``eigh``, or on a first capture with ``init_eigh``, else warm-started orthogonal iteration. The
+    others keep statistic and basis (a capture-only step: the fold alone, no count, no request). With
+    ``eigh_every = k > 0`` a matrix's every ``k``-th refresh (its capture count, before this one, a
+    multiple of ``k``) is exact too, resetting the warm-started basis. ``lerps`` (optional): where a
+    2-D matrix takes the plain EMA, ``(stat, new)`` is put there for the caller's one
+    ``_foreach_lerp_`` of a group (before the solve reads the statistic) instead."""
     lo, E = layout.stack_offset, layout.stack_local
+    refresh = due if refresh is None else refresh
     first = [counts[lo + i] == 0 for i in range(E)]
     periodic = [bool(eigh_every) and counts[lo + i] % eigh_every == 0 for i in range(E)]
     chosen = [i for i in range(E) if due[lo + i] and new.seen[lo + i]]
     for j in range(len(counts)):
-        if due[j] and new.seen[j]:
+        if refresh[j] and new.seen[j]:
             counts[j] += 1
     if not chosen:
         return
@@ -228,6 +234,7 @@ def fold_side(new: ReducedStat, *, layout: MatrixLayout, stat: torch.Tensor, bas
         lerps.append((stat, new.mean.to(stat.dtype)))  # fold_statistic_'s stat.lerp_, for a foreach
     else:
         F.fold_statistic_(stat, new.mean, [first[i] for i in range(E)], chosen, stat_decay, keep)
+    chosen = [i for i in chosen if refresh[lo + i]]  # the fold done: the new bases
     exact_of = {i: eigh or (first[i] and init_eigh) or periodic[i] for i in chosen}
     for exact in (True, False):
         # truth tests, not ``== exact``: under torch.compile a count, and so ``first``, is symbolic
