@@ -58,6 +58,7 @@ CROSS_CUTTING_TESTS = {
     TESTS / "integrations" / "test_fsdp_mixed_precision.py",  # FSDP2 MixedPrecisionPolicy
     TESTS / "integrations" / "test_transposed.py",  # Hugging Face Conv1D (in, out) weights, every optimizer
     TESTS / "core" / "test_room.py",  # the room's bounds: files one Dobb step crosses, imports run one way
+    TESTS / "core" / "test_capture_every.py",  # capture_every: its rule (schedule), fold (statistics), checks (options)
     TESTS / "baselines" / "test_rooms.py",  # the rooms of baselines/: files a MuonBP or Dion2 step crosses, old paths
     TESTS / "core" / "test_dobb_muon.py",  # norm="muon" and whole_every: options, optimizer, functional, registry
     TESTS / "core" / "test_eigh_every.py",  # eigh_every: options, optimizer and statistics' refresh rule
