@@ -271,8 +271,8 @@ class Dobb(MatrixOptimizer):
         cannot read: custom layers, experts that see only the tokens routed to them.
 
         ``features``: rows of the layer's input, last dimension the weight's input axis (any
-        leading shape). Counted like a hooked forward pass: only when the next ``step()``
-        captures ``weight`` (refreshes it, or ``capture_every``; otherwise nothing is recorded and False is returned), with grad
+        leading shape). Counted like a hooked forward pass: only when the next ``step()`` captures
+        ``weight`` (a refresh or ``capture_every``; else nothing is recorded, False returned), with grad
         enabled, outside ``capture_paused()`` and activation-checkpoint recomputation, and with
         ``capture="first"`` only the first time after a step. Give the owning module
         ``dobb_capture = False`` so that its forward hook does not capture its first input as

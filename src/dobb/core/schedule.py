@@ -35,8 +35,8 @@ from ..attention_heads import head_blocks
 from ..placement import follow_layout
 from .statistics import fold_side, gram_statistic, shared_group
 
-__all__ = ["Side", "Plan", "due", "captured", "plans_of", "captures", "saved_captures", "refresh_period", "cycle", "stagger_offsets",
-           "two_sided_layouts", "ns_rows", "schedule_of", "queue_refresh", "MAX_CYCLE"]
+__all__ = ["Side", "Plan", "due", "captured", "plans_of", "captures", "saved_captures", "refresh_period", "cycle",
+           "stagger_offsets", "two_sided_layouts", "ns_rows", "schedule_of", "queue_refresh", "MAX_CYCLE"]
 
 # Past this many steps in the common cycle of all periods, the stagger balances over the longest
 # period instead (an approximation: a matrix is charged at its offsets within that window only).
