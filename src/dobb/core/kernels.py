@@ -75,12 +75,18 @@ def rotated_adam_group(us: list[Tensor], gs: list[Tensor], bases: list[Tensor], 
 def rotated_adam_all(items: list[tuple], *, momentum: float, beta2: float, eps: float) -> list[Tensor]:
     """``rotated_adam`` of every matrix ``(u, g, basis, v, dtype, sizes, step)`` (oriented ``(out, in)``),
     one ``rotated_adam_group`` per group of equal matrices: each ``P`` in ``items``' order."""
-    groups: dict[tuple, list[int]] = {}
+    # the step count is compared, never hashed: hashing it made a compiled step specialise on its value
+    # (a new graph every step); compared, the two counts stay symbolic with one equality guard
+    groups: list[tuple[tuple, object, list[int]]] = []
     for i, (u, g, basis, v, dtype, sizes, step) in enumerate(items):
-        key = (tuple(u.shape), u.dtype, g.dtype, tuple(basis.shape), basis.dtype, v.dtype, dtype, sizes, step, u.device)
-        groups.setdefault(key, []).append(i)
+        key = (tuple(u.shape), u.dtype, g.dtype, tuple(basis.shape), basis.dtype, v.dtype, dtype, sizes, u.device)
+        entry = next((e for e in groups if e[0] == key and e[1] == step), None)
+        if entry is None:
+            entry = (key, step, [])
+            groups.append(entry)
+        entry[2].append(i)
     out: list = [None] * len(items)
-    for idx in groups.values():
+    for _, _, idx in groups:
         *_, dtype, sizes, step = items[idx[0]]
         ps = rotated_adam_group(*([items[i][j] for i in idx] for j in range(4)), sizes, step, dtype=dtype,
                                 momentum=momentum, beta2=beta2, eps=eps)

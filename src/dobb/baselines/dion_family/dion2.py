@@ -181,7 +181,8 @@ class Dion2(MatrixOptimizer):
             else:
                 b[rows] = m_new  # b is this rank's gathered copy: the new full momentum, block by block
                 gathered[i].append((rows, o, s))
-        torch._foreach_copy_(dst, src)  # the new momenta of the local blocks: one pass
+        if dst:  # the new momenta of the local blocks: one pass (none when every block was gathered)
+            torch._foreach_copy_(dst, src)
         for i, blocks in gathered.items():  # one full O against the matrix' s, this rank's shard of it
             p, b = active[i], full_b[i]
             to_local(self.state[p]["momentum"]).copy_(C.local_slice(b, p))
