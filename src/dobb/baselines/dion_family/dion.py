@@ -44,7 +44,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from collections import defaultdict
-from typing import Any
 
 import torch
 from torch import Tensor
