@@ -20,74 +20,39 @@ import os
 import traceback
 
 import pytest
-import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
-from torch import nn
 
 import _common as C
-from _common import Net, data, full_params, max_diff, per_rank, same_on_all_ranks, state_keys, train
+import _soap_cases as S
+from _soap_cases import CASES, LR, MODEL_EPS, WD, case_groups as _groups, fsdp_square, held as _held
+from _common import full_params, max_diff, per_rank, same_on_all_ranks, state_keys, train
 from _spawn import spawn, spawn_once
 from dobb import SOAPMuon
 from dobb.baselines.shampoo_family.soap import OWNED_KEYS
 
 pytestmark = pytest.mark.slow
-STEPS, LR, WD = 5, 0.02, 0.1
+STEPS = 5
 OPTS = dict(precondition_frequency=2, ns_dtype="float64")
-CASES = [((12, 20), 0, 0), ((12, 20), 0, 0), ((12, 20), 0, 0), ((18, 10), 0, 0), ((10, 18), 1, 0),
-         ((2, 9), 0, 0), ((9, 2), 1, 0), ((30, 6), 0, 0), ((8, 12), 1, 1), ((6, 8), 0, 1)]
-GROUP_OPTS = [dict(max_precondition_dim=24), dict(blocks=2)]
 MODEL_STEPS, SAVE_AT = 5, 2
-WIDTH, ROWS = 16, 32
-MODEL_OPTS = dict(OPTS, eps=1e-4)
-
-
-def square_net():
-    return Net(d=WIDTH, h=WIDTH, out=WIDTH)
+MODEL_OPTS = dict(OPTS, eps=MODEL_EPS)  # see _soap_cases
 
 
 def batches(steps=MODEL_STEPS):
-    return data(steps, rows=ROWS, d=WIDTH, out=WIDTH)
-
-
-def fsdp_square(mesh):
-    from torch.distributed.fsdp import fully_shard
-
-    model = square_net()
-    for name in Net.matrices:
-        fully_shard(getattr(model, name), mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
-
-
-def _groups(params):
-    return [{"params": [p for p, (_, _, g) in zip(params, CASES) if g == k], **o} for k, o in enumerate(GROUP_OPTS)]
+    return S.batches(steps)
 
 
 def reference_weights():
-    params = [nn.Parameter(C.weights_and_grads(s, i, STEPS)[0]) for i, (s, _, _) in enumerate(CASES)]
-    opt = SOAPMuon(_groups(params), lr=LR, weight_decay=WD, **OPTS)
-    for t in range(STEPS):
-        for i, (p, (s, _, _)) in enumerate(zip(params, CASES)):
-            p.grad = C.weights_and_grads(s, i, STEPS)[1][t]
-        opt.step()
-    return [p.detach() for p in params]
+    return S.reference_weights(SOAPMuon, STEPS, **OPTS)
 
 
 def reference_model(steps=MODEL_STEPS):
-    model = square_net()
-    opt = SOAPMuon(C.groups(model), lr=LR, weight_decay=WD, **MODEL_OPTS)
-    train(model, opt, batches(steps))
-    return full_params(model)
+    return S.reference_model(SOAPMuon, steps, **MODEL_OPTS)
 
 
 # ----------------------------------------------------------------------------- rank-side code
-def _held(opt, params):
-    return [sum(opt.state[p][k].numel() for k in OWNED_KEYS) for p in params]
-
-
 def _synthetic(rank, world):
     mesh = init_device_mesh("cpu", (world,))
     params, grads = C.sharded_problem(mesh, [(s, d) for s, d, _ in CASES], STEPS)

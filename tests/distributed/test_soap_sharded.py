@@ -5,7 +5,7 @@ run: the owner must reproduce it from the gathered shards). ``precondition_frequ
 cross several basis refreshes. Cases: synthetic DTensors (``Shard(0)``/``Shard(1)``, equal shapes
 stacked, uneven shards 5,5,5,3 and empty ones 1,1,0,0 over 4 ranks, a one-sided matrix, a
 ``blocks=2`` group), real FSDP2 (``fully_shard``) and tensor parallelism (``fc1`` column-, ``fc2``
-row-parallel; ``head`` plain, computed locally) on the float64 model of ``_common`` (square, see ``WIDTH``), and a
+row-parallel; ``head`` plain, computed locally) on the float64 model of ``_common`` (square: ``_soap_cases``), and a
 distributed checkpoint (``torch.distributed.checkpoint``) saved on 2 ranks before the first step and
 mid-run, resumed on 2 and on 4, and saved again on 4 and resumed on 2. Derived payload per step and
 rank (float64, 8 bytes an entry): the first step (no update) ``8 sum_i |my shard of i|`` in one
@@ -29,7 +29,9 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import _common as C
-from _common import Net, data, full_params, max_diff, per_rank, same_on_all_ranks, state_keys, train
+import _soap_cases as S
+from _soap_cases import CASES, GROUP_OPTS, LR, MODEL_EPS, WD, case_groups as _groups, fsdp_square, held as _held, square_net
+from _common import Net, full_params, max_diff, per_rank, same_on_all_ranks, state_keys, train
 from _spawn import spawn, spawn_once
 from dobb import SOAP
 from dobb.baselines.shampoo_family.soap import OWNED_KEYS, soap_cost
@@ -37,71 +39,25 @@ from dobb.meter import PayloadMeter
 from dobb.sharding import chunk_sizes
 
 pytestmark = pytest.mark.slow
-STEPS, LR, WD = 6, 0.02, 0.1
+STEPS = 6
 OPTS = dict(precondition_frequency=2)
-# (shape, shard dim, group): three equal shapes, uneven and empty shards, a side over
-# max_precondition_dim (one-sided), and a blocks=2 group
-CASES = [((12, 20), 0, 0), ((12, 20), 0, 0), ((12, 20), 0, 0), ((18, 10), 0, 0), ((10, 18), 1, 0),
-         ((2, 9), 0, 0), ((9, 2), 1, 0), ((30, 6), 0, 0), ((8, 12), 1, 1), ((6, 8), 0, 1)]
-GROUP_OPTS = [dict(max_precondition_dim=24), dict(blocks=2)]
 MODEL_STEPS, SAVE_AT = 6, 3
-# The model runs use square 16 x 16 matrices and 32 rows a batch: every Gram of the first step has
-# full rank, so its eigenbases are unique up to sign (which SOAP's update does not see). With a
-# degenerate eigenspace (a rank-deficient first statistic) the basis inside it, hence the run, would
-# follow rounding: exact equality is then only possible on bitwise equal gradients (the synthetic case).
-WIDTH, ROWS = 16, 32
-# And eps=1e-4 there: with the default 1e-8, Adam's division by sqrt(V) + eps in the rotated space
-# amplifies rounding, so that inputs changed by 1e-15 (relative) move single-process SOAP itself by
-# about 6e-9 on this model; with 1e-4 by about 1e-12, so a 1e-10 tolerance still catches any error of
-# the exchanges (those are O(1e-2)). The synthetic case keeps the default: its gradients are bitwise equal.
-MODEL_OPTS = dict(OPTS, eps=1e-4)
-
-
-def square_net():
-    return Net(d=WIDTH, h=WIDTH, out=WIDTH)
+MODEL_OPTS = dict(OPTS, eps=MODEL_EPS)  # see _soap_cases
 
 
 def batches(steps=MODEL_STEPS):
-    return data(steps, rows=ROWS, d=WIDTH, out=WIDTH)
-
-
-def fsdp_square(mesh):
-    from torch.distributed.fsdp import fully_shard
-
-    model = square_net()
-    for name in Net.matrices:
-        fully_shard(getattr(model, name), mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
-
-
-def _groups(params):
-    return [{"params": [p for p, (_, _, g) in zip(params, CASES) if g == k], **o} for k, o in enumerate(GROUP_OPTS)]
+    return S.batches(steps)
 
 
 def reference_weights():
-    params = [nn.Parameter(C.weights_and_grads(s, i, STEPS)[0]) for i, (s, _, _) in enumerate(CASES)]
-    opt = SOAP(_groups(params), lr=LR, weight_decay=WD, **OPTS)
-    for t in range(STEPS):
-        for i, (p, (s, _, _)) in enumerate(zip(params, CASES)):
-            p.grad = C.weights_and_grads(s, i, STEPS)[1][t]
-        opt.step()
-    return [p.detach() for p in params]
+    return S.reference_weights(SOAP, STEPS, **OPTS)
 
 
 def reference_model(steps=MODEL_STEPS):
-    model = square_net()
-    opt = SOAP(C.groups(model), lr=LR, weight_decay=WD, **MODEL_OPTS)
-    train(model, opt, batches(steps))
-    return full_params(model)
+    return S.reference_model(SOAP, steps, **MODEL_OPTS)
 
 
 # ----------------------------------------------------------------------------- rank-side code
-def _held(opt, params):
-    """Entries of owner-held state on this rank, per matrix."""
-    return [sum(opt.state[p][k].numel() for k in OWNED_KEYS) for p in params]
-
-
 def _synthetic(rank, world):
     mesh = init_device_mesh("cpu", (world,))
     params, grads = C.sharded_problem(mesh, [(s, d) for s, d, _ in CASES], STEPS)
