@@ -11,7 +11,7 @@ from dobb.collectives import plan_owners
 from dobb_bench.cost import payload as P
 from dobb_bench.cost.projection_model import (Hardware, Layout, Matrix, add_cost, adamw_other_cost, elementwise_cost, local_shapes,
                                               ns_flops, zero_cost, all_to_all_time, bytes_per_entry, bytes_per_stat_entry,
-                                              kernel_count, load_inputs, local_shape, ring_time, seconds)
+                                              kernel_count, load_inputs, local_shape, ring_time, seconds, traced_step_terms)
 from dobb_bench.cost.projection_model import step_cost  # noqa: F401  (kept importable here)
 from dobb_bench.cost.projection_user_costs import (NotProjected, cost_dobb_muon, cost_soap, dobb_side,  # noqa: F401
                                                    soap_sides, split_refresh_cost)  # noqa: F401
@@ -357,12 +357,7 @@ def cost_dobb(mats, lay, hw, hp, counts, stat_sync: bool = True) -> dict:
                 l2_rows += r
                 l2_count += 1
         entries += r * k
-    steady["hbm_bytes"] = bytes_per_entry(counts, label) * entries + bytes_per_stat_entry(counts, label) * stats
-    refresh["hbm_bytes"] = ((bytes_per_entry(counts, label, "refresh") - bytes_per_entry(counts, label)) * entries
-                            + (bytes_per_stat_entry(counts, label, "refresh") - bytes_per_stat_entry(counts, label)) * stats)
-    local = local_shapes(mats, lay)
-    steady["kernels"] = kernel_count(counts, label, "steady", local)
-    refresh["kernels"] = kernel_count(counts, label, "refresh", local) - steady["kernels"]
+    traced_step_terms(steady, refresh, counts, label, entries, stats, local_shapes(mats, lay))
     if l2_count:
         steady["link_s"], steady["latency_s"] = ring_time(2 * l2_rows * 4 * (lay.tp - 1) / lay.tp, lay.tp, 1, hw,
                                                           count=l2_count)

@@ -202,6 +202,18 @@ def bytes_per_stat_entry(counts: dict, label: str, part: str = "steady") -> floa
     return counts[label][part].get("bytes_per_stat_entry", 0.0)
 
 
+def traced_step_terms(steady: dict, refresh: dict, counts: dict, label: str, entries: float, stats: float,
+                      local: list) -> None:
+    """Fills the traced terms of a Dobb form's ``steady`` and ``refresh`` costs: element-wise bytes over
+    this rank's weight ``entries`` and statistic/basis ``stats`` (the refresh's beyond the steady
+    step's), and kernels over the ``local`` shapes (the refresh's beyond the steady count)."""
+    steady["hbm_bytes"] = bytes_per_entry(counts, label) * entries + bytes_per_stat_entry(counts, label) * stats
+    refresh["hbm_bytes"] = ((bytes_per_entry(counts, label, "refresh") - bytes_per_entry(counts, label)) * entries
+                            + (bytes_per_stat_entry(counts, label, "refresh") - bytes_per_stat_entry(counts, label)) * stats)
+    steady["kernels"] = kernel_count(counts, label, "steady", local)
+    refresh["kernels"] = kernel_count(counts, label, "refresh", local) - steady["kernels"]
+
+
 def adamw_other_cost(other: int, tensors: int, lay: Layout, counts: dict) -> dict:
     c = zero_cost()
     c["hbm_bytes"] = bytes_per_entry(counts, "adamw") * other / (lay.fs * lay.tp)  # traced: 8 passes, weight decay on

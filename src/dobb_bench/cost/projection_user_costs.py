@@ -10,8 +10,8 @@ import math
 
 from dobb.collectives import plan_owners
 from dobb_bench.cost import payload as P
-from dobb_bench.cost.projection_model import (Hardware, Matrix, all_to_all_time, bytes_per_entry, bytes_per_stat_entry,
-                                              kernel_count, local_shape, local_shapes, ns_flops, ring_time, step_cost,
+from dobb_bench.cost.projection_model import (Hardware, Matrix, all_to_all_time,
+                                              kernel_count, local_shape, local_shapes, ns_flops, ring_time, step_cost, traced_step_terms,
                                               zero_cost)
 
 
@@ -95,12 +95,7 @@ def cost_dobb_muon(mats, lay, hw, hp, counts, stat_sync: bool = True) -> dict:
         stats += k * s_in
         stat_entries += P.dp_stat_entries("dobb", round(r), round(k), {"blocks": max(1, round(k / s_in))})
         entries += r * k
-    steady["hbm_bytes"] = bytes_per_entry(counts, label) * entries + bytes_per_stat_entry(counts, label) * stats
-    refresh["hbm_bytes"] = ((bytes_per_entry(counts, label, "refresh") - bytes_per_entry(counts, label)) * entries
-                            + (bytes_per_stat_entry(counts, label, "refresh") - bytes_per_stat_entry(counts, label)) * stats)
-    local = local_shapes(mats, lay)
-    steady["kernels"] = kernel_count(counts, label, "steady", local)
-    refresh["kernels"] = kernel_count(counts, label, "refresh", local) - steady["kernels"]
+    traced_step_terms(steady, refresh, counts, label, entries, stats, local_shapes(mats, lay))
     G = lay.fs * lay.dp
     if stat_sync:
         refresh["link_s"], refresh["latency_s"] = ring_time(2 * stat_entries * (G - 1) / G * 4, G, lay.tp, hw)
