@@ -62,12 +62,23 @@ ONE_REV = (
     Row("Dobb-Muon B=4 Bo=4 Nesterov", "dobb-muon:blocks=4:out_blocks=4:nesterov=true", 0),
     Row("SOAP-Muon", "soap-muon", 0),
 )
+# Issue 55's runs past the horizon: twice the 20-tokens steps (16,600, its schedule stretched over
+# them), seed 0, each row at its chosen 20-tokens lr (Muon and Dobb-Muon from table:one-revision,
+# the Muon-family rows from table:frontier-20), norms at every eval: does row-block Muon's faster
+# norm growth keep going, and does it reach the loss? The longest runs first, two at a time.
+PAST = (
+    Row("Dobb-Muon B=4 Bo=4 Nesterov", "dobb-muon:blocks=4:out_blocks=4:nesterov=true", -1, lrs=(-1,)),
+    Row("Muon", "muon", -1, lrs=(-1,)),
+    Row("MuonBP R=4 P=10", "muonbp:blocks=4:period=10:ns_dtype=float32", 0, lrs=(0,)),
+    Row("Row-block Muon R=4", "block-muon:axis=0:blocks=4", 0, lrs=(0,)),
+)
 W256 = tuple(r for r in LH if r.label in ("AdamW", "Muon", "Row-block Muon R=4", "Dobb B=1", "Two-sided B=1 Bo=4"))
 
 TWENTY_TOKENS = Setting("lh", steps=8300, eval_every=250)
 WIDTH_256 = Setting("w256", steps=3200, eval_every=200, width=256)
 ONE_REVISION = Setting("rev", steps=8300, eval_every=250)
-SETTINGS = {s.kind: s for s in (TWENTY_TOKENS, WIDTH_256, ONE_REVISION)}
+PAST_HORIZON = Setting("ph", steps=16600, eval_every=250)
+SETTINGS = {s.kind: s for s in (TWENTY_TOKENS, WIDTH_256, ONE_REVISION, PAST_HORIZON)}
 
 STUDIES = {
     "long-horizon": Study("long-horizon", TWENTY_TOKENS, LH),
@@ -77,6 +88,8 @@ STUDIES = {
     # as missing)
     "frontier-20": Study("frontier-20", TWENTY_TOKENS, FR, shift=SHIFT, span=8),
     "one-revision": Study("one-revision", ONE_REVISION, ONE_REV, seeds=(0, 1, 2, 3, 4), records="one-revision"),
+    "past-horizon": Study("past-horizon", PAST_HORIZON, PAST, seeds=(0,), rule="fixed", records="past-horizon",
+                          title="twice the 20-tokens horizon, seed 0", reference="Muon"),
 }
 
 

@@ -44,16 +44,17 @@ def reeval_records() -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def collect_reevals(runs_root: str) -> int:
-    """Appends the re-evaluations of this study's finished runs (``{runs_root}/reeval-scratch.jsonl``,
-    where the driver writes them) to the committed record, each run once; returns how many."""
-    path = Path(R.DOCS).joinpath(*REEVAL)
+def append_reevals(runs_root: str, kind: str, rel: tuple[str, ...]) -> int:
+    """Appends the re-evaluations of the finished runs ``{kind}-*`` under ``runs_root`` (its
+    ``reeval-scratch.jsonl``, where the driver writes them) to the committed record ``docs/{rel}``,
+    each run once; returns how many."""
+    path = Path(R.DOCS).joinpath(*rel)
     key = lambda r: (r["run_dir"], r["checkpoint_step"])  # noqa: E731
-    have = {key(r) for r in reeval_records()}
+    have = {key(json.loads(line)) for line in (path.read_text().splitlines() if path.exists() else []) if line.strip()}
     scratch = Path(runs_root) / "reeval-scratch.jsonl"
     lines = scratch.read_text().splitlines() if scratch.exists() else []
     new = [line for line in lines if line.strip() and str(json.loads(line).get("run_dir", "")).startswith(
-        f"{ONE_REVISION.kind}-") and key(json.loads(line)) not in have]
+        f"{kind}-") and key(json.loads(line)) not in have]
     for line in new:
         have.add(key(json.loads(line)))
     if new:
@@ -61,6 +62,11 @@ def collect_reevals(runs_root: str) -> int:
         with path.open("a") as f:
             f.write("".join(line + "\n" for line in new))
     return len(new)
+
+
+def collect_reevals(runs_root: str) -> int:
+    """Appends the re-evaluations of this study's finished runs to the committed record."""
+    return append_reevals(runs_root, ONE_REVISION.kind, REEVAL)
 
 
 def _records() -> list[dict]:
@@ -78,7 +84,7 @@ def _common() -> dict[str, dict[float, dict[int, dict]]]:
     return out
 
 
-def _where(recs: list[dict]) -> tuple[list[str], list[str]]:
+def where(recs: list[dict]) -> tuple[list[str], list[str]]:
     """The revisions (short) and host CPUs the records ran at."""
     prov = [r.get("provenance") or {} for r in recs]
     revs = sorted({p.get("git_rev", "")[:7] for p in prov if p.get("git_rev")})
@@ -126,7 +132,7 @@ def one_revision() -> tuple[str, list[dict]]:
         lines.append(f"| {row.label} | `{row.spec}` | {grid} | {choice.cell()} | {per_seed} | "
                      f"{statistics.fmean(vals):.3f}{sd_txt} ({len(vals)}) | {gap}{norms} |")
     study = STUDIES[STUDY]
-    revs, cpus = _where(used)
+    revs, cpus = where(used)
     digests = sorted(p.name for p in Path(R.DOCS).joinpath(*DIGEST).glob("*.json") if p.stem[:7] in revs)
     text = "\n".join(lines) + "\n\n"
     text += (f"Study `{STUDY}`: {study.setting.steps} steps, width 128, 2 layers, fp32 products, seeds "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dobb_bench.errors import CliError
 from dobb_bench.studies.catalog import STUDIES
-from dobb_bench.studies import one_revision
+from dobb_bench.studies import one_revision, past_horizon
 from dobb_bench.studies.define import REPO, Driver, RunsFolder, Study, collect, grid_lr, plan_status, rule
 
 
@@ -66,9 +66,9 @@ def cmd_study(args) -> int:
         return 0
     if args.action == "collect":
         print(f"{len(collect(study, runs))} records added to {study.records}")
-        if study.name == one_revision.STUDY:  # its re-evaluations have their own record
-            print(f"{one_revision.collect_reevals(runs.root)} re-evaluations added to "
-                  f"docs/results/{'/'.join(one_revision.REEVAL[1:])}")
+        for own in (one_revision, past_horizon):  # studies whose re-evaluations have their own record
+            if study.name == own.STUDY:
+                print(f"{own.collect_reevals(runs.root)} re-evaluations added to docs/results/{'/'.join(own.REEVAL[1:])}")
         return 0
     if not args.worktree:
         raise CliError("study run needs --worktree: a clean worktree of the revision to measure")
