@@ -399,6 +399,8 @@ def run_timing(cfg: TimingConfig) -> dict:
     record = {"kind": "run", "config": jsonable(asdict(cfg)), "machine": _machine(cfg),
               "matrices": len(shapes), "entries": sum(m * n for _, (m, n) in shapes),
               "world": 1 if dist_ctx is None else dist_ctx.world, "meter": bool(metered), "ratio_matrix": ratios,
+              # each ratio's range over the repeats (min, max): a step ratio's spread within one run
+              "ratio_range": _ratio_range(live),
               # the run records' provenance (40-hex revision, dirty flag, bf16 flags, command)
               "provenance": _provenance()}
     return {"run": record, "summaries": summaries, "reps": reps_out, "rank0": rank0, "profiles": profiles}
@@ -450,6 +452,18 @@ def _ratio_matrix(live: list[Entry]) -> dict:
     """``{row: {col: median over repeats of (row's cycle mean / col's cycle mean)}}`` (this rank)."""
     means = {e.spec.label: [statistics.fmean(t for _, t in steps) for steps in e.reps] for e in live}
     return {a: {b: statistics.median(x / y for x, y in zip(means[a], means[b])) for b in means} for a in means}
+
+
+def _ratio_range(live: list[Entry]) -> dict:
+    """``{row: {col: [min, max] over repeats of (row's cycle mean / col's cycle mean)]}}`` (this rank)."""
+    means = {e.spec.label: [statistics.fmean(t for _, t in steps) for steps in e.reps] for e in live}
+    out = {}
+    for a in means:
+        out[a] = {}
+        for b in means:
+            r = [x / y for x, y in zip(means[a], means[b])]
+            out[a][b] = [min(r), max(r)]
+    return out
 
 
 def _meter_steps(run: _Runner, entry: Entry) -> dict:

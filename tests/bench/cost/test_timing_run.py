@@ -148,3 +148,22 @@ def test_capture_kind_runs_a_backward_pass_for_two_sided_dobb():
     assert kind(side="output", source="output_grad") == "backward"
     assert kind(source="grad_gram") is None
     assert kind(side="both", source="grad_gram") is None
+
+
+def test_ratio_range_is_the_per_repeat_ratio_span_around_the_median():
+    """Each step ratio's spread within one run: min and max over repeats of the per-repeat ratio of
+    cycle means, with the recorded median between them (hand timings)."""
+    from types import SimpleNamespace as NS
+    a = NS(spec=NS(label="a"), reps=[[(0, 2.0), (1, 4.0)], [(0, 6.0), (1, 6.0)], [(0, 5.0), (1, 5.0)]])
+    b = NS(spec=NS(label="b"), reps=[[(0, 1.0), (1, 1.0)], [(0, 2.0), (1, 2.0)], [(0, 2.0), (1, 2.0)]])
+    rng, med = T._ratio_range([a, b]), T._ratio_matrix([a, b])
+    assert rng["a"]["b"] == [2.5, 3.0] and med["a"]["b"] == 3.0  # ratios 3.0, 3.0, 2.5
+    assert rng["b"]["a"] == [1 / 3, 0.4] and rng["a"]["a"] == [1.0, 1.0]
+
+
+def test_smoke_run_records_the_ratio_range(smoke):
+    run = smoke[1][0]
+    for a, row in run["ratio_matrix"].items():
+        for b, med in row.items():
+            lo, hi = run["ratio_range"][a][b]
+            assert lo <= med <= hi
