@@ -139,6 +139,33 @@ NOT_REPEATS = ("cost/shard-local/fsdp4-splus/timing.jsonl",)
 SMALL_STEP = 0.05  # ratios below this (AdamW's, 0.003-0.013) sit at the timer's resolution: no spread from them
 
 
+# issue 55: every row's step from one timing run (one revision, one host, at least five repeats),
+# with each ratio's range over the repeats; while it is absent the table takes the earlier records
+# (``TIMING``: several runs, hosts and revisions) and their spread between runs
+ONE_RUN = "cost/frontier-20/fsdp4/timing.jsonl"
+
+
+def one_run() -> dict | None:
+    """The one timing run's record: ``{"ratios": {spec: median ratio to owner-compute Muon},
+    "ranges": {spec: (min, max)}, "repeats": n, "path": docs path}``; None when not committed."""
+    path = R.DOCS / "results" / ONE_RUN
+    if not path.exists():
+        return None
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    run = next(r for r in recs if r.get("kind") == "run")
+    ratios = {k: row[OWNER] for k, row in run["ratio_matrix"].items() if OWNER in row}
+    ranges = {k: tuple(row[OWNER]) for k, row in run["ratio_range"].items() if OWNER in row}
+    return {"ratios": ratios, "ranges": ranges, "repeats": run["config"]["repeats"], "path": f"docs/results/{ONE_RUN}"}
+
+
+def one_run_spread(run: dict) -> tuple[float, str]:
+    """The spread of a step ratio within the one run: the largest ``max / min - 1`` of a row's
+    per-repeat ratio over the rows whose step is not at the timer's resolution, and that row."""
+    spans = [(hi / lo - 1, k) for k, (lo, hi) in run["ranges"].items()
+             if k != OWNER and run["ratios"][k] >= SMALL_STEP and lo > 0]
+    return max(spans, default=(0.0, ""))
+
+
 def timing_spread() -> tuple[float, list[tuple[str, list[float]]]]:
     """The spread of a step ratio between timing runs: the largest ``max / min - 1`` over the specs
     timed (against owner-compute Muon, one ratio per record: the median over its repeats) in more
@@ -187,7 +214,8 @@ def level(points: dict[str, tuple[dict[int, float], float]], a: str, b: str) -> 
 
 def frontier_20() -> tuple[str, list[dict]]:
     common, runs, reruns = _common(), _run_records(), _run_records(NORMS_STUDY)
-    ratios, _ = timing_ratios()
+    timed = one_run()
+    ratios = timing_ratios()[0] if timed is None else timed["ratios"]
     ref = common.get(REF, {}).get(choose(common.get(REF, {})).lr, {})
     head = ("| row | communication under `Shard(0)` | lrs run: seed-0 loss, common windows | best lr | "
             "seeds at best: loss | mean ± std (n) | gap to Muon, paired by seed | bytes per step | "
@@ -202,8 +230,11 @@ def frontier_20() -> tuple[str, list[dict]]:
         for name, spec in rows:
             by_lr = common.get(name, {})
             nbytes, when = communication(spec)
-            ratio = ratios.get("torch-adamw" if spec == "adamw" else spec)
-            cost = (f" | {fmt_bytes(nbytes)} | {'—' if ratio is None else f'{ratio:.2f}'} | "
+            key = "torch-adamw" if spec == "adamw" else spec
+            ratio = ratios.get(key)
+            span = "" if timed is None or key not in timed["ranges"] or key == OWNER else \
+                " [{:.2f}, {:.2f}]".format(*timed["ranges"][key])
+            cost = (f" | {fmt_bytes(nbytes)} | {'—' if ratio is None else f'{ratio:.2f}{span}'} | "
                     f"{state_per_param(spec):.1f}")
             choice = choices[name] = choose(by_lr)
             lr = choice.lr
@@ -238,7 +269,7 @@ def frontier_20() -> tuple[str, list[dict]]:
                          f"{m:.3f}{sd_txt} ({len(vals)}) | {gap}{cost}{norms} |")
     text = "\n".join(lines) + "\n"
     text += f"\n{compared} rows were compared with Muon by a paired t-test over at least three seeds, each at 95% " \
-            "and not corrected for the number of comparisons. " + frontier_line(summary, choices) + "\n"
+            "and not corrected for the number of comparisons. " + frontier_line(summary, choices, timed) + "\n"
     open_ = {k: c for k, c in choices.items() if c.lr is not None and not c.settled}
     if open_:
         text += ("\nThe lr rule (`lr_rule.choose`: the seed-0 best, its close neighbours through seeds 0+1, a tie "
@@ -249,13 +280,15 @@ def frontier_20() -> tuple[str, list[dict]]:
     revs = sorted({(r.get("provenance") or {}).get("git_rev", "")[:7] for r in used})
     text += (f"\nLosses: 2,048 common windows at the last checkpoint (record "
              f"`docs/results/checks/reeval-windows/reeval.jsonl`, re-evaluated at {', '.join(revs) or '—'}); "
-             "norms: run records of study `long-horizon` (only runs made after norms were recorded have them); "
+             + ("steps: the timing records of `table:shard-local`; " if timed is None else
+                f"steps: one timing run, `{timed['path']}` (median over {timed['repeats']} repeats [min, max]); ")
+             + "norms: run records of study `long-horizon` (only runs made after norms were recorded have them); "
              f"\"(rerun)\": from a rerun of the seed-0 run at the same settings (study `{NORMS_STUDY}`), whose "
              "loss is not used.\n")
     return text, used + [runs[k] for k in runs if k[0] in summary]
 
 
-def frontier_line(summary: dict[str, tuple], choices: dict[str, Choice]) -> str:
+def frontier_line(summary: dict[str, tuple], choices: dict[str, Choice], timed: dict | None = None) -> str:
     """The loss / step frontier in words, ties shown: rows with three seeds and a timed step; a row
     is off it only when another is cheaper beyond the timing spread and lower beyond paired noise
     (``pareto``); each row on it names the rows on it level with it on loss (within paired noise)
@@ -263,7 +296,16 @@ def frontier_line(summary: dict[str, tuple], choices: dict[str, Choice]) -> str:
     points = {k: (v[2], v[1]) for k, v in summary.items() if v[1] is not None and len(v[2]) >= 3}
     if not points:
         return ""
-    spread, twice = timing_spread()
+    if timed is None:
+        spread, twice = timing_spread()
+        timed_txt = "; ".join(f"{spec} " + " and ".join(f"{v:.3f}" for v in vs) for spec, vs in twice)
+        spread_txt = ("Timing spread: each timing record gives one ratio per spec (the median over its repeats), so "
+                      f"the spread is the one measured between records, {100 * spread:.0f}% (the largest max / min "
+                      f"over the specs timed in two or more: {timed_txt}).")
+    else:
+        spread, widest = one_run_spread(timed)
+        spread_txt = (f"Timing spread: every step ratio comes from one timing run; the spread is the largest max / min "
+                      f"of a row's ratio over its {timed['repeats']} repeats, {100 * spread:.0f}% ({widest}).")
     on = sorted(pareto(points, spread), key=lambda k: points[k][1])
     mean = {k: summary[k][0] for k in points}
 
@@ -276,13 +318,11 @@ def frontier_line(summary: dict[str, tuple], choices: dict[str, Choice]) -> str:
                 (["lr not settled"] if not choices[k].settled else [])
         return f"{k} ({mean[k]:.3f}, {points[k][1]:.2f}x" + (f"; {'; '.join(marks)}" if marks else "") + ")"
 
-    timed = "; ".join(f"{spec} " + " and ".join(f"{v:.3f}" for v in vs) for spec, vs in twice)
     return ("On the loss / FSDP2-step frontier (rows with three seeds and a timed step; mean loss, step ratio), a "
             "row is off only where another row is both cheaper beyond the timing spread and lower beyond paired "
             "noise (95% paired t-test over the seeds); each row names the cheaper rows on it that it is level "
-            "with, within paired noise (loss) or within the spread (step): " + ", ".join(entry(k) for k in on) + ". Timing spread: each timing record gives one "
-            "ratio per spec (the median over its repeats), so the spread is the one measured between records, "
-            f"{100 * spread:.0f}% (the largest max / min over the specs timed in two or more: {timed}).")
+            "with, within paired noise (loss) or within the spread (step): " + ", ".join(entry(k) for k in on) + ". "
+            + spread_txt)
 
 
 TABLES = {"frontier-20": frontier_20}

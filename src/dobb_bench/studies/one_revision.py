@@ -21,7 +21,8 @@ import statistics
 from pathlib import Path
 
 from dobb_bench.reports import records as R
-from dobb_bench.studies.frontier import norm_stats, verdict
+from dobb_bench.studies.frontier import norm_stats, one_run, verdict
+from dobb_bench.studies.shard_local import OWNER
 from dobb_bench.studies.long_horizon_runs import ONE_REV, ONE_REVISION, STUDIES
 from dobb_bench.studies.lr_rule import bf16, choose
 
@@ -31,6 +32,9 @@ REF = "Muon"
 # table:frontier-20 reads whole: its Muon row must not take these runs)
 REEVAL = ("results", "checks", "reeval-windows", "one-revision.jsonl")
 DIGEST = ("results", "checks", "numerics-digest")
+# the spec each row's FSDP2 step was timed as in the one timing run (table:frontier-20's): Muon is
+# owner-computed under FSDP2
+TIMED_AS = {"muon": OWNER}
 
 
 def _lr(x: float) -> float:
@@ -99,14 +103,16 @@ def one_revision() -> tuple[str, list[dict]]:
     ref_choice = choose(common.get(REF, {}))
     ref = common.get(REF, {}).get(ref_choice.lr, {})
     lines = ["| row | spec | lrs run: seed-0 loss, common windows | best lr | seeds at best: loss | mean ± std (n) | "
-             "gap to Muon, paired by seed | largest top singular value, end | growth: end / initial (end / halfway) |",
-             "|" + "---|" * 9]
+             "gap to Muon, paired by seed | FSDP2 step / owner-compute Muon [min, max] | largest top singular value, end | "
+             "growth: end / initial (end / halfway) |",
+             "|" + "---|" * 10]
+    timed = one_run()
     used: list[dict] = []
     for row in ONE_REV:
         by_lr = common.get(row.label, {})
         choice = choose(by_lr)
         if choice.lr is None:
-            lines.append(f"| {row.label} | `{row.spec}` | not run yet | | | | | | |")
+            lines.append(f"| {row.label} | `{row.spec}` | not run yet | | | | | | | |")
             continue
         grid = ", ".join(f"{x:.3g}: {s[0]['common_val_loss']:.3f}" for x, s in sorted(by_lr.items()) if 0 in s)
         at = by_lr[choice.lr]
@@ -127,10 +133,13 @@ def one_revision() -> tuple[str, list[dict]]:
                 gap = "—"
         recs = [runs[(row.label, choice.lr, sd)] for sd in at if (row.label, choice.lr, sd) in runs]
         used += recs
+        key = TIMED_AS.get(row.spec, row.spec)
+        step = "—" if timed is None or key not in timed["ratios"] else (
+            "1.00" if key == OWNER else "{:.2f} [{:.2f}, {:.2f}]".format(timed["ratios"][key], *timed["ranges"][key]))
         ns = norm_stats(recs)
         norms = " | — | —" if ns is None else f" | {ns[0]:.2f} | {ns[1]:.2f}x ({ns[2]:.2f}x)"
         lines.append(f"| {row.label} | `{row.spec}` | {grid} | {choice.cell()} | {per_seed} | "
-                     f"{statistics.fmean(vals):.3f}{sd_txt} ({len(vals)}) | {gap}{norms} |")
+                     f"{statistics.fmean(vals):.3f}{sd_txt} ({len(vals)}) | {gap} | {step}{norms} |")
     study = STUDIES[STUDY]
     revs, cpus = where(used)
     digests = sorted(p.name for p in Path(R.DOCS).joinpath(*DIGEST).glob("*.json") if p.stem[:7] in revs)
@@ -140,7 +149,9 @@ def one_revision() -> tuple[str, list[dict]]:
              f"(numerics digest: {', '.join(f'`docs/results/checks/numerics-digest/{d}`' for d in digests) or '—'}); "
              f"host {', '.join(cpus) or '—'}. Losses: the last checkpoint (step 8,000) on 2,048 common windows "
              f"(record `docs/results/{'/'.join(REEVAL[1:])}`); norms and training records: "
-             f"`docs/results/records/{STUDY}.jsonl`. A gap is beyond noise under a 95% paired t-test over the "
+             f"`docs/results/records/{STUDY}.jsonl`; steps: "
+             + ("not timed yet" if timed is None else f"`{timed['path']}`, one timing run (median over "
+                f"{timed['repeats']} repeats, GPT-2 Small's first layer over 4 gloo ranks)") + ". A gap is beyond noise under a 95% paired t-test over the "
              "seeds, repeated over the seeds that did not choose the lr.\n")
     return text, used
 

@@ -178,3 +178,31 @@ def test_the_new_rule_marks_what_the_old_one_kept_silently():
     got = F.choose(edge)  # 1.3175 against 1.3275 over seeds 0 and 1: beyond the window noise, no tie
     assert (got.lr, got.edge, got.needs) == (0.003536, True, ((0.005, 0),))
     assert got.cell() == "0.00354 (edge) (lr not settled: needs 0.005 seed 0)"
+
+
+def test_steps_from_one_timing_run_with_their_range(monkeypatch, tmp_path):
+    """With the one timing run committed, every row's step is its ratio there, with its range over
+    the repeats, and the frontier's timing spread is the widest of those ranges (AdamW's step, at
+    the timer's resolution, sets none)."""
+    rb, owner = "block-muon:axis=0:blocks=4:ns_dtype=float32", F.OWNER
+    run = {"kind": "run", "config": {"repeats": 5},
+           "ratio_matrix": {rb: {owner: 0.40}, owner: {owner: 1.0}, "torch-adamw": {owner: 0.01}},
+           "ratio_range": {rb: {owner: [0.38, 0.45]}, owner: {owner: [1.0, 1.0]}, "torch-adamw": {owner: [0.005, 0.02]}}}
+    path = tmp_path / "results" / F.ONE_RUN
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(run) + "\n")
+    monkeypatch.setattr(F.R, "DOCS", tmp_path)
+    timed = F.one_run()
+    assert timed["ratios"][rb] == 0.40 and timed["ranges"][rb] == (0.38, 0.45) and timed["repeats"] == 5
+    spread, widest = F.one_run_spread(timed)
+    assert spread == pytest.approx(0.45 / 0.38 - 1) and widest == rb
+    recs = [_re("Muon", 0.00354, s, 1.28) for s in (0, 1, 2)] + [_re("Row-block Muon R=4", 0.005, s, 1.27)
+                                                                 for s in (0, 1, 2)]
+    monkeypatch.setattr(F.LH, "reeval_records", lambda: recs)
+    monkeypatch.setattr(F.R, "load", lambda study: [])
+    text, _ = F.frontier_20()
+    row = next(line for line in text.splitlines() if line.startswith("| Row-block Muon R=4 |"))
+    assert "| 0.40 [0.38, 0.45] |" in row
+    muon = next(line for line in text.splitlines() if line.startswith("| Muon |"))
+    assert "| 1.00 |" in muon
+    assert f"{F.ONE_RUN}` (median over 5 repeats" in text and "18% (" + rb + ")" in text

@@ -75,3 +75,19 @@ def test_collect_reevals_appends_this_studys_runs_once(monkeypatch, tmp_path):
     assert O.collect_reevals(str(runs)) == 1  # the lh- run is another study's
     assert O.collect_reevals(str(runs)) == 0  # each run once
     assert [r["seed"] for r in O.reeval_records()] == [0]
+
+
+def test_steps_come_from_the_one_timing_run(hand, monkeypatch):
+    """Each row's FSDP2 step is its ratio in the one timing run (Muon timed as owner-compute Muon,
+    1.00 by definition), with its range over the repeats; "—" while the run is not committed."""
+    muon = [_re("Muon", 0.00354, s, 1.30) for s in (0, 1, 2)]
+    dobb = [_re(DOBB, 0.00354, s, 1.29) for s in (0, 1, 2)]
+    hand(muon + dobb, [])
+    assert "| — |" in next(x for x in O.one_revision()[0].splitlines() if x.startswith(f"| {DOBB} |"))
+    spec = O.ONE_REV[1].spec
+    monkeypatch.setattr(O, "one_run", lambda: {"ratios": {spec: 0.41, O.OWNER: 1.0}, "ranges": {spec: (0.39, 0.44)},
+                                               "repeats": 5, "path": "docs/results/x.jsonl"})
+    text = O.one_revision()[0]
+    assert "| 0.41 [0.39, 0.44] |" in next(x for x in text.splitlines() if x.startswith(f"| {DOBB} |"))
+    assert "| 1.00 |" in next(x for x in text.splitlines() if x.startswith("| Muon |"))
+    assert "`docs/results/x.jsonl`, one timing run (median over 5 repeats" in text
