@@ -23,7 +23,7 @@ def cmd_timing(args) -> int:
         time_budget=args.time_budget, device=args.device, dtype=args.dtype, threads=args.threads,
         tokens=args.tokens, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed, dp=args.dp, fs=args.fs,
         tp=args.tp, meter=True if args.meter else None, rep_seconds=args.rep_seconds,
-        profile=None if args.profile is None else tuple(args.profile),
+        profile=None if args.profile is None else tuple(args.profile), product_dtype=args.product_dtype,
     )
     result = run_timing(cfg)
     if result["rank0"]:
@@ -55,6 +55,9 @@ def add_parsers(subparsers) -> None:
                    help="stop repeating after this many seconds of measurement (at least 2 repeats)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
     p.add_argument("--dtype", default="float32", help="parameter dtype: float32 (default), bfloat16, float64")
+    p.add_argument("--product-dtype", choices=("float32", "bfloat16"), default=None,
+                   help="one dtype for every row's matrix products (ns_dtype or product_dtype where a spec does "
+                        "not set it), as compare's --product-dtype; default: each optimizer's own")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     p.add_argument("--tokens", type=int, default=16, help="rows per capture pass (default 16)")
     p.add_argument("--lr", type=float, default=1e-3, help="lr of every timed optimizer (default 1e-3)")

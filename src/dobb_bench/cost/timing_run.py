@@ -47,6 +47,7 @@ from dobb_bench.cost.timing_report import jsonable, merge_ranks, summarize
 from dobb_bench.errors import CliError
 from dobb_bench.specs import recorded_adamw_part, recorded_refresh
 from dobb_bench.specs import ADAMW_REFERENCES, OptimizerSpec, parse_spec
+from dobb_bench.training.row_settings import with_product_dtype
 
 TIMING_ONLY = ("torch-adamw", "torch-adamw-fused", "torch-muon")
 # The package's Muon, not torch's: its ns_dtype="auto" runs Newton-Schulz in bf16 only where the
@@ -191,6 +192,9 @@ class TimingConfig:
     profile: tuple[str, ...] | None = None  # labels to profile; () = the Dobb variants
     rep_seconds: float = 30.0
     log: bool = True
+    # one dtype for every row's matrix products (ns_dtype / product_dtype where a spec does not set
+    # it; labels unchanged), as compare's --product-dtype; None: each optimizer's own default
+    product_dtype: str | None = None
 
 
 def validate(cfg: TimingConfig) -> None:
@@ -207,6 +211,8 @@ def validate(cfg: TimingConfig) -> None:
         raise CliError(f"--device must be cpu or cuda, got {cfg.device!r}")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise CliError("--device cuda: no CUDA device is available")
+    if cfg.product_dtype not in (None, "float32", "bfloat16"):
+        raise CliError(f"--product-dtype must be float32 or bfloat16, got {cfg.product_dtype!r}")
     if cfg.rep_seconds < 0:
         raise CliError(f"--rep-seconds must be >= 0, got {cfg.rep_seconds}")
     if cfg.time_budget is not None and cfg.time_budget <= 0:
@@ -376,6 +382,8 @@ def run_timing(cfg: TimingConfig) -> dict:
         f"({sum(m * n for _, (m, n) in shapes) / 1e6:.1f}M entries), device {cfg.device}, dtype {cfg.dtype}, "
         f"{torch.get_num_threads()} thread(s), world {1 if dist_ctx is None else dist_ctx.world}")
     for spec in parse_optimizers(cfg.optimizers, cfg.blocks, cfg.refresh_every):
+        if cfg.product_dtype is not None:
+            spec = with_product_dtype(spec, getattr(torch, cfg.product_dtype))
         run.entries.append(run.build(spec))
     live = [e for e in run.entries if e.opt is not None]
     reps_out = run.repeats(live)

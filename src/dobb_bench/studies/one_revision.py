@@ -34,7 +34,7 @@ REEVAL = ("results", "checks", "reeval-windows", "one-revision.jsonl")
 DIGEST = ("results", "checks", "numerics-digest")
 # the spec each row's FSDP2 step was timed as in the one timing run (table:frontier-20's): Muon is
 # owner-computed under FSDP2
-TIMED_AS = {"muon": OWNER}
+TIMED_AS = {"muon": OWNER, "block-muon:axis=0:blocks=4": "block-muon:axis=0:blocks=4:ns_dtype=float32"}
 
 
 def _lr(x: float) -> float:

@@ -167,3 +167,19 @@ def test_smoke_run_records_the_ratio_range(smoke):
         for b, med in row.items():
             lo, hi = run["ratio_range"][a][b]
             assert lo <= med <= hi
+
+
+def test_product_dtype_sets_every_rows_products_and_keeps_labels(tmp_path):
+    """--product-dtype float32 pins ns_dtype / product_dtype where a spec leaves them (labels as typed),
+    leaves a spec's own setting alone, and a bad value is a one-line CLI error."""
+    out = tmp_path / "t"
+    rc = main(["timing", "--preset", "tiny", "--repeats", "2", "--device", "cpu", "--product-dtype", "float32",
+               "--optimizers", "muon", "dobb-muon:blocks=2", "soap-muon:ns_dtype=bfloat16", "--out", str(out)])
+    assert rc == 0
+    got = {ln["label"]: ln["hparams"] for ln in map(json.loads, (out / "timing.jsonl").read_text().splitlines())
+           if ln["kind"] == "summary"}
+    assert got["muon"]["ns_dtype"] == "torch.float32"
+    assert got["dobb-muon:blocks=2"]["ns_dtype"] == got["dobb-muon:blocks=2"]["product_dtype"] == "torch.float32"
+    assert got["soap-muon:ns_dtype=bfloat16"]["ns_dtype"] == "torch.bfloat16"
+    with pytest.raises(SystemExit):
+        main(["timing", "--preset", "tiny", "--product-dtype", "float16", "--out", str(tmp_path / "u")])
