@@ -61,6 +61,8 @@ ONE_REV = (
     Row("Muon", "muon", -1),
     Row("Dobb-Muon B=4 Bo=4 Nesterov", "dobb-muon:blocks=4:out_blocks=4:nesterov=true", 0),
     Row("SOAP-Muon", "soap-muon", 0),
+    # the README's first pick under FSDP2 (sends nothing), bracketed from its table:frontier-20 best 0.005
+    Row("Row-block Muon R=4", "block-muon:axis=0:blocks=4", 0),
 )
 # Issue 55's runs past the horizon: twice the 20-tokens steps (16,600, its schedule stretched over
 # them), seed 0, each row at its chosen 20-tokens lr (Muon and Dobb-Muon from table:one-revision,
