@@ -22,6 +22,26 @@ def _generator(device, seed: int) -> torch.Generator:
     return torch.Generator(device=torch.device(device)).manual_seed(seed)
 
 
+# where each matrix of ``shapes.layer_shapes`` sits in a GPT-2-like block, and the name it takes there
+_ROLE = {"q": ("attn", "q"), "k": ("attn", "k"), "v": ("attn", "v"), "qkv": ("attn", "qkv"),
+         "o": ("attn", "o_proj"), "fc": ("mlp", "fc"), "proj": ("mlp", "proj")}
+
+
+def _named_tree(names: list[str], layers: nn.ModuleList) -> nn.Module:
+    """``layers`` (in order) under nested names: ``h3.fc`` -> ``h3.mlp.fc``; unknown roles stay flat."""
+    root = nn.ModuleDict()
+    for name, lin in zip(names, layers):
+        block, role = name.split(".", 1) if "." in name else ("", name)
+        path = ([block] if block else []) + list(_ROLE.get(role, (role,)))
+        node = root
+        for part in path[:-1]:
+            if part not in node:
+                node[part] = nn.ModuleDict()
+            node = node[part]
+        node[path[-1]] = lin
+    return root
+
+
 class MatrixBank:
     """One bias-free ``nn.Linear`` per matrix of the set (weights ``m x n``), optionally sharded."""
 
@@ -36,6 +56,9 @@ class MatrixBank:
             with torch.no_grad():
                 lin.weight.normal_(0.0, 1.0 / math.sqrt(n), generator=gen)
             self.module.append(lin)
+        # the same layers under GPT-2-like names (h0.attn.q, h0.attn.o_proj, h0.mlp.fc, ...), the
+        # module the optimizers get: options that find attention matrices by name (``heads``) work
+        self.model = _named_tree(self.names, self.module)
         self.device, self.dtype, self.tokens, self.dist = device, dtype, tokens, dist_ctx
         self._inputs: dict[int, torch.Tensor] = {}
         if dist_ctx is not None:

@@ -308,7 +308,7 @@ class _Runner:
             alloc0 = torch.cuda.memory_allocated()
         rss0, t0 = _rss_bytes(), time.perf_counter()
         try:
-            opt = make_optimizer(spec, self.bank.module, cfg.lr, cfg.weight_decay, self.dist)
+            opt = make_optimizer(spec, self.bank.model, cfg.lr, cfg.weight_decay, self.dist)
         except (ValueError, NotImplementedError) as exc:
             if self.dist is None:
                 raise

@@ -183,3 +183,21 @@ def test_product_dtype_sets_every_rows_products_and_keeps_labels(tmp_path):
     assert got["soap-muon:ns_dtype=bfloat16"]["ns_dtype"] == "torch.bfloat16"
     with pytest.raises(SystemExit):
         main(["timing", "--preset", "tiny", "--product-dtype", "float16", "--out", str(tmp_path / "u")])
+
+
+def test_matrices_carry_gpt2_like_names_so_heads_is_timed(tmp_path):
+    """The timed module names each matrix by its role (h0.attn.q, h0.attn.o_proj, h0.mlp.fc), the same
+    layers as the bank's list, so an option that finds attention by name (heads) builds and is timed."""
+    from dobb_bench.cost.matrices import MatrixBank
+    import torch
+    bank = MatrixBank(matrix_shapes("tiny", "1"), "cpu", torch.float32)
+    names = [n for n, _ in bank.model.named_parameters()]
+    assert names == ["h0.attn.q.weight", "h0.attn.k.weight", "h0.attn.v.weight", "h0.attn.o_proj.weight",
+                     "h0.mlp.fc.weight", "h0.mlp.proj.weight"]
+    assert all(a is b for a, b in zip(bank.model.parameters(), bank.parameters()))
+    out = tmp_path / "t"
+    assert main(["timing", "--preset", "tiny", "--layers", "1", "--repeats", "2", "--device", "cpu",
+                 "--optimizers", "dobb-muon:blocks=2:heads=2", "--out", str(out)]) == 0
+    got = [json.loads(ln) for ln in (out / "timing.jsonl").read_text().splitlines()]
+    row = next(ln for ln in got if ln.get("label") == "dobb-muon:blocks=2:heads=2")
+    assert "skipped" not in row and row["amortized_ms"]["median"] > 0
