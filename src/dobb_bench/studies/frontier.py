@@ -195,16 +195,26 @@ def _beyond_paired(a: dict[int, float], b: dict[int, float]) -> bool:
     return m < 0 and beyond_noise(m, se, len(d))
 
 
-def pareto(points: dict[str, tuple[dict[int, float], float]], spread: float = 0.0) -> set[str]:
+def pareto(points: dict[str, tuple[dict[int, float], float]], spread: float = 0.0,
+           ranges: dict[str, tuple[float, float]] | None = None) -> set[str]:
     """Rows on the loss / step-cost frontier, ties kept: a row leaves it only when another row is
-    cheaper beyond the timing ``spread`` (its ratio times ``1 + spread`` below this row's) and lower
-    in loss beyond paired noise (a 95% paired t-test over their common seeds). ``points``: row ->
-    ({seed: loss}, step ratio)."""
+    cheaper beyond the timing spread and lower in loss beyond paired noise (a 95% paired t-test over
+    their common seeds). Cheaper beyond the spread: with ``ranges`` (each row's step ratio over the
+    repeats of one timing run), the other row's slowest repeat is faster than this row's fastest;
+    else its ratio times ``1 + spread`` is below this row's. ``points``: row -> ({seed: loss}, step ratio)."""
     on = set()
     for a, (la, ca) in points.items():
-        if not any(cb * (1 + spread) < ca and _beyond_paired(lb, la) for b, (lb, cb) in points.items() if b != a):
+        if not any(cheaper(b, a, points, spread, ranges) and _beyond_paired(lb, la)
+                   for b, (lb, cb) in points.items() if b != a):
             on.add(a)
     return on
+
+
+def cheaper(b: str, a: str, points: dict, spread: float = 0.0, ranges: dict | None = None) -> bool:
+    """``b``'s step cheaper than ``a``'s beyond the timing spread (see ``pareto``)."""
+    if ranges is not None and a in ranges and b in ranges:
+        return ranges[b][1] < ranges[a][0]
+    return points[b][1] * (1 + spread) < points[a][1]
 
 
 def level(points: dict[str, tuple[dict[int, float], float]], a: str, b: str) -> bool:
@@ -264,7 +274,7 @@ def frontier_20() -> tuple[str, list[dict]]:
             if ns is None:  # a rerun of the same run, made for its norms (its loss is not used)
                 ns, mark = norm_stats([reruns[(name, lr, sd)] for sd in at if (name, lr, sd) in reruns]), " (rerun)"
             norms = " | — | —" if ns is None else f" | {ns[0]:.2f}{mark} | {ns[1]:.2f}x ({ns[2]:.2f}x)"
-            summary[name] = (m, ratio, losses, when)
+            summary[name] = (m, ratio, losses, when, key)
             lines.append(f"| {name} | {when} | {grid} | {choice.cell()} | {per_seed} | "
                          f"{m:.3f}{sd_txt} ({len(vals)}) | {gap}{cost}{norms} |")
     text = "\n".join(lines) + "\n"
@@ -304,15 +314,18 @@ def frontier_line(summary: dict[str, tuple], choices: dict[str, Choice], timed: 
                       f"over the specs timed in two or more: {timed_txt}).")
     else:
         spread, widest = one_run_spread(timed)
-        spread_txt = (f"Timing spread: every step ratio comes from one timing run; the spread is the largest max / min "
-                      f"of a row's ratio over its {timed['repeats']} repeats, {100 * spread:.0f}% ({widest}).")
-    on = sorted(pareto(points, spread), key=lambda k: points[k][1])
+        spread_txt = (f"Timing spread: every step ratio comes from one timing run; a row is cheaper than another beyond "
+                      f"it when its slowest of {timed['repeats']} repeats is faster than the other's fastest (the widest "
+                      f"range, max / min - 1: {100 * spread:.0f}%, {widest}).")
+    ranges = None if timed is None else {k: timed["ranges"][v[4]] for k, v in summary.items()
+                                         if k in points and v[4] in timed["ranges"]}
+    on = sorted(pareto(points, spread, ranges), key=lambda k: points[k][1])
     mean = {k: summary[k][0] for k in points}
 
     def entry(k):
-        cheaper = [x for x in on if points[x][1] < points[k][1] or (points[x][1] == points[k][1] and x < k)]
-        loss = [x for x in cheaper if level(points, k, x)]
-        step = [x for x in cheaper if points[k][1] <= points[x][1] * (1 + spread)]
+        cheaper_on = [x for x in on if points[x][1] < points[k][1] or (points[x][1] == points[k][1] and x < k)]
+        loss = [x for x in cheaper_on if level(points, k, x)]
+        step = [x for x in cheaper_on if not cheaper(x, k, points, spread, ranges)]
         marks = ([f"level on loss with {', '.join(loss)}"] if loss else []) + \
                 ([f"on step with {', '.join(step)}"] if step else []) + \
                 (["lr not settled"] if not choices[k].settled else [])

@@ -51,6 +51,11 @@ def test_pareto_keeps_rows_no_other_row_beats_on_both_beyond_noise():
     assert F.pareto(pts) == {"cheap", "mid", "dear"}  # "bad": mid is cheaper and lower at every seed by 0.01
     # a row cheaper by less than the timing spread does not push another off
     assert F.pareto(pts, spread=0.25) == {"cheap", "mid", "dear", "bad"}
+    # with one run's ranges: mid's slowest repeat (0.58) is faster than bad's fastest (0.59): bad goes;
+    # overlapping ranges keep it
+    rng = {"cheap": (0.08, 0.12), "mid": (0.45, 0.58), "dear": (0.9, 1.1), "bad": (0.59, 0.62)}
+    assert F.pareto(pts, ranges=rng) == {"cheap", "mid", "dear"}
+    assert F.pareto(pts, ranges={**rng, "bad": (0.55, 0.65)}) == {"cheap", "mid", "dear", "bad"}
     # lower at the mean but within paired noise: level, both stay (the old rule dropped "tie")
     pts = {"a": (_seeds(1.280, 1.290, 1.270), 0.3), "tie": (_seeds(1.279, 1.295, 1.268), 0.5)}
     assert F.pareto(pts) == {"a", "tie"} and F.level(pts, "a", "tie")
@@ -205,4 +210,4 @@ def test_steps_from_one_timing_run_with_their_range(monkeypatch, tmp_path):
     assert "| 0.40 [0.38, 0.45] |" in row
     muon = next(line for line in text.splitlines() if line.startswith("| Muon |"))
     assert "| 1.00 |" in muon
-    assert f"{F.ONE_RUN}` (median over 5 repeats" in text and "18% (" + rb + ")" in text
+    assert f"{F.ONE_RUN}` (median over 5 repeats" in text and "max / min - 1: 18%, " + rb + ")" in text
