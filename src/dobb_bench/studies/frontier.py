@@ -158,11 +158,12 @@ def one_run() -> dict | None:
     return {"ratios": ratios, "ranges": ranges, "repeats": run["config"]["repeats"], "path": f"docs/results/{ONE_RUN}"}
 
 
-def one_run_spread(run: dict) -> tuple[float, str]:
+def one_run_spread(run: dict, specs=None) -> tuple[float, str]:
     """The spread of a step ratio within the one run: the largest ``max / min - 1`` of a row's
-    per-repeat ratio over the rows whose step is not at the timer's resolution, and that row."""
+    per-repeat ratio over ``specs`` (default every spec timed) whose step is not at the timer's
+    resolution, and that spec."""
     spans = [(hi / lo - 1, k) for k, (lo, hi) in run["ranges"].items()
-             if k != OWNER and run["ratios"][k] >= SMALL_STEP and lo > 0]
+             if k != OWNER and run["ratios"][k] >= SMALL_STEP and lo > 0 and (specs is None or k in specs)]
     return max(spans, default=(0.0, ""))
 
 
@@ -312,8 +313,8 @@ def frontier_line(summary: dict[str, tuple], choices: dict[str, Choice], timed: 
         spread_txt = ("Timing spread: each timing record gives one ratio per spec (the median over its repeats), so "
                       f"the spread is the one measured between records, {100 * spread:.0f}% (the largest max / min "
                       f"over the specs timed in two or more: {timed_txt}).")
-    else:
-        spread, widest = one_run_spread(timed)
+    else:  # over this table's rows only (the run also times rows of other tables)
+        spread, widest = one_run_spread(timed, {v[4] for v in summary.values()})
         spread_txt = (f"Timing spread: every step ratio comes from one timing run; a row is cheaper than another beyond "
                       f"it when its slowest of {timed['repeats']} repeats is faster than the other's fastest (the widest "
                       f"range, max / min - 1: {100 * spread:.0f}%, {widest}).")

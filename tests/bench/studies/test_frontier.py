@@ -201,6 +201,7 @@ def test_steps_from_one_timing_run_with_their_range(monkeypatch, tmp_path):
     assert timed["ratios"][rb] == 0.40 and timed["ranges"][rb] == (0.38, 0.45) and timed["repeats"] == 5
     spread, widest = F.one_run_spread(timed)
     assert spread == pytest.approx(0.45 / 0.38 - 1) and widest == rb
+    assert F.one_run_spread(timed, {owner}) == (0.0, "")  # only the specs asked for
     recs = [_re("Muon", 0.00354, s, 1.28) for s in (0, 1, 2)] + [_re("Row-block Muon R=4", 0.005, s, 1.27)
                                                                  for s in (0, 1, 2)]
     monkeypatch.setattr(F.LH, "reeval_records", lambda: recs)
