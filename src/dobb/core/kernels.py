@@ -23,9 +23,9 @@ import math
 from .. import functional as F
 from .._compiled import compiled
 from ..functional import BlockBasis
-from ..newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_STEPS, newton_schulz
+from ..newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_STEPS, orthogonalize
 
-__all__ = ["one_sided_", "preconditioned_muon", "rotated_adam", "rotated_adam_group", "rotated_adam_all", "compiled_one_sided", "compiled_muon", "two_sided_group"]
+__all__ = ["one_sided_", "rotated_adam", "rotated_adam_group", "rotated_adam_all", "compiled_one_sided", "equal_groups", "muon_directions", "compiled_muon_directions", "two_sided_group"]
 
 
 def one_sided_(ws: list[Tensor], us: list[Tensor], bases: list[Tensor], runs: tuple, factors: Tensor, *, norm: str,
@@ -72,9 +72,9 @@ def rotated_adam_group(us: list[Tensor], gs: list[Tensor], bases: list[Tensor], 
     return list(F.blockwise(r.to(dtype), basis, sizes, transpose=True).unbind(0))
 
 
-def rotated_adam_all(items: list[tuple], *, momentum: float, beta2: float, eps: float) -> list[Tensor]:
-    """``rotated_adam`` of every matrix ``(u, g, basis, v, dtype, sizes, step)`` (oriented ``(out, in)``),
-    one ``rotated_adam_group`` per group of equal matrices: each ``P`` in ``items``' order."""
+def equal_groups(items: list[tuple]) -> list[list[int]]:
+    """The indices of ``items`` ``(u, g, basis, v, dtype, sizes, step)`` grouped by equal matrices
+    (shapes, dtypes, block sizes, device and step count), in first-seen order."""
     # the step count is compared, never hashed: hashing it made a compiled step specialise on its value
     # (a new graph every step); compared, the two counts stay symbolic with one equality guard
     groups: list[tuple[tuple, object, list[int]]] = []
@@ -85,8 +85,14 @@ def rotated_adam_all(items: list[tuple], *, momentum: float, beta2: float, eps: 
             entry = (key, step, [])
             groups.append(entry)
         entry[2].append(i)
+    return [idx for _, _, idx in groups]
+
+
+def rotated_adam_all(items: list[tuple], *, momentum: float, beta2: float, eps: float) -> list[Tensor]:
+    """``rotated_adam`` of every matrix ``(u, g, basis, v, dtype, sizes, step)`` (oriented ``(out, in)``),
+    one ``rotated_adam_group`` per group of equal matrices: each ``P`` in ``items``' order."""
     out: list = [None] * len(items)
-    for _, _, idx in groups:
+    for idx in equal_groups(items):
         *_, dtype, sizes, step = items[idx[0]]
         ps = rotated_adam_group(*([items[i][j] for i in idx] for j in range(4)), sizes, step, dtype=dtype,
                                 momentum=momentum, beta2=beta2, eps=eps)
@@ -95,17 +101,36 @@ def rotated_adam_all(items: list[tuple], *, momentum: float, beta2: float, eps: 
     return out
 
 
-def preconditioned_muon(u: Tensor, g: Tensor, basis: Tensor, v: Tensor, step: Tensor, sizes: tuple, rows: tuple, *,
-                        dtype: torch.dtype, momentum: float, beta2: float, eps: float,
-                        ns_dtype: torch.dtype) -> list[Tensor]:
-    """``norm="muon"``'s directions of one matrix: ``rotated_adam`` (advancing ``v``), then
-    NS5 of each of its row blocks ``rows`` (``core.update.apply_preconditioned_muon``, steps 1-3 and
-    the Newton-Schulz of step 4). Tensors oriented ``(out, in)``; ``step``: the 1-based step count."""
-    p = rotated_adam(u, g, basis, v, sizes, step, dtype=dtype, momentum=momentum, beta2=beta2, eps=eps)
-    parts = p.split(list(rows), dim=0)
-    if len(set(rows)) == 1:  # equal row blocks: one batched iteration
-        return list(newton_schulz(torch.stack(parts), NS_COEFFICIENTS, NS_STEPS, NS_EPS, ns_dtype).unbind(0))
-    return [newton_schulz(x, NS_COEFFICIENTS, NS_STEPS, NS_EPS, ns_dtype) for x in parts]
+def muon_directions(us: list[Tensor], gs: list[Tensor], bases: list[Tensor], vs: list[Tensor], steps: Tensor,
+                    groups: tuple, rows: tuple, *, momentum: float, beta2: float, eps: float, ns_dtype: torch.dtype,
+                    out_dtype: torch.dtype | None) -> list[Tensor]:
+    """``core.update.apply_preconditioned_muon``'s directions of every matrix, as ``compile=True`` runs
+    them: one kernel (one graph) for the whole group, so a step pays one compiled call, not one per
+    group of equal matrices and per Newton-Schulz shape. ``groups``: ``(indices, product dtype, block
+    sizes)`` of each group of equal matrices (``equal_groups``), ``steps[k]`` its 1-based step count
+    (float64: the same bias corrections as eager); ``rows[i]``: matrix ``i``'s Newton-Schulz row
+    blocks. The same calls as eager, in the same order: ``rotated_adam_group`` per group, then
+    ``orthogonalize`` of all row blocks (one batch per shape)."""
+    pre: list = [None] * len(us)
+    for k, (idx, dtype, sizes) in enumerate(groups):
+        ps = rotated_adam_group([us[i] for i in idx], [gs[i] for i in idx], [bases[i] for i in idx],
+                                [vs[i] for i in idx], sizes, steps[k], dtype=dtype, momentum=momentum, beta2=beta2,
+                                eps=eps)
+        for i, x in zip(idx, ps):
+            pre[i] = x
+    blocks = [b for x, r in zip(pre, rows) for b in x.split(list(r), dim=0)]
+    return orthogonalize(blocks, NS_COEFFICIENTS, NS_STEPS, NS_EPS, dtype=ns_dtype, compile=True, out_dtype=out_dtype)
+
+
+def compiled_muon_directions(items: list[tuple], rows: list, *, momentum: float, beta2: float, eps: float,
+                             ns_dtype: torch.dtype, out_dtype: torch.dtype | None) -> list[Tensor]:
+    """``muon_directions`` compiled, from ``rotated_adam_all``'s ``items`` and each matrix's row blocks."""
+    groups = equal_groups(items)
+    steps = torch.tensor([float(items[idx[0]][6]) for idx in groups], dtype=torch.float64)
+    static = tuple((tuple(idx), items[idx[0]][4], items[idx[0]][5]) for idx in groups)
+    return compiled(muon_directions)(*([it[j] for it in items] for j in range(4)), steps, static,
+                                     tuple(tuple(r) for r in rows), momentum=momentum, beta2=beta2, eps=eps,
+                                     ns_dtype=ns_dtype, out_dtype=out_dtype)
 
 
 # ----------------------------------------------------------------------------- the calls (core.update)
@@ -123,16 +148,6 @@ def compiled_one_sided(mats: list, ws: list[Tensor], us: list[Tensor], *, norm: 
             [ws[i] for i in idx], [us[i] for i in idx], [m.layout.stacked(m.basis) for m in group],
             tuple(tuple((r.start, r.count, r.size) for r in F.block_runs(m.layout.local_sizes)) for m in group),
             torch.tensor(factors, dtype=torch.float64, device=group[0].w.device), norm=norm, dtype=dtype)
-
-
-def compiled_muon(oriented: tuple, step: int, sizes: tuple, rows: tuple, *, momentum: float, beta2: float, eps: float,
-                  ns_dtype: torch.dtype) -> list[Tensor]:
-    """``core.update.apply_preconditioned_muon``'s directions of one matrix as one ``preconditioned_muon``
-    call: ``oriented`` is ``(u, g, basis, second moment, product dtype)`` oriented ``(out, in)``,
-    ``step`` the 1-based step count (passed in float64: the same bias corrections as eager)."""
-    ut, gt, basis, v, dtype = oriented
-    return compiled(preconditioned_muon)(ut, gt, basis, v, torch.tensor(float(step), dtype=torch.float64), sizes,
-                                         rows, dtype=dtype, momentum=momentum, beta2=beta2, eps=eps, ns_dtype=ns_dtype)
 
 
 def two_sided_group(items: list, sizes: tuple, *, norm: str, step: int, momentum: float, beta2: float,

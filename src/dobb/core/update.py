@@ -32,7 +32,7 @@ from ..distribution import OwnerCompute, wire_dtype
 from ..functional import BlockBasis, two_sided_update_
 from ..layout import MatrixLayout
 from ..newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_STEPS, orthogonalize, resolve_ns_dtype, widening_dtype
-from .kernels import compiled_muon, compiled_one_sided, rotated_adam, rotated_adam_all, two_sided_group
+from .kernels import compiled_muon_directions, compiled_one_sided, rotated_adam, rotated_adam_all, two_sided_group
 from .statistics import all_reduce_sum_
 
 __all__ = ["FUSE_MIN_BLOCK_WORK", "OneSided", "TwoSided", "decay_in_update", "apply_directions", "apply_two_sided",
@@ -413,19 +413,19 @@ def apply_preconditioned_muon(mats: list[TwoSided], *, lr, tau: float, basis_dty
     ``u``, the gradient ``g`` and the weight ``w`` (local tensors). Grouped across matrices, bit for
     bit: steps 1-3 stacked per group of equal matrices (``kernels.rotated_adam_all``), one ``orthogonalize``
     of all row blocks (equal shapes one batch), the cast and the adds once per block shape. ``compile``:
-    steps 1-3 and the Newton-Schulz of 4 as one compiled kernel per matrix (``core.kernels.preconditioned_muon``)."""
+    the same calls in one compiled kernel for all matrices (``core.kernels.muon_directions``): one
+    compiled call a step (a kernel per matrix, as before, lost the batching and was slower than eager)."""
     ns = resolve_ns_dtype(ns_dtype, mats[0][4].device) if mats else None
+    items = [(*_oriented_muon(plan, st, ut, gt, basis_dtype, product_dtype), tuple(plan.layout.local_sizes),
+              st["step"] + 1) for plan, st, ut, gt, _ in mats]
+    out_dtype = widening_dtype(ns, [m[4].dtype for m in mats])
     if compile:
-        outs = [o for plan, state, ut, gt, pt in mats for o in compiled_muon(
-            _oriented_muon(plan, state, ut, gt, basis_dtype, product_dtype), state["step"] + 1,
-            tuple(plan.layout.local_sizes), tuple(_ns_sizes(plan)), momentum=momentum, beta2=beta2, eps=eps, ns_dtype=ns)]
+        outs = compiled_muon_directions(items, [_ns_sizes(plan) for plan, *_ in mats], momentum=momentum,
+                                        beta2=beta2, eps=eps, ns_dtype=ns, out_dtype=out_dtype)
     else:
-        pre = rotated_adam_all([(*_oriented_muon(plan, st, ut, gt, basis_dtype, product_dtype),
-                                 tuple(plan.layout.local_sizes), st["step"] + 1) for plan, st, ut, gt, _ in mats],
-                               momentum=momentum, beta2=beta2, eps=eps)  # steps 1-3, stacked per equal matrices
+        pre = rotated_adam_all(items, momentum=momentum, beta2=beta2, eps=eps)  # steps 1-3, stacked per equal matrices
         blocks = [b for (plan, *_), x in zip(mats, pre) for b in x.split(_ns_sizes(plan), dim=0)]
-        outs = orthogonalize(blocks, NS_COEFFICIENTS, NS_STEPS, NS_EPS, dtype=ns,
-                             out_dtype=widening_dtype(ns, [m[4].dtype for m in mats]))
+        outs = orthogonalize(blocks, NS_COEFFICIENTS, NS_STEPS, NS_EPS, dtype=ns, out_dtype=out_dtype)
     adds: dict[tuple, tuple[list, list]] = defaultdict(lambda: ([], []))  # by (rows, n, dtype): one scale each
     outs_iter = iter(outs)
     for plan, _, _, _, pt in mats:

@@ -74,13 +74,23 @@ PAST = (
     Row("MuonBP R=4 P=10", "muonbp:blocks=4:period=10:ns_dtype=float32", 0, lrs=(0,)),
     Row("Row-block Muon R=4", "block-muon:axis=0:blocks=4", 0, lrs=(0,)),
 )
+# Issue 55's host check: the one-revision runs (57db80f, an Intel Xeon host with AMX) repeated at the
+# same revision on another host kind, seeds 0-2 of Muon and SOAP-Muon at their chosen lrs: the
+# numerics digest differs between the two hosts (fp32 BLAS kernels round differently), so how far
+# does a host move a 20-tokens loss, against the seed spread, and may a row run on one host be paired
+# with a reference run on the other?
+HOST = (
+    Row("Muon", "muon", -1, lrs=(-1,)),
+    Row("SOAP-Muon", "soap-muon", -1, lrs=(-1,)),
+)
 W256 = tuple(r for r in LH if r.label in ("AdamW", "Muon", "Row-block Muon R=4", "Dobb B=1", "Two-sided B=1 Bo=4"))
 
 TWENTY_TOKENS = Setting("lh", steps=8300, eval_every=250)
 WIDTH_256 = Setting("w256", steps=3200, eval_every=200, width=256)
 ONE_REVISION = Setting("rev", steps=8300, eval_every=250)
 PAST_HORIZON = Setting("ph", steps=16600, eval_every=250)
-SETTINGS = {s.kind: s for s in (TWENTY_TOKENS, WIDTH_256, ONE_REVISION, PAST_HORIZON)}
+HOST_CHECK = Setting("hk", steps=8300, eval_every=250)
+SETTINGS = {s.kind: s for s in (TWENTY_TOKENS, WIDTH_256, ONE_REVISION, PAST_HORIZON, HOST_CHECK)}
 
 STUDIES = {
     "long-horizon": Study("long-horizon", TWENTY_TOKENS, LH),
@@ -92,6 +102,8 @@ STUDIES = {
     "one-revision": Study("one-revision", ONE_REVISION, ONE_REV, seeds=(0, 1, 2, 3, 4), records="one-revision"),
     "past-horizon": Study("past-horizon", PAST_HORIZON, PAST, seeds=(0,), rule="fixed", records="past-horizon",
                           title="twice the 20-tokens horizon, seed 0", reference="Muon"),
+    "host-check": Study("host-check", HOST_CHECK, HOST, seeds=(0, 1, 2), rule="fixed", records="host-check",
+                        title="one-revision's runs on another host kind", reference="Muon"),
 }
 
 
