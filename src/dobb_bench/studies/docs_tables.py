@@ -24,11 +24,11 @@ from dobb_bench.reports import records as R
 from dobb_bench.reports.figure_check import scan
 from dobb_bench.reports.report import pyplot, typed_hparams
 from dobb_bench.reports.tables import group_by, final_loss, stats
-from dobb_bench.studies import (family_dash, family_soap, frontier, long_horizon, main_job, one_revision, operating_point,
-                                past_horizon, refresh_width, shard_local, two_sided)
+from dobb_bench.studies import (family_dash, family_soap, frontier, host_check, long_horizon, main_job, one_revision,
+                                operating_point, past_horizon, refresh_width, shard_local, two_sided)
 
 _STUDIES = (main_job, operating_point, family_dash, family_soap, two_sided, refresh_width, shard_local, long_horizon,
-            frontier, one_revision, past_horizon, projection, projection_targets)
+            frontier, one_revision, past_horizon, host_check, projection, projection_targets)
 TABLES = {}
 for _module in _STUDIES:
     _clash = set(TABLES) & set(_module.TABLES)

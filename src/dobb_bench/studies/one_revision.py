@@ -41,11 +41,15 @@ def _lr(x: float) -> float:
     return float(f"{x:.4g}")
 
 
-def reeval_records() -> list[dict]:
-    path = Path(R.DOCS).joinpath(*REEVAL)
+def jsonl(path: Path) -> list[dict]:
+    """The records of a JSON-lines file, none where it does not exist."""
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def reeval_records() -> list[dict]:
+    return jsonl(Path(R.DOCS).joinpath(*REEVAL))
 
 
 def append_reevals(runs_root: str, kind: str, rel: tuple[str, ...]) -> int:

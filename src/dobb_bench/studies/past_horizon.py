@@ -15,7 +15,6 @@ at the run's middle eval (8,250, the 20-tokens horizon) and at its end, with the
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from dobb_bench.reports import records as R
@@ -34,14 +33,8 @@ def _lr(x: float) -> float:
     return float(f"{x:.4g}")
 
 
-def _jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def reeval_records() -> list[dict]:
-    return _jsonl(Path(R.DOCS).joinpath(*REEVAL))
+    return one_revision.jsonl(Path(R.DOCS).joinpath(*REEVAL))
 
 
 def collect_reevals(runs_root: str) -> int:

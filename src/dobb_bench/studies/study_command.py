@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dobb_bench.errors import CliError
 from dobb_bench.studies.catalog import STUDIES
-from dobb_bench.studies import one_revision, past_horizon
+from dobb_bench.studies import host_check, one_revision, past_horizon
 from dobb_bench.studies.define import REPO, Driver, RunsFolder, Study, collect, grid_lr, plan_status, rule
 
 
@@ -66,7 +66,7 @@ def cmd_study(args) -> int:
         return 0
     if args.action == "collect":
         print(f"{len(collect(study, runs))} records added to {study.records}")
-        for own in (one_revision, past_horizon):  # studies whose re-evaluations have their own record
+        for own in (one_revision, past_horizon, host_check):  # studies whose re-evaluations have their own record
             if study.name == own.STUDY:
                 print(f"{own.collect_reevals(runs.root)} re-evaluations added to docs/results/{'/'.join(own.REEVAL[1:])}")
         return 0
