@@ -83,6 +83,20 @@ HOST = (
     Row("Muon", "muon", -1, lrs=(-1,)),
     Row("SOAP-Muon", "soap-muon", -1, lrs=(-1,)),
 )
+# Issue 55's one revision on a second host kind: table:frontier-20's FR rows ran every run at
+# a94277a on AMD EPYC hosts with AVX512-BF16, where a94277a computes 57db80f's numbers bit for bit
+# (numerics digest, and a 40-step run of every row's command: scripts/same_numbers.py). Those runs
+# count at one revision; these are the runs the rule still needs there, made at 57db80f on that host
+# kind: the bracket runs whose only run was at a revision not shown equal (DASH 0.00354, Dion2 0.01)
+# or never made (DASH 0.00707, Dobb B=4 0.005), and the seed-2 runs of the Dobb-Muon rows' close
+# neighbour (0.00354).
+ONE_REV_AMD = (
+    Row("DASH 32", "dash:block_size=32", 0, lrs=(-1, 1), seeded=()),
+    Row("Dion2 1/4 per shard R=4", "dion2:select=shard:blocks=4:ns_dtype=float32", 2, lrs=(2,), seeded=()),
+    Row("Dobb B=4", "dobb:blocks=4", 0, lrs=(0,), seeded=()),
+    Row("Dobb-Muon B=4 Bo=4", "dobb-muon:blocks=4:out_blocks=4", -1, lrs=(), seeded=(-1,)),
+    Row("Dobb-Muon B=4 Bo=4 heads", "dobb-muon:blocks=4:out_blocks=4:heads=4", -1, lrs=(), seeded=(-1,)),
+)
 W256 = tuple(r for r in LH if r.label in ("AdamW", "Muon", "Row-block Muon R=4", "Dobb B=1", "Two-sided B=1 Bo=4"))
 
 TWENTY_TOKENS = Setting("lh", steps=8300, eval_every=250)
@@ -90,7 +104,8 @@ WIDTH_256 = Setting("w256", steps=3200, eval_every=200, width=256)
 ONE_REVISION = Setting("rev", steps=8300, eval_every=250)
 PAST_HORIZON = Setting("ph", steps=16600, eval_every=250)
 HOST_CHECK = Setting("hk", steps=8300, eval_every=250)
-SETTINGS = {s.kind: s for s in (TWENTY_TOKENS, WIDTH_256, ONE_REVISION, PAST_HORIZON, HOST_CHECK)}
+ONE_REVISION_AMD = Setting("ra", steps=8300, eval_every=250)
+SETTINGS = {s.kind: s for s in (TWENTY_TOKENS, WIDTH_256, ONE_REVISION, PAST_HORIZON, HOST_CHECK, ONE_REVISION_AMD)}
 
 STUDIES = {
     "long-horizon": Study("long-horizon", TWENTY_TOKENS, LH),
@@ -104,6 +119,8 @@ STUDIES = {
                           title="twice the 20-tokens horizon, seed 0", reference="Muon"),
     "host-check": Study("host-check", HOST_CHECK, HOST, seeds=(0, 1, 2), rule="fixed", records="host-check",
                         title="one-revision's runs on another host kind", reference="Muon"),
+    "one-revision-amd": Study("one-revision-amd", ONE_REVISION_AMD, ONE_REV_AMD, seeds=(0, 2), rule="fixed",
+                              records="one-revision-amd", title="the rule's missing runs of the rows run at a94277a"),
 }
 
 
