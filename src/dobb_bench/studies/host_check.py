@@ -25,7 +25,7 @@ from dobb_bench.studies.long_horizon_runs import HOST, HOST_CHECK, ONE_REVISION,
 from dobb_bench.studies.lr_rule import bf16
 
 STUDY = "host-check"
-REEVAL = ("results", "checks", "reeval-windows", "host-check.jsonl")
+REEVAL = one_revision.HK_REEVAL
 
 
 def _lr(x: float) -> float:

@@ -90,6 +90,8 @@ HOST = (
 # kind: the bracket runs whose only run was at a revision not shown equal (DASH 0.00354, Dion2 0.01)
 # or never made (DASH 0.00707, Dobb B=4 0.005), and the seed-2 runs of the Dobb-Muon rows' close
 # neighbour (0.00354).
+COUNTED_REVS = ("a94277a", "57db80f")
+COUNTED_HOST = "AMD EPYC (avx512_bf16)"
 ONE_REV_AMD = (
     Row("DASH 32", "dash:block_size=32", 0, lrs=(-1, 1), seeded=()),
     Row("Dion2 1/4 per shard R=4", "dion2:select=shard:blocks=4:ns_dtype=float32", 2, lrs=(2,), seeded=()),

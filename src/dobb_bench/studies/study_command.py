@@ -66,9 +66,12 @@ def cmd_study(args) -> int:
         return 0
     if args.action == "collect":
         print(f"{len(collect(study, runs))} records added to {study.records}")
-        for own in (one_revision, past_horizon, host_check):  # studies whose re-evaluations have their own record
-            if study.name == own.STUDY:
-                print(f"{own.collect_reevals(runs.root)} re-evaluations added to docs/results/{'/'.join(own.REEVAL[1:])}")
+        own = {"one-revision": (one_revision.collect_reevals, one_revision.REEVAL),  # re-evaluations with their own record
+               "past-horizon": (past_horizon.collect_reevals, past_horizon.REEVAL),
+               "host-check": (host_check.collect_reevals, host_check.REEVAL),
+               "one-revision-amd": (one_revision.collect_reevals_amd, one_revision.AMD_REEVAL)}.get(study.name)
+        if own is not None:
+            print(f"{own[0](runs.root)} re-evaluations added to docs/results/{'/'.join(own[1][1:])}")
         return 0
     if not args.worktree:
         raise CliError("study run needs --worktree: a clean worktree of the revision to measure")

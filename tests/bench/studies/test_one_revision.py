@@ -28,9 +28,15 @@ def hand(monkeypatch, tmp_path):
     (tmp_path / "results" / "checks" / "numerics-digest" / "57db80f.json").write_text("{}")
     monkeypatch.setattr(O.R, "DOCS", tmp_path)
 
-    def use(reevals, runs):
+    def use(reevals, runs, frontier=(), amd=(), hk=(), training=()):
+        """This study's re-evaluations and records; table:frontier-20's re-evaluations, study
+        one-revision-amd's and host-check's (the second host kind), and their training records."""
         monkeypatch.setattr(O, "reeval_records", lambda: reevals)
         monkeypatch.setattr(O, "_records", lambda: runs)
+        monkeypatch.setattr(O.R, "reeval_records", lambda: list(frontier))
+        files = {O.AMD_REEVAL: list(amd), O.HK_REEVAL: list(hk)}
+        monkeypatch.setattr(O, "jsonl", lambda path: next((v for k, v in files.items() if path.parts[-1] == k[-1]), []))
+        monkeypatch.setattr(O, "_training_records", lambda study: list(training) if study == "long-horizon" else [])
     return use
 
 
@@ -91,3 +97,54 @@ def test_steps_come_from_the_one_timing_run(hand, monkeypatch):
     assert "| 0.41 [0.39, 0.44] |" in next(x for x in text.splitlines() if x.startswith(f"| {DOBB} |"))
     assert "| 1.00 |" in next(x for x in text.splitlines() if x.startswith("| Muon |"))
     assert "`docs/results/x.jsonl`, one timing run (median over 5 repeats" in text
+
+
+AMD = {"cpu": "AMD EPYC", "bf16_flags": ["avx512_bf16"]}
+BP = "MuonBP R=4 P=10"
+
+
+def _amd(run, lr, seed, common, folder="lh", rev="a94277a50d"):
+    r = _re(run, lr, seed, common, folder=folder)
+    r["provenance"] = {"git_rev": rev, "git_dirty": False, "machine": AMD}
+    return r
+
+
+def test_the_second_host_kind_counts_equal_revisions_and_pairs_with_muon_there(hand):
+    """table:frontier-20's FR rows on the AMD host kind: runs at a94277a (whose numbers equal 57db80f's
+    there) and study one-revision-amd's at 57db80f count; a run at another revision or on another host
+    kind does not; gaps pair with host-check's Muon runs on that host kind, never with the Intel ones."""
+    a, c = 0.00354, 0.005
+    intel_muon = [_re("Muon", a, s, 1.300) for s in (0, 1, 2)] + [_re("Muon", x, 0, 1.32) for x in (0.0025, c)]
+    frontier = [_amd(BP, x, 0, v) for x, v in ((a, 1.290), (c, 1.274), (0.00707, 1.284))]
+    frontier += [_amd(BP, c, s, v) for s, v in ((1, 1.278), (2, 1.281))]
+    frontier += [_amd(BP, c, 3, 0.9, rev="1658d62aaa"),  # another revision: left out
+                 dict(_amd(BP, c, 4, 0.9), provenance={"git_rev": "a94277a50d", "machine": {"cpu": "Intel(R) Xeon(R)"}})]
+    amd = [_amd("DASH 32", 0.00707, 0, 1.330, folder="ra", rev="57db80f37c")]
+    frontier += [_amd("DASH 32", x, 0, v) for x, v in ((0.0025, 1.328), (c, 1.325))]
+    hk = [_amd("Muon", a, s, v, folder="hk", rev="57db80f37c") for s, v in ((0, 1.286), (1, 1.285), (2, 1.280))]
+    hand(intel_muon, [], frontier=frontier, amd=amd, hk=hk)
+    text, used = O.one_revision()
+    row = next(x for x in text.splitlines() if x.startswith(f"| {BP} |"))
+    assert "1.274 (s0), 1.278 (s1), 1.281 (s2) | 1.278 ± 0.004 (3)" in row  # neither 0.9 run
+    # paired with the AMD Muon runs: -0.012, -0.007, +0.001 (against Intel's 1.300 it would be -0.022...)
+    assert "-0.006 (-0.012, -0.007, +0.001), within noise" in row
+    dash = next(x for x in text.splitlines() if x.startswith("| DASH 32 |"))
+    assert "0.00707: 1.330" in dash  # the rule's run at 57db80f counts beside a94277a's
+    assert "*AMD EPYC (avx512_bf16): runs at a94277a, 57db80f; gaps to Muon's runs there (study host-check, seeds 0, 1, 2)*" in text
+    assert all(r["common_val_loss"] != 0.9 for r in used)
+    assert "Intel(R) Xeon(R)" in text and "AMD EPYC (avx512_bf16)" in text
+
+
+def test_collect_reevals_takes_a_nested_folder_of_its_own(monkeypatch, tmp_path):
+    """A label with a slash nests its run folder (``ra-Dion21/4pershardR4-j2-s0``) and the
+    re-evaluation names the last part: the study's own nested folder is collected, another's not."""
+    import json
+    monkeypatch.setattr(O.R, "DOCS", tmp_path / "docs")
+    runs = tmp_path / "runs"
+    (runs / "ra-Dion21" / "4pershardR4-j2-s0" / "runs").mkdir(parents=True)
+    (runs / "lh-Dion21" / "4pershardR4-j3-s0" / "runs").mkdir(parents=True)
+    lines = [dict(_re("Dion2 1/4 per shard R=4", 0.01, 0, 1.36), run_dir="4pershardR4-j2-s0"),
+             dict(_re("Dion2 1/4 per shard R=4", 0.0141, 0, 1.36), run_dir="4pershardR4-j3-s0")]
+    (runs / "reeval-scratch.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert O.collect_reevals_amd(str(runs)) == 1
+    assert [r["lr"] for r in O.jsonl(tmp_path / "docs" / "results" / "checks" / "reeval-windows" / "one-revision-amd.jsonl")] == [0.01]
