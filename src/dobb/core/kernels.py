@@ -28,12 +28,14 @@ from ..newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_STEPS, orthogonalize
 __all__ = ["one_sided_", "rotated_adam", "rotated_adam_group", "rotated_adam_all", "compiled_one_sided", "equal_groups", "muon_directions", "compiled_muon_directions", "two_sided_group"]
 
 
-def one_sided_(ws: list[Tensor], us: list[Tensor], bases: list[Tensor], runs: tuple, factors: Tensor, *, norm: str,
-               dtype: torch.dtype) -> None:
-    """``W += factor * normalize(U_b Q_b) Q_b^T`` for every matrix of a one-sided group: ``ws[i]``,
-    ``us[i]`` stacks ``(E, r, k)`` with the blocked axis last (views of the weight and the update),
-    ``bases[i]`` their row-stacked bases ``(E, k, s_max)``, ``runs[i]`` their ``(start, count, size)``
-    runs of equal blocks, ``factors[i]`` the matrix's ``-lr * s`` (sign's ``1/sqrt(rows)`` included)."""
+def one_sided_(ws: list[Tensor], us: list[Tensor], bases: list[Tensor], runs: tuple, factors: Tensor,
+               betas: Tensor | None = None, *, norm: str, dtype: torch.dtype) -> None:
+    """``W <- beta W + factor * normalize(U_b Q_b) Q_b^T`` for every matrix of a one-sided group:
+    ``ws[i]``, ``us[i]`` stacks ``(E, r, k)`` with the blocked axis last (views of the weight and the
+    update), ``bases[i]`` their row-stacked bases ``(E, k, s_max)``, ``runs[i]`` their ``(start, count,
+    size)`` runs of equal blocks (together every column once), ``factors[i]`` the matrix's ``-lr * s``
+    (sign's ``1/sqrt(rows)`` included), ``betas[i]`` its weight decay ``1 - lr * wd`` (None: decayed
+    before): the decay and the add are one pass over ``W``, as eager's ``baddbmm`` with ``beta``."""
     for i, (w, u, b) in enumerate(zip(ws, us, bases)):
         E, r = u.shape[0], u.shape[1]
         for start, count, size in runs[i]:
@@ -41,7 +43,10 @@ def one_sided_(ws: list[Tensor], us: list[Tensor], bases: list[Tensor], runs: tu
             ub = u[:, :, cols].to(dtype).reshape(E, r, count, size).transpose(1, 2).reshape(E * count, r, size)
             q = b[:, start : start + count * size, :size].reshape(E * count, size, size).to(dtype)
             o = torch.bmm(F.block_coefficients(ub, q, norm), q.transpose(1, 2))
-            w[:, :, cols].view(E, r, count, size).add_(o.view(E, count, r, size).transpose(1, 2) * factors[i])
+            wv = w[:, :, cols].view(E, r, count, size)
+            if betas is not None:
+                wv.mul_(betas[i])
+            wv.add_(o.view(E, count, r, size).transpose(1, 2) * factors[i])
 
 
 def rotated_adam(ut: Tensor, gt: Tensor, basis: Tensor, v: Tensor, sizes, step, *, dtype: torch.dtype,
@@ -137,17 +142,21 @@ def compiled_muon_directions(items: list[tuple], rows: list, *, momentum: float,
 def compiled_one_sided(mats: list, ws: list[Tensor], us: list[Tensor], *, norm: str, lr, tau: float,
                        product_dtype) -> None:
     """``core.update.apply_directions`` of a group (its ``OneSided`` items ``mats``, their weights and
-    updates ``ws``, ``us`` oriented with the blocked axis last) as one ``one_sided_`` call."""
+    updates ``ws``, ``us`` oriented with the blocked axis last) as one ``one_sided_`` call, each
+    matrix's ``decay`` (None: decayed before) folded into its pass over the weight."""
     dtypes = [F.matmul_dtype(m.basis.dtype, m.basis.device, product_dtype) for m in mats]
     for dtype in set(dtypes):  # one call per product dtype (one in practice)
         idx = [i for i, d in enumerate(dtypes) if d == dtype]
         group = [mats[i] for i in idx]
         factors = [-lr * F.update_scale(*m.layout.shape, tau) / (math.sqrt(m.layout.rows) if norm == "sign" else 1.0)
                    for m in group]
+        device = group[0].w.device
+        betas = (None if all(m.decay is None for m in group) else
+                 torch.tensor([1.0 if m.decay is None else m.decay for m in group], dtype=torch.float64, device=device))
         compiled(one_sided_)(
             [ws[i] for i in idx], [us[i] for i in idx], [m.layout.stacked(m.basis) for m in group],
             tuple(tuple((r.start, r.count, r.size) for r in F.block_runs(m.layout.local_sizes)) for m in group),
-            torch.tensor(factors, dtype=torch.float64, device=group[0].w.device), norm=norm, dtype=dtype)
+            torch.tensor(factors, dtype=torch.float64, device=device), betas, norm=norm, dtype=dtype)
 
 
 def two_sided_group(items: list, sizes: tuple, *, norm: str, step: int, momentum: float, beta2: float,

@@ -185,7 +185,14 @@ def fused_decays(group: dict, preps: list[Prepared] | None, params: list[Tensor]
     lr = group["lr"]
     if preps is not None:
         return [e.fuse and not isinstance(lr, torch.Tensor) for e in preps]
-    return [group["side"] != "both" and group["norm"] != "muon" and not group["compile"] and decay_in_update(
+    if group["compile"]:
+        # the compiled one-sided kernel folds the decay into its one pass over W; only where it runs
+        # (apply_directions: no l2 sums over ranks in the group), since eager's add_directions_ takes a
+        # beta only for a stack of one
+        kernel = (group["side"] != "both" and group["norm"] != "muon" and not group["whole_every"]
+                  and not isinstance(lr, torch.Tensor) and all(lay.l2_group is None for lay in layouts))
+        return [kernel] * len(layouts)
+    return [group["side"] != "both" and group["norm"] != "muon" and decay_in_update(
         pt, lay, lr=lr, basis_dtype=group["basis_dtype"], product_dtype=group["product_dtype"])
         for pt, lay in zip(params, layouts)]
 
@@ -243,9 +250,9 @@ def apply_directions(mats: list[OneSided], *, norm: str, lr, tau: float, product
     while stacking matrices costs a transposing copy, one call per matrix. The constant
     ``-lr * s`` (and sign's ``1/sqrt(rows)``) is the kernel's ``factor``, so no update-sized
     temporary is written besides the coefficients. ``compile``: every matrix in one compiled kernel
-    (``core.kernels.one_sided_``), unless l2 norms are summed over ranks.
+    (``core.kernels.one_sided_``, the decay folded in), unless l2 norms are summed over ranks.
     """
-    if compile and all(m.layout.l2_group is None and m.decay is None for m in mats):
+    if compile and all(m.layout.l2_group is None for m in mats):
         compiled_one_sided(mats, [_oriented(m.layout.stacked(m.w), m.layout) for m in mats],
                            [_oriented(m.layout.stacked(m.u), m.layout) for m in mats], norm=norm, lr=lr, tau=tau,
                            product_dtype=product_dtype)
