@@ -1,10 +1,10 @@
 """Dobb's update kernels as ``compile=True`` runs them: pure functions of plain tensors and static
 structure (block runs as tuples of ints, dtypes, option values), each compiled by
-``dobb._compiled.compiled`` and called once per param group (one-sided) or per matrix (two-sided,
-Dobb-Muon) of a group with ``compile=True``; also the pure kernels ``core.update`` runs eagerly
-beside them (``rotated_adam``, ``rotated_adam_group``: Dobb-Muon's preconditioning, per matrix and stacked; ``two_sided_group``: the stacked two-sided
-step off a CPU). No import of ``core.update`` (it imports this module): the orientation of the
-tensors is done there.
+``dobb._compiled.compiled`` and called once per param group (one-sided: ``one_sided_``; Dobb-Muon:
+``muon_directions``) or per matrix (two-sided); also the pure kernels ``core.update`` runs eagerly
+beside them (``rotated_adam``, ``rotated_adam_group``: Dobb-Muon's preconditioning, per matrix and
+stacked; ``two_sided_group``: the stacked two-sided step off a CPU). No import of ``core.update`` (it
+imports this module): the orientation of the tensors is done there.
 
 The step's per-step numbers enter as tensors, never as Python floats (``dynamic=False`` would compile
 one graph per value): the update factors ``-lr * s`` (``factors``, a float64 vector: each entry the
