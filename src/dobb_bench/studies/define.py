@@ -197,6 +197,9 @@ class Study:
     rule: str = "bracket"
     title: str = ""
     reference: str | None = None
+    # a fixed study whose runs are still landing (across sessions): a planned run with no record yet is
+    # allowed by the catalog's check; a record outside the plan is not
+    running: bool = False
 
     def centre(self, row: Row) -> int:
         return row.j - self.shift if row.centre is None else row.centre

@@ -120,9 +120,10 @@ STUDIES = {
     "past-horizon": Study("past-horizon", PAST_HORIZON, PAST, seeds=(0,), rule="fixed", records="past-horizon",
                           title="twice the 20-tokens horizon, seed 0", reference="Muon"),
     "host-check": Study("host-check", HOST_CHECK, HOST, seeds=(0, 1, 2), rule="fixed", records="host-check",
-                        title="one-revision's runs on another host kind", reference="Muon"),
+                        title="one-revision's runs on another host kind", reference="Muon", running=True),
     "one-revision-amd": Study("one-revision-amd", ONE_REVISION_AMD, ONE_REV_AMD, seeds=(0, 2), rule="fixed",
-                              records="one-revision-amd", title="the rule's missing runs of the rows run at a94277a"),
+                              records="one-revision-amd", title="the rule's missing runs of the rows run at a94277a",
+                              running=True),
 }
 
 

@@ -39,11 +39,12 @@ def test_every_committed_record_is_a_run_its_declaration_plans():
     assert aside == [("long-horizon", "Dobb-Muon B=4 Bo=4", 0.005, 0)]
     assert set(checked) == {"long-horizon", "shard-local", "family-dash", "family-soap",
                             "two-sided", "two-sided-adam-raw", "refresh-width", "dobb-forms", "one-revision",
-                            "past-horizon"}
+                            "past-horizon", "host-check"}
     # the finished studies' record counts; long-horizon and one-revision grow while their grids run
     assert checked.pop("long-horizon") >= 101
     assert checked.pop("one-revision") >= 1
     assert checked.pop("past-horizon") >= 1
+    assert checked.pop("host-check") >= 1  # grows while its runs land
     assert checked == {"shard-local": 59, "family-dash": 17, "family-soap": 23, "two-sided": 29,
                        "two-sided-adam-raw": 1, "refresh-width": 3, "dobb-forms": 20}
 
@@ -65,6 +66,7 @@ def test_the_check_fails_where_a_declaration_contradicts_its_records():
                    for s in (1, 2)]
     assert C.check([_swap(sl, "DASH 32", lrs=(0, 1, 2, 3))], recs)[0] == [
         "shard-local: 'DASH 32' j3 seed 0 declared, no record"]
+    assert C.check([replace(_swap(sl, "DASH 32", lrs=(0, 1, 2, 3)), running=True)], recs)[0] == []  # still landing
     assert C.check([_swap(sl, "DASH 32", seeded=())], recs)[0] == [
         "shard-local: 'DASH 32' j1 seed 1 ran, not declared", "shard-local: 'DASH 32' j1 seed 2 ran, not declared"]
     # another setting: no study has the row at 400 steps
