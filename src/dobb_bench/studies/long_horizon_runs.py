@@ -99,6 +99,14 @@ ONE_REV_AMD = (
     Row("Dobb-Muon B=4 Bo=4", "dobb-muon:blocks=4:out_blocks=4", -1, lrs=(), seeded=(-1,)),
     Row("Dobb-Muon B=4 Bo=4 heads", "dobb-muon:blocks=4:out_blocks=4:heads=4", -1, lrs=(), seeded=(-1,)),
 )
+# The seeds 3 and 4 that table:one-revision asks of a row within 0.01 of Muon, on the AMD host kind:
+# Muon (the reference there, seeds 0-2 in study host-check), MuonBP P=10 and SPlus at their settled
+# lrs (the Dobb-Muon rows join when theirs settle)
+ONE_REV_AMD_SEEDS = (
+    Row("Muon", "muon", -1, lrs=(), seeded=(-1,)),
+    Row("MuonBP R=4 P=10", "muonbp:blocks=4:period=10:ns_dtype=float32", 0, lrs=(), seeded=(0,)),
+    Row("SPlus Bo=4 authors", "splus:out_blocks=4:b2=0.95:adamw_lr_ratio=0.125", 10, lrs=(), seeded=(10,)),
+)
 W256 = tuple(r for r in LH if r.label in ("AdamW", "Muon", "Row-block Muon R=4", "Dobb B=1", "Two-sided B=1 Bo=4"))
 
 TWENTY_TOKENS = Setting("lh", steps=8300, eval_every=250)
@@ -124,6 +132,9 @@ STUDIES = {
     "one-revision-amd": Study("one-revision-amd", ONE_REVISION_AMD, ONE_REV_AMD, seeds=(0, 2), rule="fixed",
                               records="one-revision-amd", title="the rule's missing runs of the rows run at a94277a",
                               running=True),
+    "one-revision-amd-seeds": Study("one-revision-amd-seeds", ONE_REVISION_AMD, ONE_REV_AMD_SEEDS, seeds=(3, 4),
+                                    rule="fixed", records="one-revision-amd", running=True,
+                                    title="seeds 3 and 4 of the rows within 0.01 of Muon, on the a94277a host kind"),
 }
 
 

@@ -128,8 +128,10 @@ def counted() -> dict[str, dict[float, dict[int, dict]]]:
 
 
 def amd_reference() -> dict[float, dict[int, dict]]:
-    """Muon's runs on the second host kind (study host-check), ``{lr: {seed: reeval record}}``."""
-    recs = _at(jsonl(Path(R.DOCS).joinpath(*HK_REEVAL)), HOST_CHECK.kind, HOST_CHECK.steps)
+    """Muon's runs on the second host kind (study host-check, seeds 0-2; one-revision-amd-seeds, 3-4),
+    ``{lr: {seed: reeval record}}``."""
+    recs = (_at(jsonl(Path(R.DOCS).joinpath(*HK_REEVAL)), HOST_CHECK.kind, HOST_CHECK.steps)
+            + _at(jsonl(Path(R.DOCS).joinpath(*AMD_REEVAL)), ONE_REVISION_AMD.kind, ONE_REVISION_AMD.steps))
     return _nest([r for r in recs if host_kind(r) == COUNTED_HOST]).get(REF, {})
 
 
@@ -213,7 +215,7 @@ def one_revision() -> tuple[str, list[dict]]:
     second: list[dict] = []
     if amd:
         lines.append(f"| *{COUNTED_HOST}: runs at {', '.join(COUNTED_REVS)}; gaps to Muon's runs there "
-                     f"(study host-check, seeds {', '.join(map(str, sorted(amd_ref))) or 'none yet'})* |" + " |" * 9)
+                     f"(studies host-check and one-revision-amd-seeds, seeds {', '.join(map(str, sorted(amd_ref))) or 'none yet'})* |" + " |" * 9)
         fr_runs = {(r["run"], _lr(r["lr"]), r["seed"]): r
                    for r in _training_records("long-horizon") + _training_records("one-revision-amd")
                    if str((r.get("provenance") or {}).get("git_rev", ""))[:7] in COUNTED_REVS and host_kind(r) == COUNTED_HOST}

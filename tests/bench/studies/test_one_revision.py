@@ -122,6 +122,7 @@ def test_the_second_host_kind_counts_equal_revisions_and_pairs_with_muon_there(h
     amd = [_amd("DASH 32", 0.00707, 0, 1.330, folder="ra", rev="57db80f37c")]
     frontier += [_amd("DASH 32", x, 0, v) for x, v in ((0.0025, 1.328), (c, 1.325))]
     hk = [_amd("Muon", a, s, v, folder="hk", rev="57db80f37c") for s, v in ((0, 1.286), (1, 1.285), (2, 1.280))]
+    amd += [_amd("Muon", a, 3, 1.290, folder="ra", rev="57db80f37c")]  # seed 3 from one-revision-amd-seeds
     hand(intel_muon, [], frontier=frontier, amd=amd, hk=hk)
     text, used = O.one_revision()
     row = next(x for x in text.splitlines() if x.startswith(f"| {BP} |"))
@@ -130,7 +131,7 @@ def test_the_second_host_kind_counts_equal_revisions_and_pairs_with_muon_there(h
     assert "-0.006 (-0.012, -0.007, +0.001), within noise" in row
     dash = next(x for x in text.splitlines() if x.startswith("| DASH 32 |"))
     assert "0.00707: 1.330" in dash  # the rule's run at 57db80f counts beside a94277a's
-    assert "*AMD EPYC (avx512_bf16): runs at a94277a, 57db80f; gaps to Muon's runs there (study host-check, seeds 0, 1, 2)*" in text
+    assert "*AMD EPYC (avx512_bf16): runs at a94277a, 57db80f; gaps to Muon's runs there (studies host-check and one-revision-amd-seeds, seeds 0, 1, 2, 3)*" in text
     assert all(r["common_val_loss"] != 0.9 for r in used)
     assert "Intel(R) Xeon(R)" in text and "AMD EPYC (avx512_bf16)" in text
 
