@@ -19,7 +19,8 @@ Three forms of the same idea:
   rank), each rank computes its share, and one ``all_gather`` per shape returns every result to
   every rank (shares padded to ``ceil(N/P)`` matrices).
 - **Replicated statistics (Dobb's split refresh)**, ``solve_on_owners``: each unit is solved by one
-  rank of the group that holds it identically, and broadcast from there.
+  rank of the group that holds it identically, and broadcast from there; ``solve_as_owners`` computes
+  the same results on one rank, owner by owner in the owners' batches (the unsplit refresh).
 
 Owners come from ``collectives.plan_owners`` (longest first to the least-loaded rank), which reads
 only rank-invariant facts (shapes, costs, order), so every rank plans the same owners and issues the
@@ -50,7 +51,7 @@ from .collectives import all_gather_into_, all_to_all, plan_owners
 from .layout import is_dtensor
 
 __all__ = ["OwnerPlan", "OwnerCompute", "ns_cost", "wire_dtype", "plan_owner_compute", "owner_plan_fields",
-           "to_owners", "from_owners", "owner_compute", "solve_on_owners"]
+           "to_owners", "from_owners", "owner_compute", "solve_on_owners", "solve_as_owners"]
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -312,6 +313,19 @@ def owner_compute(items: list[tuple], pg, dtype, device, compute: Callable,
 
 
 # ----------------------------------------------------------------------------- replicated statistics
+def solve_as_owners(costs: list[float], n_ranks: int, solve: Callable) -> list[Tensor]:
+    """``solve_on_owners``'s results computed on this rank alone: ``solve(owned)`` called for each
+    owner's units in rank order, as each owner would call it, no collective. Where a device's batched
+    solve rounds a unit by its batch, these are still the owners' bits."""
+    owner = plan_owners(costs, n_ranks)
+    result: dict[int, Tensor] = {}
+    for r in range(n_ranks):
+        owned = [i for i, o in enumerate(owner) if o == r]
+        if owned:
+            result.update(zip(owned, solve(owned)))
+    return [result[i] for i in range(len(costs))]
+
+
 def solve_on_owners(costs: list[float], ranks: tuple[int, ...], group, solve: Callable,
                     shapes: list[tuple], dtype: torch.dtype, device, kind: str = "basis") -> list[Tensor]:
     """Units of work held identically by every rank of ``group`` (global ``ranks``, in group-rank

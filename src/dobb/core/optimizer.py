@@ -93,8 +93,9 @@ class Dobb(MatrixOptimizer):
         split_refresh: where ranks share a statistic (FSDP2, DDP, HSDP), each even-sized block's
             refresh runs on one of them and is broadcast in the basis dtype (bitwise the same bases),
             dividing the refresh work by the group size. None (default): split where that is bitwise
-            by construction, a hook statistic on a CPU (``statistics.split_by_default``; not yet on
-            CUDA); True: every shared request; False: every rank computes every refresh.
+            by construction, a hook statistic (``statistics.split_by_default``), on any device; True:
+            every shared request; False: every rank computes every refresh, in the batches the split's
+            owners would solve (so the same bits where a device rounds a block by its batch).
         stat_group: process group over which statistics are averaged (token-weighted). ``"default"``:
             a DTensor's data-parallel mesh dims; plain parameters the process group of the DDP module
             passed as ``model`` (a ``ValueError`` under several ranks without one: pass a
@@ -394,14 +395,14 @@ class Dobb(MatrixOptimizer):
             grads = [None if p.grad is None else self._plans[p].layout.local(p.grad) for p in ps]
             requests, shared = queue_refresh(g, ps, grads, [self.state[p] for p in ps], [self._plans[p] for p in ps],
                                              agreed)
+            mirror: list = []
             if self.split_refresh is None:  # the default: split where bitwise (rank-invariant facts only)
-                shared = [s if s is not None and split_by_default(g["source"], r[0].device) else None
-                          for s, r in zip(shared, requests)]
-            elif not self.split_refresh:
-                shared = [None] * len(shared)
+                shared = [s if split_by_default(g["source"]) else None for s in shared]
+            elif not self.split_refresh:  # every rank solves every block, in the batches the owners would
+                shared, mirror = [None] * len(shared), shared
             batches.append(RefreshBatch(
                 ortho_steps=g["ortho_steps"], qr=g["qr"], basis_dtype=g["basis_dtype"], blocks=[r[:3] for r in requests],
-                groups=shared))
+                groups=shared, mirror=mirror))
             puts.append([r[3] for r in requests])
         store_bases(puts, solve(batches))
 

@@ -27,11 +27,13 @@ The split: under FSDP2 (input-side blocks over the unsharded axis), DDP and HSDP
 statistic group holds the same reduced statistic and the same bases. Each even-sized block's refresh
 is then computed by one owner rank of the group and the new bases are broadcast in the basis dtype
 (``distribution.solve_on_owners``, the owner compute of replicated work), so the ranks' refresh work
-divides by the group size. It is bitwise the unsplit refresh: the owner solves the same statistic and basis (identical on every rank), and every
-rank stores the owner's result rounded to the basis dtype, which is what the unsplit refresh stores.
-A block solved alone equals the same block solved inside a batch for every even block size; for odd
-sizes the last bit of a batched solve can depend on the block's place in the batch, so odd-sized
-blocks stay replicated (solved by every rank, in the same batches as before). Collectives: per
+divides by the group size. It is bitwise the unsplit refresh by construction: the owner solves the
+same statistic and basis (identical on every rank), every rank stores the owner's result rounded to
+the basis dtype, and the unsplit refresh of a shared request (``split_refresh=False``, the ``mirror``
+of ``RefreshBatch``) solves every block on every rank in the very batches the owners solve
+(``distribution.solve_as_owners``), so a device whose batched solve rounds a block by its batch
+(CUDA's batched ``eigh`` of small blocks is Jacobi, a lone block's ``syevd``) gives both the same
+bits. Odd-sized blocks stay replicated (solved by every rank in one batch per request), as before. Collectives: per
 statistic group and basis dtype, one broadcast per owner rank that owns a block, in group-rank order,
 with sizes derived from the block sizes; the plan reads only rank-invariant facts (which blocks are
 due, their sizes, the order of the requests), so every rank issues the same broadcasts in the same order.
@@ -51,12 +53,12 @@ from .. import functional as F
 from ..capture import PendingStat
 from .. import collectives
 from ..collectives import group_ranks
-from ..distribution import solve_on_owners
+from ..distribution import solve_as_owners, solve_on_owners
 from ..layout import MatrixLayout, ReducedStat, local_nonfinite
 from .options import HOOK_SOURCES
 
 __all__ = ["SumBucket", "all_reduce_sum_", "DueStat", "Agreement", "agree", "local_nonfinite", "gram_statistic",
-           "fold_side", "store_bases", "EIGH_COST", "RefreshBatch", "shared_group", "split_by_default", "SPLIT_BITWISE_DEVICES",
+           "fold_side", "store_bases", "EIGH_COST", "RefreshBatch", "shared_group", "split_by_default",
            "solve"]
 
 
@@ -335,55 +337,60 @@ def shared_group(layout):
 # the AMD host; ``tests/_split_host.py``). Not CUDA: ``linalg.eigh`` there solves a batch of small
 # blocks by Jacobi (``syevjBatched``) and a lone block by ``syevd``, and cuBLAS may pick another
 # kernel for another batch count, so the split would not be bitwise the unsplit refresh.
-SPLIT_BITWISE_DEVICES = frozenset({"cpu"})
-
-
-def split_by_default(source: str, device: torch.device) -> bool:
+def split_by_default(source: str) -> bool:
     """Whether ``Dobb(split_refresh=None)`` (the default) splits a shared request (``shared_group`` not
-    None) of a param group with statistic ``source`` on ``device``: where the split is bitwise the
-    unsplit refresh by construction. The statistic must be the one the statistic all-reduce gave
-    every rank (``"activation"``, ``"output_grad"``: ``agree``), not a gradient Gram each rank forms
-    from its own gradient (``"grad_gram"``: equal on every rank only as far as the gradient and its
-    Gram reduction are), and the device's batched solve batch-invariant (``SPLIT_BITWISE_DEVICES``).
-    Odd block sizes stay local in ``solve`` whatever the option; expert stacks and blocked axes
-    sharded over the statistic group have no shared group. Reads only rank-invariant facts, so every
-    rank of a group decides alike."""
-    return source in HOOK_SOURCES and torch.device(device).type in SPLIT_BITWISE_DEVICES
+    None) of a param group with statistic ``source``: where the split is bitwise the unsplit refresh
+    by construction on any device. The statistic must be the one the statistic all-reduce gave every
+    rank (``"activation"``, ``"output_grad"``: ``agree``), not a gradient Gram each rank forms from
+    its own gradient (``"grad_gram"``: equal on every rank only as far as the gradient and its Gram
+    reduction are). The device does not enter: the unsplit refresh of a shared request solves its
+    blocks in the owners' batches (``solve``'s ``mirror``), so a device whose batched solve rounds a
+    block by its batch gives the split's bits too. Odd block sizes stay local in ``solve`` whatever
+    the option; expert stacks and blocked axes sharded over the statistic group have no shared group.
+    Reads only rank-invariant facts, so every rank of a group decides alike."""
+    return source in HOOK_SOURCES
 
 
 @dataclass
 class RefreshBatch:
     """The refresh requests of one param group: ``blocks`` ``(A, Q0, exact)`` (``(b, s, s)`` each),
-    the ``groups`` sharing each request (``shared_group``, or None) and the group's solve settings."""
+    the ``groups`` sharing each request (``shared_group``, or None) whose blocks the split solves, and
+    the ``mirror`` groups (one per request, or None; empty: none) of the shared requests it does not
+    split, solved on every rank in the batches the split's owners would solve: the unsplit refresh of
+    a shared request, bitwise the split's on any device. Also the group's solve settings."""
 
     ortho_steps: int
     qr: str
     basis_dtype: torch.dtype
     blocks: list = field(default_factory=list)
     groups: list = field(default_factory=list)
+    mirror: list = field(default_factory=list)
 
 
 def solve(batches: list[RefreshBatch]) -> list[list[torch.Tensor]]:
     """New bases for every request of every batch, in order: ``functional.refresh_bases`` for the
     local requests, the split (owner solve and broadcast) for the shared even-sized blocks."""
     out = [[None] * len(b.blocks) for b in batches]
-    units: dict[tuple, list[tuple[int, int, int]]] = {}  # (ranks, dtype) -> [(batch, request, block)]
+    # (split?, ranks, dtype) -> [(batch, request, block)]: the split's units, and the mirror's (the same
+    # owners' batches, every one solved here)
+    units: dict[tuple, list[tuple[int, int, int]]] = {}
     handles = {}
     for bi, b in enumerate(batches):
         local = []
-        for ri, ((a, _, _), g) in enumerate(zip(b.blocks, b.groups)):
-            if g is None or a.shape[-1] % 2:
+        mirror = b.mirror or [None] * len(b.blocks)
+        for ri, ((a, _, _), g, m) in enumerate(zip(b.blocks, b.groups, mirror)):
+            if (g is None and m is None) or a.shape[-1] % 2:
                 local.append(ri)
                 continue
-            key = (tuple(sorted(group_ranks(g))), str(b.basis_dtype))
-            handles[key] = (g, b.basis_dtype)
+            key = (g is not None, tuple(sorted(group_ranks(g if g is not None else m))), str(b.basis_dtype))
+            handles[key] = (g if g is not None else m, b.basis_dtype)
             units.setdefault(key, []).extend((bi, ri, j) for j in range(a.shape[0]))
         for ri, q in zip(local, refresh_local([b.blocks[ri] for ri in local], b.ortho_steps, b.qr)):
             out[bi][ri] = q
     parts: dict[tuple[int, int], dict[int, torch.Tensor]] = {}
     for key in sorted(units):  # the same order on every rank
         group, dtype = handles[key]
-        for (bi, ri, j), q in _split(batches, units[key], key[0], group, dtype).items():
+        for (bi, ri, j), q in _split(batches, units[key], key[1], group, dtype, communicate=key[0]).items():
             parts.setdefault((bi, ri), {})[j] = q
     for (bi, ri), blocks in parts.items():
         out[bi][ri] = torch.stack([blocks[j] for j in range(len(blocks))])
@@ -409,9 +416,11 @@ def refresh_local(blocks: list[tuple[torch.Tensor, torch.Tensor, bool]], ortho_s
     return out
 
 
-def _split(batches, units, ranks, group, dtype) -> dict[tuple, torch.Tensor]:
+def _split(batches, units, ranks, group, dtype, communicate: bool = True) -> dict[tuple, torch.Tensor]:
     """The shared blocks ``units`` (``(batch, request, block)``) of one statistic group and basis
-    dtype, each solved by its owner and broadcast (``distribution.solve_on_owners``)."""
+    dtype, each solved by its owner and broadcast (``distribution.solve_on_owners``); with
+    ``communicate=False`` (the mirror) every owner's batches solved on this rank, owner by owner:
+    the same calls on the same blocks, so the same bits, with no collective."""
     def block(u):
         bi, ri, j = u
         a, q0, exact = batches[bi].blocks[ri]
@@ -429,4 +438,6 @@ def _split(batches, units, ranks, group, dtype) -> dict[tuple, torch.Tensor]:
     costs = [block(u)[0].shape[-1] ** 3 * (EIGH_COST if block(u)[2] else batches[u[0]].ortho_steps) for u in units]
     shapes = [(block(u)[0].shape[-1],) * 2 for u in units]
     device = batches[units[0][0]].blocks[units[0][1]][0].device
+    if not communicate:
+        return dict(zip(units, solve_as_owners(costs, len(ranks), solve_mine)))
     return dict(zip(units, solve_on_owners(costs, ranks, group, solve_mine, shapes, dtype, device, "basis")))
