@@ -134,8 +134,8 @@ def user_rows(spec: dict, fs: int) -> list[tuple[str, str, dict]]:
         (call("soap"), "SOAP, owner-computed", {"kind": "soap", "precondition_frequency": int(soap_hp["precondition_frequency"]),
                                                 "max_precondition_dim": int(soap_hp["max_precondition_dim"])}),
         (call("dobb"), "Dobb B=1", {"kind": "dobb", "blocks": 1, "refresh_every": T, "kernels": "dobb-b1"}),
-        (call("dobb", split_refresh=True), "Dobb B=1, refresh split over the statistic group",
-         {"kind": "dobb", "blocks": 1, "refresh_every": T, "kernels": "dobb-b1", "split_refresh": True}),
+        (call("dobb", split_refresh=False), "Dobb B=1, every rank solving every block",
+         {"kind": "dobb", "blocks": 1, "refresh_every": T, "kernels": "dobb-b1", "split_refresh": False}),
         (call("dobb", blocks=4), "Dobb B=4", {"kind": "dobb", "blocks": 4, "refresh_every": T, "kernels": "dobb-b4"}),
     ]
     forms = [(fs, "B = shards")] + ([(b32, "32 input columns")] if b32 != fs else [])

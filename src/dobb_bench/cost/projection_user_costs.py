@@ -24,6 +24,16 @@ def dobb_side(r: float, k: float, blocks: float, side: str) -> tuple[dict, dict]
     return steady, {key: once[key] - steady[key] for key in ("bytes", "flops")}
 
 
+def splits(hp: dict, input_side: bool = True) -> bool:
+    """Whether a Dobb form's refresh is split over its statistic group: ``split_refresh`` where the
+    row sets it, else the library's default (``dobb.core.statistics.split_by_default``: a hook
+    statistic, ``source`` other than ``"grad_gram"``, on any device), priced here for the shared
+    input-side blocks only (``input_side``: False for a two-sided or output-side form, left unsplit)."""
+    if "split_refresh" in hp:
+        return bool(hp["split_refresh"])
+    return input_side and hp.get("source", "activation") != "grad_gram"
+
+
 class NotProjected(ValueError):
     """A form the model cannot price (or the library refuses) at this layout: the row says why."""
 
@@ -99,7 +109,7 @@ def cost_dobb_muon(mats, lay, hw, hp, counts, stat_sync: bool = True) -> dict:
     G = lay.fs * lay.dp
     if stat_sync:
         refresh["link_s"], refresh["latency_s"] = ring_time(2 * stat_entries * (G - 1) / G * 4, G, lay.tp, hw)
-    if hp.get("split_refresh") and G > 1:
+    if splits(hp) and G > 1:
         split_refresh_cost(refresh, solves, stats, G, lay.tp, hw)
     return {"steady": steady, "periodic": refresh, "every": int(hp["refresh_every"])}
 

@@ -78,7 +78,7 @@ def test_dion2_per_shard_orthogonalizes_a_quarter_of_the_local_rows():
 
 
 def test_dobb_steady_refresh_and_statistic_by_hand():
-    got = PJ.project({"kind": "dobb", "blocks": 2, "refresh_every": 4}, MAT, 0, LAY, HW, counts=HAND)
+    got = PJ.project({"kind": "dobb", "blocks": 2, "refresh_every": 4, "split_refresh": False}, MAT, 0, LAY, HW, counts=HAND)
     # local 4 x 4, blocks of s = 4 / 2 = 2 over the 4 columns: statistic and basis k s = 8 entries
     steady = (48 * 16 + 4 * 8) / 1e11 + 4 * 4 * 4 * 2 / 1e12  # traced bytes: 48 an entry, 4 a basis entry; 4 rows k s
     # refresh: A Q 2 k s^2 = 32, QR 2 x (4/3) 8 = 21.33 fp32 FLOPs; (48 - 4) B more a statistic entry = 352 B;
@@ -87,7 +87,7 @@ def test_dobb_steady_refresh_and_statistic_by_hand():
     assert got["steady_ms"] == pytest.approx(_ms(steady))
     assert got["periodic_ms"] == pytest.approx(_ms(steady + refresh))
     assert got["amortized_ms"] == pytest.approx(_ms(steady + refresh / 4))
-    no_sync = PJ.project({"kind": "dobb", "blocks": 2, "refresh_every": 4}, MAT, 0, LAY, HW, stat_sync=False, counts=HAND)
+    no_sync = PJ.project({"kind": "dobb", "blocks": 2, "refresh_every": 4, "split_refresh": False}, MAT, 0, LAY, HW, stat_sync=False, counts=HAND)
     assert no_sync["periodic_ms"] == pytest.approx(_ms(steady + refresh - 32 / 1e10 - 1e-5))
 
 
@@ -101,7 +101,7 @@ def test_dobb_blocks_are_cut_at_tp_shard_boundaries():
 
 
 def test_two_sided_adds_the_output_side():
-    one = PJ.project({"kind": "dobb", "blocks": 1, "refresh_every": 9}, MAT, 0, LAY, HW, stat_sync=False, counts=HAND)
+    one = PJ.project({"kind": "dobb", "blocks": 1, "refresh_every": 9, "split_refresh": False}, MAT, 0, LAY, HW, stat_sync=False, counts=HAND)
     both = PJ.project({"kind": "dobb-both", "blocks": 1, "out_blocks": 4, "refresh_every": 9}, MAT, 0, LAY, HW,
                       stat_sync=False, counts=HAND)
     # output blocks: min(8 / 4, 4 local rows) = 2: 4 k r s_out = 4 * 4 * 4 * 2 = 128 bf16 FLOPs. Bytes: one-sided
@@ -222,7 +222,8 @@ def test_efficiency_divides_the_peak():
 
 
 def test_dobb_refresh_charges_one_qr_a_block():
-    got = PJ.project({"kind": "dobb", "blocks": 2, "refresh_every": 4}, MAT, 0, LAY, HWK, stat_sync=False, counts=COUNTS)
+    got = PJ.project({"kind": "dobb", "blocks": 2, "refresh_every": 4, "split_refresh": False}, MAT, 0, LAY, HWK, stat_sync=False,
+                     counts=COUNTS)
     # local 4 x 4, blocks of 2: 2 QR factorizations in the refresh step, 3 us each; refresh kernels
     # (10 + 8) - (6 + 5) = 7 more than the steady step's 11
     steady = (48 * 16 + 4 * 8) / 1e11 + 4 * 4 * 4 * 2 / 0.5e12 + 11e-6

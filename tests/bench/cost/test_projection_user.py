@@ -29,7 +29,7 @@ def _ms(seconds):
 
 def test_dobb_muon_by_hand():
     mat = [PJ.Matrix("h0.fc", 8, 4, True)]  # local 4 x 4 on each of 2 ranks
-    hp = {"kind": "dobb-muon", "blocks": 2, "out_blocks": 4, "refresh_every": 4}
+    hp = {"kind": "dobb-muon", "blocks": 2, "out_blocks": 4, "refresh_every": 4, "split_refresh": False}  # unsplit, by hand
     got = PJ.project(hp, mat, 0, LAY, HW, counts=HAND)
     # three products with 2-wide blocks: 6 r k s = 6 * 4 * 4 * 2 = 192; row blocks min(8 / 4, 4) = 2 rows:
     # 2 blocks of NS5 on 2 x 4: 5 (4 * 4 * 4 + 2 * 8) = 400 each; bytes 100 x 16 + 4 x (k s = 8)
@@ -87,8 +87,11 @@ def test_soap_owner_computed_by_hand():
 def test_split_refresh_divides_the_solve_and_broadcasts_the_bases():
     mats = [PJ.Matrix(f"h{i}.fc", 8, 4, True) for i in range(2)]
     hp = {"kind": "dobb", "blocks": 2, "refresh_every": 1}
-    plain = PJ.project(hp, mats, 0, LAY, HW, counts=HAND)
+    plain = PJ.project({**hp, "split_refresh": False}, mats, 0, LAY, HW, counts=HAND)
     split = PJ.project({**hp, "split_refresh": True}, mats, 0, LAY, HW, counts=HAND)
+    # the library's default splits a hook statistic's refresh on any device; a gradient Gram stays local
+    assert PJ.project(hp, mats, 0, LAY, HW, counts=HAND) == split
+    assert PJ.project({**hp, "source": "grad_gram"}, mats, 0, LAY, HW, counts=HAND) == plain
     # 2 matrices x 2 blocks of 2 columns: 4 solves of 2 k s^2 / 2 + (4/3) s^3 = 16 + 32/3 each; 2 ranks own 2 each
     solve = 16 + 32 / 3
     assert plain["qr"] == 4 and split["qr"] == 2
@@ -116,7 +119,7 @@ def test_llama_at_64_gpus_has_every_recommended_row_and_names_the_cheapest(capsy
     for call in ("build_optimizer('block-muon', axis=0, blocks=64)", "build_optimizer('muonbp')",
                  "build_optimizer('soap')", "build_optimizer('owner-muon')", "build_optimizer('dobb')",
                  "build_optimizer('dobb', blocks=4)", "build_optimizer('dobb', blocks=64)",
-                 "build_optimizer('dobb', blocks=128)", "build_optimizer('dobb', split_refresh=True)",
+                 "build_optimizer('dobb', blocks=128)", "build_optimizer('dobb', split_refresh=False)",
                  "build_optimizer('dobb-muon', blocks=64, out_blocks=64)",
                  "build_optimizer('dobb-muon', blocks=64, out_blocks=64, heads=32)",
                  "build_optimizer('dobb-muon', blocks=128, out_blocks=64)",
