@@ -118,9 +118,12 @@ def user_rows(spec: dict, fs: int) -> list[tuple[str, str, dict]]:
     Dobb's forms at ``B = fs`` and at the block width of their 20-tokens rows, 32 input columns
     (``B = width / 32``: width 128 in 4 blocks)."""
     import dobb.registry as reg
+    from dobb.core.statistics import split_by_default
 
     dobb_hp, muonbp_hp, soap_hp = (reg.hparam_defaults(n) for n in ("dobb", "muonbp", "soap"))
     T = int(dobb_hp["refresh_every"])
+    # the library's default refresh for a hook statistic: split over the statistic group, any device
+    split = {"split_refresh": split_by_default(str(dobb_hp.get("source", "activation")))}
     shape = preset(spec["preset"]) if "preset" in spec else None  # a named GPT-2 shape (gpt2-xl)
     width = spec["width"] if shape is None else shape.width
     b32 = max(1, width // 32)
@@ -133,21 +136,21 @@ def user_rows(spec: dict, fs: int) -> list[tuple[str, str, dict]]:
          {"kind": "muonbp", "period": int(muonbp_hp["period"]), "ns_bytes": 2}),
         (call("soap"), "SOAP, owner-computed", {"kind": "soap", "precondition_frequency": int(soap_hp["precondition_frequency"]),
                                                 "max_precondition_dim": int(soap_hp["max_precondition_dim"])}),
-        (call("dobb"), "Dobb B=1", {"kind": "dobb", "blocks": 1, "refresh_every": T, "kernels": "dobb-b1"}),
+        (call("dobb"), "Dobb B=1", {"kind": "dobb", "blocks": 1, "refresh_every": T, "kernels": "dobb-b1", **split}),
         (call("dobb", split_refresh=False), "Dobb B=1, every rank solving every block",
          {"kind": "dobb", "blocks": 1, "refresh_every": T, "kernels": "dobb-b1", "split_refresh": False}),
-        (call("dobb", blocks=4), "Dobb B=4", {"kind": "dobb", "blocks": 4, "refresh_every": T, "kernels": "dobb-b4"}),
+        (call("dobb", blocks=4), "Dobb B=4", {"kind": "dobb", "blocks": 4, "refresh_every": T, "kernels": "dobb-b4", **split}),
     ]
     forms = [(fs, "B = shards")] + ([(b32, "32 input columns")] if b32 != fs else [])
     for b, why in forms:
         if b not in (1, 4):  # those are the rows above
             rows.append((call("dobb", blocks=b), f"Dobb B={b} ({why})",
-                         {"kind": "dobb", "blocks": b, "refresh_every": T, "kernels": "dobb-b4"}))
+                         {"kind": "dobb", "blocks": b, "refresh_every": T, "kernels": "dobb-b4", **split}))
     for b, why in forms:
         for h in (None, heads):
             hp = {"blocks": b, "out_blocks": fs, **({"heads": h} if h else {})}
             rows.append((call("dobb-muon", **hp), f"Dobb-Muon B={b} ({why}) Bo={fs}" + (" per head" if h else ""),
-                         {"kind": "dobb-muon", "refresh_every": T, **hp}))
+                         {"kind": "dobb-muon", "refresh_every": T, **hp, **split}))
     rows += [
         (call("dion2", fraction=0.25, select="shard"), "Dion2 1/4 per shard", {"kind": "dion2-shard", "fraction": 0.25}),
         (call("dobb", side="both", out_blocks=4), "two-sided Dobb B=1 Bo=4",

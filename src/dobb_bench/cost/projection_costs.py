@@ -364,7 +364,7 @@ def cost_dobb(mats, lay, hw, hp, counts, stat_sync: bool = True) -> dict:
     G = lay.fs * lay.dp
     if stat_sync:
         refresh["link_s"], refresh["latency_s"] = ring_time(2 * stat_entries * (G - 1) / G * 4, G, lay.tp, hw)
-    if splits(hp, input_side=not (both or out_only)) and G > 1:
+    if splits(hp) and G > 1:
         if both or out_only:  # output-side blocks are a rank's own rows under FSDP2: not one statistic group's
             raise NotProjected("split_refresh is priced for the input side (its blocks shared by the statistic group) only")
         split_refresh_cost(refresh, solves, basis, G, lay.tp, hw)

@@ -24,14 +24,12 @@ def dobb_side(r: float, k: float, blocks: float, side: str) -> tuple[dict, dict]
     return steady, {key: once[key] - steady[key] for key in ("bytes", "flops")}
 
 
-def splits(hp: dict, input_side: bool = True) -> bool:
-    """Whether a Dobb form's refresh is split over its statistic group: ``split_refresh`` where the
-    row sets it, else the library's default (``dobb.core.statistics.split_by_default``: a hook
-    statistic, ``source`` other than ``"grad_gram"``, on any device), priced here for the shared
-    input-side blocks only (``input_side``: False for a two-sided or output-side form, left unsplit)."""
-    if "split_refresh" in hp:
-        return bool(hp["split_refresh"])
-    return input_side and hp.get("source", "activation") != "grad_gram"
+def splits(hp: dict) -> bool:
+    """Whether a Dobb form's refresh is priced split over its statistic group: where the row sets
+    ``split_refresh``. The rows of the library's defaults set it as the library decides
+    (``dobb.core.statistics.split_by_default``: a hook statistic, on any device); the paper's rows and
+    the calibration points (every rank solving every block) leave it out."""
+    return bool(hp.get("split_refresh", False))
 
 
 class NotProjected(ValueError):
