@@ -15,6 +15,7 @@ less than the seeds do, a host is one more source of the noise the seeds already
 """
 from __future__ import annotations
 
+import functools
 import statistics
 from pathlib import Path
 
@@ -28,18 +29,13 @@ STUDY = "host-check"
 REEVAL = one_revision.HK_REEVAL
 
 
-def _lr(x: float) -> float:
-    return float(f"{x:.4g}")
+_lr = one_revision._lr  # an lr as the tables key it
+# the re-evaluations of this study's finished runs appended to its committed record, each run once
+collect_reevals = functools.partial(one_revision.append_reevals, kind=HOST_CHECK.kind, rel=REEVAL)
 
 
 def reeval_records() -> list[dict]:
     return one_revision.jsonl(Path(R.DOCS).joinpath(*REEVAL))
-
-
-def collect_reevals(runs_root: str) -> int:
-    """Appends the re-evaluations of this study's finished runs (``{runs_root}/reeval-scratch.jsonl``)
-    to the committed record, each run once; returns how many."""
-    return one_revision.append_reevals(runs_root, HOST_CHECK.kind, REEVAL)
 
 
 def _by_key(recs: list[dict], kind: str, steps: int) -> dict[tuple, dict]:
