@@ -142,6 +142,9 @@ def main(argv=None):
                 print(f"saved {folder}", flush=True)
     if rank == 0 and start <= args.steps:
         print(f"done: steps {start}-{args.steps} on {world} rank(s), last loss {loss_value!r}", flush=True)
+    # every rank past its last collective before any tears the group down: gloo's threads can abort
+    # a process ("terminate called without an active exception") when a peer leaves mid-exchange
+    dist.barrier()
     dist.destroy_process_group()
 
 

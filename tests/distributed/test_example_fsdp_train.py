@@ -13,13 +13,24 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 
+from _spawn import PlatformExitAbort
+
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "fsdp_train.py"
+
+
+def exit_abort(proc) -> bool:
+    """Whether a failed launch is a rank's abort in gloo's teardown after the run completed: its
+    ``done:`` line printed (after every save and collective), then SIGABRT "terminate called without
+    an active exception" on a loaded host."""
+    return (re.search(r"^done: steps ", proc.stdout, re.M) is not None
+            and "terminate called without an active exception" in proc.stderr and "exitcode: -6" in proc.stderr)
 
 
 def launch(ckpt, *args):
@@ -28,7 +39,12 @@ def launch(ckpt, *args):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(EXAMPLE),
            "--save-every", "2", "--ckpt-dir", str(ckpt), *args]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    if proc.returncode != 0 and exit_abort(proc):
+        # the run finished (its last line printed after its last save) and a rank died in gloo's
+        # teardown: the platform abort _spawn reports for its pools, not a failure of the example
+        warnings.warn(PlatformExitAbort(f"examples/fsdp_train.py {' '.join(args)}: a rank aborted at exit"))
+    else:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     losses = {int(s): float(v) for s, v in re.findall(r"^step (\d+) loss (\S+)$", proc.stdout, re.M)}
     return proc.stdout, losses
 

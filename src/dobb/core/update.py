@@ -185,13 +185,10 @@ def fused_decays(group: dict, preps: list[Prepared] | None, params: list[Tensor]
     lr = group["lr"]
     if preps is not None:
         return [e.fuse and not isinstance(lr, torch.Tensor) for e in preps]
-    if group["compile"]:
-        # the compiled one-sided kernel folds the decay into its one pass over W; only where it runs
-        # (apply_directions: no l2 sums over ranks in the group), since eager's add_directions_ takes a
-        # beta only for a stack of one
-        kernel = (group["side"] != "both" and group["norm"] != "muon" and not group["whole_every"]
-                  and not isinstance(lr, torch.Tensor) and all(lay.l2_group is None for lay in layouts))
-        return [kernel] * len(layouts)
+    if group["compile"]:  # the compiled one-sided kernel folds it in, where it runs (no l2 sums over
+        # ranks: apply_directions); eager's add_directions_ takes a beta for a stack of one only
+        return [group["side"] != "both" and group["norm"] != "muon" and not group["whole_every"]
+                and not isinstance(lr, torch.Tensor) and all(lay.l2_group is None for lay in layouts)] * len(layouts)
     return [group["side"] != "both" and group["norm"] != "muon" and decay_in_update(
         pt, lay, lr=lr, basis_dtype=group["basis_dtype"], product_dtype=group["product_dtype"])
         for pt, lay in zip(params, layouts)]
@@ -420,8 +417,7 @@ def apply_preconditioned_muon(mats: list[TwoSided], *, lr, tau: float, basis_dty
     ``u``, the gradient ``g`` and the weight ``w`` (local tensors). Grouped across matrices, bit for
     bit: steps 1-3 stacked per group of equal matrices (``kernels.rotated_adam_all``), one ``orthogonalize``
     of all row blocks (equal shapes one batch), the cast and the adds once per block shape. ``compile``:
-    the same calls in one compiled kernel for all matrices (``core.kernels.muon_directions``): one
-    compiled call a step (a kernel per matrix, as before, lost the batching and was slower than eager)."""
+    the same calls as one compiled kernel, one call a step (``core.kernels.muon_directions``)."""
     ns = resolve_ns_dtype(ns_dtype, mats[0][4].device) if mats else None
     items = [(*_oriented_muon(plan, st, ut, gt, basis_dtype, product_dtype), tuple(plan.layout.local_sizes),
               st["step"] + 1) for plan, st, ut, gt, _ in mats]
