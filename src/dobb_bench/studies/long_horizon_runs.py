@@ -100,11 +100,13 @@ ONE_REV_AMD = (
     Row("Dobb-Muon B=4 Bo=4 heads", "dobb-muon:blocks=4:out_blocks=4:heads=4", -1, lrs=(), seeded=(-1,)),
 )
 # The seeds 3 and 4 that table:one-revision asks of a row within 0.01 of Muon, on the AMD host kind:
-# Muon (the reference there, seeds 0-2 in study host-check), MuonBP P=10 and SPlus at their settled
-# lrs (the Dobb-Muon rows join when theirs settle)
+# Muon (the reference there, seeds 0-2 in study host-check), MuonBP P=10, SPlus and Dobb-Muon at their
+# settled lrs (Dobb-Muon's moved to 0.00354 with its seed-2 run there; the per-head form joins when
+# its lr settles)
 ONE_REV_AMD_SEEDS = (
     Row("Muon", "muon", -1, lrs=(), seeded=(-1,)),
     Row("MuonBP R=4 P=10", "muonbp:blocks=4:period=10:ns_dtype=float32", 0, lrs=(), seeded=(0,)),
+    Row("Dobb-Muon B=4 Bo=4", "dobb-muon:blocks=4:out_blocks=4", -1, lrs=(), seeded=(-1,)),
     Row("SPlus Bo=4 authors", "splus:out_blocks=4:b2=0.95:adamw_lr_ratio=0.125", 10, lrs=(), seeded=(10,)),
 )
 W256 = tuple(r for r in LH if r.label in ("AdamW", "Muon", "Row-block Muon R=4", "Dobb B=1", "Two-sided B=1 Bo=4"))

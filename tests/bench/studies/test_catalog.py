@@ -39,12 +39,13 @@ def test_every_committed_record_is_a_run_its_declaration_plans():
     assert aside == [("long-horizon", "Dobb-Muon B=4 Bo=4", 0.005, 0)]
     assert set(checked) == {"long-horizon", "shard-local", "family-dash", "family-soap",
                             "two-sided", "two-sided-adam-raw", "refresh-width", "dobb-forms", "one-revision",
-                            "past-horizon", "host-check"}
+                            "past-horizon", "host-check", "one-revision-amd"}
     # the finished studies' record counts; long-horizon and one-revision grow while their grids run
     assert checked.pop("long-horizon") >= 101
     assert checked.pop("one-revision") >= 1
     assert checked.pop("past-horizon") >= 1
-    assert checked.pop("host-check") >= 1  # grows while its runs land
+    assert checked.pop("host-check") >= 1  # these two grow while their runs land
+    assert checked.pop("one-revision-amd") >= 1
     assert checked == {"shard-local": 59, "family-dash": 17, "family-soap": 23, "two-sided": 29,
                        "two-sided-adam-raw": 1, "refresh-width": 3, "dobb-forms": 20}
 
