@@ -71,10 +71,13 @@ def _lr(r: dict) -> float:
 _bf16 = bf16
 
 
+AMD_REEVAL = LH.AMD_REEVAL
+
+
 def _common() -> dict[str, dict[float, dict[int, dict]]]:
     """``{row: {lr: {seed: reeval record}}}`` at this setting, fp32 products only."""
     out: dict = {}
-    for r in LH.reeval_records():
+    for r in LH.reeval_records() + LH.amd_rule_runs():
         if r["steps"] == STEPS and r["model"]["width"] == WIDTH and not _bf16(r):
             out.setdefault(r["run"], {}).setdefault(_lr(r), {})[r["seed"]] = r
     return out

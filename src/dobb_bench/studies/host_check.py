@@ -29,7 +29,7 @@ STUDY = "host-check"
 REEVAL = one_revision.HK_REEVAL
 
 
-_lr = one_revision._lr  # an lr as the tables key it
+_lr = one_revision.lr_key
 # the re-evaluations of this study's finished runs appended to its committed record, each run once
 collect_reevals = functools.partial(one_revision.append_reevals, kind=HOST_CHECK.kind, rel=REEVAL)
 

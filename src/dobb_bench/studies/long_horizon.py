@@ -15,11 +15,14 @@ moved. A row's best lr is bracketed when a worse lr lies on each side of it.
 """
 from __future__ import annotations
 
+import json
 import statistics
+from pathlib import Path
 
 from dobb_bench.reports import records as R
 from dobb_bench.reports.tables import final_loss, paired, setting_line
 from dobb_bench.studies.define import beyond_noise
+from dobb_bench.studies.long_horizon_runs import FR
 from dobb_bench.studies.lr_rule import bf16, choose
 from dobb_bench.studies.shard_local import best_lr, runs_of
 
@@ -146,6 +149,19 @@ def width_256() -> tuple[str, list[dict]]:
 # ----------------------------------------------------------------------------- common windows
 # the re-evaluation record's reader lives with the other record readers (reports.records)
 reeval_path, reeval_records = R.reeval_path, R.reeval_records
+# the re-evaluations of study one-revision-amd's runs: the bracket and seed runs the rule named for
+# table:frontier-20's rows run at a94277a, made at 57db80f, whose numbers equal a94277a's on that
+# host kind (docs/results/checks/same-numbers/)
+AMD_REEVAL = ("results", "checks", "reeval-windows", "one-revision-amd.jsonl")
+
+
+def amd_rule_runs() -> list[dict]:
+    """Study one-revision-amd's runs of the FR rows at seeds 0-2, which the 20-tokens tables take
+    beside the runs of a94277a (its seeds 3-4 belong to table:one-revision alone)."""
+    path = Path(R.DOCS).joinpath(*AMD_REEVAL)
+    recs = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    labels = {r.label for r in FR}
+    return [r for r in recs if r["run"] in labels and r["seed"] in (0, 1, 2)]
 
 
 def common_windows() -> tuple[str, list[dict]]:
@@ -273,7 +289,7 @@ def best_on_common() -> tuple[str, list[dict]]:
     lr steps themselves change the loss here, so a row's best lr is chosen on the 2,048 windows.
     Where the row and Muon both ran another seed at their chosen lrs, that seed's paired gap and
     the mean over seeds follow."""
-    every = [r for r in reeval_records() if not bf16(r)]
+    every = [r for r in reeval_records() + amd_rule_runs() if not bf16(r)]
     lr_of = lambda r: float(f"{r['lr']:.4g}")
     # {setting: {row: {lr: {seed: record}}}}: the one lr rule reads every seed
     grid: dict = {}

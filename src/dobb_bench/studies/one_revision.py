@@ -21,7 +21,7 @@ import statistics
 from pathlib import Path
 
 from dobb_bench.reports import records as R
-from dobb_bench.studies.frontier import ROWS as FRONTIER_ROWS, norm_stats, one_run, verdict
+from dobb_bench.studies.frontier import AMD_REEVAL as FRONTIER_AMD_REEVAL, ROWS as FRONTIER_ROWS, norm_stats, one_run, verdict
 from dobb_bench.studies.shard_local import OWNER
 from dobb_bench.studies.long_horizon_runs import (COUNTED_HOST, COUNTED_REVS, FR, HOST_CHECK, ONE_REV, ONE_REVISION,
                                                   ONE_REVISION_AMD, SETTINGS, STUDIES, TWENTY_TOKENS)
@@ -35,14 +35,15 @@ REEVAL = ("results", "checks", "reeval-windows", "one-revision.jsonl")
 # the re-evaluations of study host-check's runs (Muon's runs on the second host kind: the reference of
 # its rows) and of study one-revision-amd's (the rule's runs left there)
 HK_REEVAL = ("results", "checks", "reeval-windows", "host-check.jsonl")
-AMD_REEVAL = ("results", "checks", "reeval-windows", "one-revision-amd.jsonl")
+AMD_REEVAL = FRONTIER_AMD_REEVAL
 DIGEST = ("results", "checks", "numerics-digest")
 # the spec each row's FSDP2 step was timed as in the one timing run (table:frontier-20's): Muon is
 # owner-computed under FSDP2
 TIMED_AS = {"muon": OWNER, "block-muon:axis=0:blocks=4": "block-muon:axis=0:blocks=4:ns_dtype=float32"}
 
 
-def _lr(x: float) -> float:
+def lr_key(x: float) -> float:
+    """An lr as the tables key it (four significant digits)."""
     return float(f"{x:.4g}")
 
 
@@ -110,7 +111,7 @@ def _at(recs: list[dict], kind: str, steps: int) -> list[dict]:
 def _nest(recs: list[dict]) -> dict[str, dict[float, dict[int, dict]]]:
     out: dict = {}
     for r in recs:
-        out.setdefault(r["run"], {}).setdefault(_lr(r["lr"]), {})[r["seed"]] = r
+        out.setdefault(r["run"], {}).setdefault(lr_key(r["lr"]), {})[r["seed"]] = r
     return out
 
 
@@ -193,7 +194,7 @@ def _training_records(study: str) -> list[dict]:
 
 def one_revision() -> tuple[str, list[dict]]:
     common = _common()
-    runs = {(r["run"], _lr(r["lr"]), r["seed"]): r for r in _records()}
+    runs = {(r["run"], lr_key(r["lr"]), r["seed"]): r for r in _records()}
     ref_choice = choose(common.get(REF, {}))
     ref = common.get(REF, {}).get(ref_choice.lr, {})
     lines = ["| row | spec | lrs run: seed-0 loss, common windows | best lr | seeds at best: loss | mean ± std (n) | "
@@ -216,7 +217,7 @@ def one_revision() -> tuple[str, list[dict]]:
     if amd:
         lines.append(f"| *{COUNTED_HOST}: runs at {', '.join(COUNTED_REVS)}; gaps to Muon's runs there "
                      f"(studies host-check and one-revision-amd-seeds, seeds {', '.join(map(str, sorted(amd_ref))) or 'none yet'})* |" + " |" * 9)
-        fr_runs = {(r["run"], _lr(r["lr"]), r["seed"]): r
+        fr_runs = {(r["run"], lr_key(r["lr"]), r["seed"]): r
                    for r in _training_records("long-horizon") + _training_records("one-revision-amd")
                    if str((r.get("provenance") or {}).get("git_rev", ""))[:7] in COUNTED_REVS and host_kind(r) == COUNTED_HOST}
         for row in FR:
