@@ -93,17 +93,32 @@ def equal_groups(items: list[tuple]) -> list[list[int]]:
     return [idx for _, _, idx in groups]
 
 
-def rotated_adam_all(items: list[tuple], *, momentum: float, beta2: float, eps: float) -> list[Tensor]:
-    """``rotated_adam`` of every matrix ``(u, g, basis, v, dtype, sizes, step)`` (oriented ``(out, in)``),
-    one ``rotated_adam_group`` per group of equal matrices: each ``P`` in ``items``' order."""
-    out: list = [None] * len(items)
-    for idx in equal_groups(items):
-        *_, dtype, sizes, step = items[idx[0]]
-        ps = rotated_adam_group(*([items[i][j] for i in idx] for j in range(4)), sizes, step, dtype=dtype,
-                                momentum=momentum, beta2=beta2, eps=eps)
+def _rotated_by_group(us: list[Tensor], gs: list[Tensor], bases: list[Tensor], vs: list[Tensor], groups, steps, *,
+                      momentum: float, beta2: float, eps: float) -> list[Tensor]:
+    """``rotated_adam_group`` of each group ``(indices, product dtype, block sizes)`` at its step count
+    ``steps[k]``: each ``P`` in the matrices' order."""
+    out: list = [None] * len(us)
+    for k, (idx, dtype, sizes) in enumerate(groups):
+        ps = rotated_adam_group([us[i] for i in idx], [gs[i] for i in idx], [bases[i] for i in idx],
+                                [vs[i] for i in idx], sizes, steps[k], dtype=dtype, momentum=momentum, beta2=beta2,
+                                eps=eps)
         for i, x in zip(idx, ps):
             out[i] = x
     return out
+
+
+def _grouped(items: list[tuple]) -> tuple[list, list]:
+    """``items``' equal groups as ``(indices, product dtype, block sizes)`` and their step counts."""
+    groups = equal_groups(items)
+    return [(tuple(idx), items[idx[0]][4], items[idx[0]][5]) for idx in groups], [items[idx[0]][6] for idx in groups]
+
+
+def rotated_adam_all(items: list[tuple], *, momentum: float, beta2: float, eps: float) -> list[Tensor]:
+    """``rotated_adam`` of every matrix ``(u, g, basis, v, dtype, sizes, step)`` (oriented ``(out, in)``),
+    one ``rotated_adam_group`` per group of equal matrices: each ``P`` in ``items``' order."""
+    groups, steps = _grouped(items)
+    return _rotated_by_group(*([it[j] for it in items] for j in range(4)), groups, steps, momentum=momentum,
+                             beta2=beta2, eps=eps)
 
 
 def muon_directions(us: list[Tensor], gs: list[Tensor], bases: list[Tensor], vs: list[Tensor], steps: Tensor,
@@ -116,13 +131,7 @@ def muon_directions(us: list[Tensor], gs: list[Tensor], bases: list[Tensor], vs:
     (float64: the same bias corrections as eager); ``rows[i]``: matrix ``i``'s Newton-Schulz row
     blocks. The same calls as eager, in the same order: ``rotated_adam_group`` per group, then
     ``orthogonalize`` of all row blocks (one batch per shape)."""
-    pre: list = [None] * len(us)
-    for k, (idx, dtype, sizes) in enumerate(groups):
-        ps = rotated_adam_group([us[i] for i in idx], [gs[i] for i in idx], [bases[i] for i in idx],
-                                [vs[i] for i in idx], sizes, steps[k], dtype=dtype, momentum=momentum, beta2=beta2,
-                                eps=eps)
-        for i, x in zip(idx, ps):
-            pre[i] = x
+    pre = _rotated_by_group(us, gs, bases, vs, groups, steps, momentum=momentum, beta2=beta2, eps=eps)
     blocks = [b for x, r in zip(pre, rows) for b in x.split(list(r), dim=0)]
     return orthogonalize(blocks, NS_COEFFICIENTS, NS_STEPS, NS_EPS, dtype=ns_dtype, compile=True, out_dtype=out_dtype)
 
@@ -130,10 +139,9 @@ def muon_directions(us: list[Tensor], gs: list[Tensor], bases: list[Tensor], vs:
 def compiled_muon_directions(items: list[tuple], rows: list, *, momentum: float, beta2: float, eps: float,
                              ns_dtype: torch.dtype, out_dtype: torch.dtype | None) -> list[Tensor]:
     """``muon_directions`` compiled, from ``rotated_adam_all``'s ``items`` and each matrix's row blocks."""
-    groups = equal_groups(items)
-    steps = torch.tensor([float(items[idx[0]][6]) for idx in groups], dtype=torch.float64)
-    static = tuple((tuple(idx), items[idx[0]][4], items[idx[0]][5]) for idx in groups)
-    return compiled(muon_directions)(*([it[j] for it in items] for j in range(4)), steps, static,
+    groups, steps = _grouped(items)
+    return compiled(muon_directions)(*([it[j] for it in items] for j in range(4)),
+                                     torch.tensor([float(t) for t in steps], dtype=torch.float64), tuple(groups),
                                      tuple(tuple(r) for r in rows), momentum=momentum, beta2=beta2, eps=eps,
                                      ns_dtype=ns_dtype, out_dtype=out_dtype)
 

@@ -331,12 +331,10 @@ def shared_group(layout):
     return group if dist.get_world_size(group) > 1 else None
 
 
-# Devices whose batched solve is batch-invariant (a block solved alone has the bits it has in a batch):
-# on a CPU the LAPACK factorizations loop over the batch one matrix at a time (checked for every even
-# size from 2 to 512, eigh and orthogonal iteration, Householder and Cholesky QR, fp32 and fp64, on
-# the AMD host; ``tests/_split_host.py``). Not CUDA: ``linalg.eigh`` there solves a batch of small
-# blocks by Jacobi (``syevjBatched``) and a lone block by ``syevd``, and cuBLAS may pick another
-# kernel for another batch count, so the split would not be bitwise the unsplit refresh.
+# Why the device does not enter: a batched solve need not be batch-invariant (CUDA's ``linalg.eigh``
+# solves a batch of small blocks by Jacobi, ``syevjBatched``, and a lone block by ``syevd``; cuBLAS may
+# pick another kernel for another batch count), so the unsplit refresh of a shared request solves in
+# the owners' batches (``RefreshBatch.mirror``) and the split is bitwise it on every device.
 def split_by_default(source: str) -> bool:
     """Whether ``Dobb(split_refresh=None)`` (the default) splits a shared request (``shared_group`` not
     None) of a param group with statistic ``source``: where the split is bitwise the unsplit refresh
