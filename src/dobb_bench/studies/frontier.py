@@ -71,9 +71,6 @@ def _lr(r: dict) -> float:
 _bf16 = bf16
 
 
-AMD_REEVAL = LH.AMD_REEVAL
-
-
 def _common() -> dict[str, dict[float, dict[int, dict]]]:
     """``{row: {lr: {seed: reeval record}}}`` at this setting, fp32 products only."""
     out: dict = {}

@@ -21,7 +21,8 @@ import statistics
 from pathlib import Path
 
 from dobb_bench.reports import records as R
-from dobb_bench.studies.frontier import AMD_REEVAL as FRONTIER_AMD_REEVAL, ROWS as FRONTIER_ROWS, norm_stats, one_run, verdict
+from dobb_bench.studies.frontier import ROWS as FRONTIER_ROWS, norm_stats, one_run, verdict
+from dobb_bench.studies.long_horizon import AMD_REEVAL
 from dobb_bench.studies.shard_local import OWNER
 from dobb_bench.studies.long_horizon_runs import (COUNTED_HOST, COUNTED_REVS, FR, HOST_CHECK, ONE_REV, ONE_REVISION,
                                                   ONE_REVISION_AMD, SETTINGS, STUDIES, TWENTY_TOKENS)
@@ -35,7 +36,6 @@ REEVAL = ("results", "checks", "reeval-windows", "one-revision.jsonl")
 # the re-evaluations of study host-check's runs (Muon's runs on the second host kind: the reference of
 # its rows) and of study one-revision-amd's (the rule's runs left there)
 HK_REEVAL = ("results", "checks", "reeval-windows", "host-check.jsonl")
-AMD_REEVAL = FRONTIER_AMD_REEVAL
 DIGEST = ("results", "checks", "numerics-digest")
 # the spec each row's FSDP2 step was timed as in the one timing run (table:frontier-20's): Muon is
 # owner-computed under FSDP2
