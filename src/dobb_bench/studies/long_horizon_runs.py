@@ -90,8 +90,6 @@ HOST = (
 # kind: the bracket runs whose only run was at a revision not shown equal (DASH 0.00354) or never made
 # (DASH 0.00707, Dobb B=4 0.005), and the seed-2 runs of the Dobb-Muon rows' close neighbour
 # (0.00354). Dion2's 0.01 (1658d62) is not needed: its runs at 0.00707 and 0.02 bracket its 0.0141.
-# (Its label's slash nests a run folder, and a re-evaluation names the last part only, which its lh-
-# run shares: a driver would read that run as this one.)
 COUNTED_REVS = ("a94277a", "57db80f")
 COUNTED_HOST = "AMD EPYC (avx512_bf16)"
 ONE_REV_AMD = (
@@ -102,13 +100,22 @@ ONE_REV_AMD = (
 )
 # The seeds 3 and 4 that table:one-revision asks of a row within 0.01 of Muon, on the AMD host kind:
 # Muon (the reference there, seeds 0-2 in study host-check), MuonBP P=10, SPlus and Dobb-Muon at their
-# settled lrs (Dobb-Muon's moved to 0.00354 with its seed-2 run there; the per-head form joins when
-# its lr settles)
+# settled lrs (Dobb-Muon's moved to 0.00354 with its seed-2 run there; the per-head form's stayed)
 ONE_REV_AMD_SEEDS = (
     Row("Muon", "muon", -1, lrs=(), seeded=(-1,)),
     Row("MuonBP R=4 P=10", "muonbp:blocks=4:period=10:ns_dtype=float32", 0, lrs=(), seeded=(0,)),
     Row("Dobb-Muon B=4 Bo=4", "dobb-muon:blocks=4:out_blocks=4", -1, lrs=(), seeded=(-1,)),
     Row("SPlus Bo=4 authors", "splus:out_blocks=4:b2=0.95:adamw_lr_ratio=0.125", 10, lrs=(), seeded=(10,)),
+    # its lr stayed 0.005 (j0 here) when its seed-2 run at 0.00354 lost
+    Row("Dobb-Muon B=4 Bo=4 heads", "dobb-muon:blocks=4:out_blocks=4:heads=4", 0, lrs=(), seeded=(0,)),
+)
+# Issue 55 item 5's second Dobb form at 20 tokens: the 800-step screen's lowest row of one seed set
+# (`all3` in study dobb-muon-screen: Nesterov, an fp32 basis, the basis refreshed every third step with
+# the statistic's memory kept at 0.9 per 9 steps), bracketed from Nesterov Dobb-Muon's 20-tokens lr
+# (0.00354, j-1 here) and run to five seeds on the AMD host kind, where Muon has five
+AMD_FORMS = (
+    Row("Dobb-Muon B=4 Bo=4 Nesterov fp32 basis refresh 3",
+        "dobb-muon:blocks=4:out_blocks=4:nesterov=true:basis_dtype=float32:refresh_every=3:stat_decay=0.965", -1),
 )
 W256 = tuple(r for r in LH if r.label in ("AdamW", "Muon", "Row-block Muon R=4", "Dobb B=1", "Two-sided B=1 Bo=4"))
 
@@ -138,6 +145,9 @@ STUDIES = {
     "one-revision-amd-seeds": Study("one-revision-amd-seeds", ONE_REVISION_AMD, ONE_REV_AMD_SEEDS, seeds=(3, 4),
                                     rule="fixed", records="one-revision-amd", running=True,
                                     title="seeds 3 and 4 of the rows within 0.01 of Muon, on the a94277a host kind"),
+    "one-revision-amd-forms": Study("one-revision-amd-forms", ONE_REVISION_AMD, AMD_FORMS, seeds=(0, 1, 2, 3, 4),
+                                    records="one-revision-amd", running=True,
+                                    title="the screen's second Dobb-Muon form at 20 tokens, on the a94277a host kind"),
 }
 
 

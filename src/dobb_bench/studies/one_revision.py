@@ -24,8 +24,8 @@ from dobb_bench.reports import records as R
 from dobb_bench.studies.frontier import ROWS as FRONTIER_ROWS, norm_stats, one_run, verdict
 from dobb_bench.studies.long_horizon import AMD_REEVAL
 from dobb_bench.studies.shard_local import OWNER
-from dobb_bench.studies.long_horizon_runs import (COUNTED_HOST, COUNTED_REVS, FR, HOST_CHECK, ONE_REV, ONE_REVISION,
-                                                  ONE_REVISION_AMD, SETTINGS, STUDIES, TWENTY_TOKENS)
+from dobb_bench.studies.long_horizon_runs import (AMD_FORMS, COUNTED_HOST, COUNTED_REVS, FR, HOST_CHECK, ONE_REV, ONE_REVISION,
+                                                  ONE_REVISION_AMD, STUDIES, TWENTY_TOKENS)
 from dobb_bench.studies.lr_rule import bf16, choose
 
 STUDY = "one-revision"
@@ -67,12 +67,7 @@ def append_reevals(runs_root: str, kind: str, rel: tuple[str, ...]) -> int:
     have = {key(json.loads(line)) for line in (path.read_text().splitlines() if path.exists() else []) if line.strip()}
     scratch = Path(runs_root) / "reeval-scratch.jsonl"
     lines = scratch.read_text().splitlines() if scratch.exists() else []
-    # the study's folders ``{kind}-*``, and the last part of one nested by a slash in its label (Dion2's)
-    nested = {p.name for p in Path(runs_root).glob(f"{kind}-*/*") if (p / "runs").exists()}
-
-    def ours(run_dir: str) -> bool:
-        return run_dir.startswith(f"{kind}-") or run_dir in nested
-    new = [line for line in lines if line.strip() and ours(str(json.loads(line).get("run_dir", "")))
+    new = [line for line in lines if line.strip() and str(json.loads(line).get("run_dir", "")).startswith(f"{kind}-")
            and key(json.loads(line)) not in have]
     for line in new:
         have.add(key(json.loads(line)))
@@ -100,12 +95,9 @@ def host_kind(rec: dict) -> str:
 
 
 def _at(recs: list[dict], kind: str, steps: int) -> list[dict]:
-    """The fp32-product re-evaluations of ``steps``-step runs in folders ``{kind}-*``. A label with a
-    slash (Dion2's ``1/4``) nests its folder and the record names the last part: a run folder that
-    starts with no study's kind counts as such a part."""
-    def ours(run_dir: str) -> bool:
-        return run_dir.startswith(f"{kind}-") or not any(run_dir.startswith(f"{k}-") for k in SETTINGS)
-    return [r for r in recs if ours(str(r.get("run_dir", ""))) and r["steps"] == steps and not bf16(r)]
+    """The fp32-product re-evaluations of ``steps``-step runs in folders ``{kind}-*``."""
+    return [r for r in recs if str(r.get("run_dir", "")).startswith(f"{kind}-") and r["steps"] == steps
+            and not bf16(r)]
 
 
 def _nest(recs: list[dict]) -> dict[str, dict[float, dict[int, dict]]]:
@@ -220,7 +212,7 @@ def one_revision() -> tuple[str, list[dict]]:
         fr_runs = {(r["run"], lr_key(r["lr"]), r["seed"]): r
                    for r in _training_records("long-horizon") + _training_records("one-revision-amd")
                    if str((r.get("provenance") or {}).get("git_rev", ""))[:7] in COUNTED_REVS and host_kind(r) == COUNTED_HOST}
-        for row in FR:
+        for row in FR + AMD_FORMS:  # the second Dobb form runs on this host kind only
             line, u = _row(row, amd.get(row.label, {}), amd_ref, ref_choice.settled, fr_runs, timed)
             lines.append(line)
             second += u

@@ -13,7 +13,15 @@ from typing import Iterable
 
 
 def slug(label: str) -> str:
-    """A row label as its run folders name it (the running grid's folders: never change it)."""
+    """A row label as its run folders name it (the running grid's folders: never change it). A slash
+    goes too: it would nest the folder, and the re-evaluation names a run by its folder's last part,
+    which two kinds' folders of one row would share."""
+    return label.replace(" ", "").replace("=", "").replace("-", "").replace("/", "")
+
+
+def _nested_slug(label: str) -> str:
+    """What ``slug`` made of a label with a slash before it dropped the slash (Dion2's ``1/4``): the
+    committed re-evaluations of those runs name their folder's path under the runs folder."""
     return label.replace(" ", "").replace("=", "").replace("-", "")
 
 
@@ -65,11 +73,14 @@ class RunsFolder:
 
     def _reeval(self, kind, label, j, seed) -> dict | None:
         """The first re-evaluation record of the run (files in order, lines in order)."""
-        name = os.path.basename(self.out_dir(kind, label, j, seed))
+        names = [os.path.basename(self.out_dir(kind, label, j, seed))]
+        if "/" in label:
+            names.append(f"{kind}-{_nested_slug(label)}-j{j}-s{seed}")
         for f in self.reeval:
-            r = self._index(f).get(name)
-            if r is not None:
-                return r
+            for name in names:
+                r = self._index(f).get(name)
+                if r is not None:
+                    return r
         return None
 
     def _index(self, path: str) -> dict:

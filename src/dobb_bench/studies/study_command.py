@@ -70,7 +70,8 @@ def cmd_study(args) -> int:
                "past-horizon": (past_horizon.collect_reevals, past_horizon.REEVAL),
                "host-check": (host_check.collect_reevals, host_check.REEVAL),
                "one-revision-amd": (one_revision.collect_reevals_amd, one_revision.AMD_REEVAL),
-               "one-revision-amd-seeds": (one_revision.collect_reevals_amd, one_revision.AMD_REEVAL)}.get(study.name)
+               "one-revision-amd-seeds": (one_revision.collect_reevals_amd, one_revision.AMD_REEVAL),
+               "one-revision-amd-forms": (one_revision.collect_reevals_amd, one_revision.AMD_REEVAL)}.get(study.name)
         if own is not None:
             print(f"{own[0](runs.root)} re-evaluations added to docs/results/{'/'.join(own[1][1:])}")
         return 0

@@ -2,9 +2,12 @@
 (folders ``rev-*``) are read, the lr is chosen by the one rule, gaps to Muon are paired by seed with
 the frontier's verdict, an unsettled lr marks the gap provisional, and the revision, host and
 numerics digest are named under the table."""
+import os
+
 import pytest
 
 from dobb_bench.studies import one_revision as O
+from dobb_bench.studies.runs_folder import RunsFolder
 
 DOBB = "Dobb-Muon B=4 Bo=4 Nesterov"
 
@@ -136,16 +139,31 @@ def test_the_second_host_kind_counts_equal_revisions_and_pairs_with_muon_there(h
     assert "Intel(R) Xeon(R)" in text and "AMD EPYC (avx512_bf16)" in text
 
 
-def test_collect_reevals_takes_a_nested_folder_of_its_own(monkeypatch, tmp_path):
-    """A label with a slash nests its run folder (``ra-Dion21/4pershardR4-j2-s0``) and the
-    re-evaluation names the last part: the study's own nested folder is collected, another's not."""
+def test_collect_reevals_takes_its_own_kind_only(monkeypatch, tmp_path):
+    """A label with a slash runs in a flat folder (``ra-Dion214pershardR4-j2-s0``), so the
+    re-evaluation's folder name tells the kinds apart: the study's own run is collected, another's not."""
     import json
     monkeypatch.setattr(O.R, "DOCS", tmp_path / "docs")
     runs = tmp_path / "runs"
-    (runs / "ra-Dion21" / "4pershardR4-j2-s0" / "runs").mkdir(parents=True)
-    (runs / "lh-Dion21" / "4pershardR4-j3-s0" / "runs").mkdir(parents=True)
-    lines = [dict(_re("Dion2 1/4 per shard R=4", 0.01, 0, 1.36), run_dir="4pershardR4-j2-s0"),
-             dict(_re("Dion2 1/4 per shard R=4", 0.0141, 0, 1.36), run_dir="4pershardR4-j3-s0")]
+    rf = RunsFolder(str(runs))
+    ra, lh = (rf.out_dir(k, "Dion2 1/4 per shard R=4", j, 0) for k, j in (("ra", 2), ("lh", 3)))
+    assert "/" not in ra[len(str(runs)) + 1:] and os.path.basename(ra) == "ra-Dion214pershardR4-j2-s0"
+    lines = [dict(_re("Dion2 1/4 per shard R=4", 0.01, 0, 1.36), run_dir=os.path.basename(ra)),
+             dict(_re("Dion2 1/4 per shard R=4", 0.0141, 0, 1.36), run_dir=os.path.basename(lh))]
+    runs.mkdir()
     (runs / "reeval-scratch.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     assert O.collect_reevals_amd(str(runs)) == 1
     assert [r["lr"] for r in O.jsonl(tmp_path / "docs" / "results" / "checks" / "reeval-windows" / "one-revision-amd.jsonl")] == [0.01]
+
+
+def test_runs_folder_reads_a_nested_runs_record_as_its_own_kind_only(tmp_path):
+    """The committed re-evaluations of runs made while a slash nested the folder name the folder's
+    path (``lh-Dion21/4pershardR4-j3-s0``): the lh run reads as finished, the ra run of the same
+    grid point does not."""
+    import json
+    rec = tmp_path / "reeval.jsonl"
+    rec.write_text(json.dumps(dict(_re("Dion2 1/4 per shard R=4", 0.0141, 0, 1.36), run_dir="lh-Dion21/4pershardR4-j3-s0",
+                                   logged_val_loss=1.37)) + "\n")
+    rf = RunsFolder(str(tmp_path / "runs"), [str(rec)])
+    assert rf.loss("lh", "Dion2 1/4 per shard R=4", 3, 0) == 1.37
+    assert rf.loss("ra", "Dion2 1/4 per shard R=4", 3, 0) is None
