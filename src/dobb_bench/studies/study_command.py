@@ -66,12 +66,11 @@ def cmd_study(args) -> int:
         return 0
     if args.action == "collect":
         print(f"{len(collect(study, runs))} records added to {study.records}")
-        own = {"one-revision": (one_revision.collect_reevals, one_revision.REEVAL),  # re-evaluations with their own record
+        # re-evaluations with their own record, by the records study the runs go to
+        own = {"one-revision": (one_revision.collect_reevals, one_revision.REEVAL),
                "past-horizon": (past_horizon.collect_reevals, past_horizon.REEVAL),
                "host-check": (host_check.collect_reevals, host_check.REEVAL),
-               "one-revision-amd": (one_revision.collect_reevals_amd, one_revision.AMD_REEVAL),
-               "one-revision-amd-seeds": (one_revision.collect_reevals_amd, one_revision.AMD_REEVAL),
-               "one-revision-amd-forms": (one_revision.collect_reevals_amd, one_revision.AMD_REEVAL)}.get(study.name)
+               "one-revision-amd": (one_revision.collect_reevals_amd, one_revision.AMD_REEVAL)}.get(study.records)
         if own is not None:
             print(f"{own[0](runs.root)} re-evaluations added to docs/results/{'/'.join(own[1][1:])}")
         return 0

@@ -77,6 +77,7 @@ def test_frontier_table_from_hand_records(monkeypatch):
             _re("Row-block Muon R=4", 0.005, 0, 1.27), _re("Row-block Muon R=4", 0.00707, 0, 1.275),
             _re("Row-block Muon R=4", 0.005, 1, 1.26), _re("Row-block Muon R=4", 0.005, 2, 1.25)]
     monkeypatch.setattr(F.LH, "reeval_records", lambda: recs)
+    monkeypatch.setattr(F.LH, "amd_rule_runs", lambda: [])  # the committed AMD runs are not these rows'
     runs = [_run("Row-block Muon R=4", 0.005, s, 1.0, 2.0 + s) for s in (0, 1)]
     monkeypatch.setattr(F.R, "load", lambda study: runs)
     text, used = F.frontier_20()
